@@ -1,0 +1,54 @@
+# Ultra-Scale Lab. The README's two commands: `make course` and `make test`.
+#
+#   make course            create .venv if needed and open JupyterLab on the course
+#   make course NO_BROWSER=1 PORT=8899   ... without opening a browser (prints the URL)
+#   make test              create/refresh .venv and run everything (lint, unit, multi-rank, notebooks, browser)
+#   make test-fast         everything except the notebooks and the browser lane
+#   make test-browser      only the real-browser lane (needs /usr/bin/chromium)
+#   make doctor            what this machine can run
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 8888
+NO_BROWSER ?=
+PYTEST_ARGS ?=
+# Without an NVIDIA GPU take the CPU build of torch (an unpinned `torch` pulls a multi-GB CUDA build);
+# with one, any torch >= 2.5 (keep your CUDA build).
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || echo 'torch==2.13.0')
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+BROWSER_FLAG := $(if $(NO_BROWSER),--no-browser)
+
+.PHONY: venv course test test-fast test-notebooks test-browser lint doctor clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[all]"
+	touch $@
+
+course: venv
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --port=$(PORT) $(BROWSER_FLAG) $(ROOT_FLAG) \
+		chapters/00_welcome.ipynb
+
+lint: venv
+	$(PY) -m ruff check .
+
+test: lint
+	$(PY) -m pytest -n 2 -m "not browser" $(PYTEST_ARGS)
+	@if [ -x /usr/bin/chromium ]; then $(MAKE) --no-print-directory test-browser; \
+	else echo "SKIPPED the browser lane: /usr/bin/chromium not found (apt-get install chromium)"; fi
+
+test-fast: lint
+	$(PY) -m pytest -n 2 -m "not browser and not notebooks" $(PYTEST_ARGS)
+
+test-browser: venv
+	$(PY) -m pytest -m browser -p no:xdist $(PYTEST_ARGS)
+
+doctor: venv
+	$(PY) -m lab doctor
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache tests/browser/artifacts

@@ -1,0 +1,38 @@
+"""`python -m lab <command>`: the course's command line.
+
+    python -m lab doctor                      what this machine can run
+    python -m lab train --config configs/tiny.toml --nproc 2 --dp 2
+    python -m lab calc params --model llama3-8b
+"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "doctor": ("lab.doctor", "report versions, devices, backends and extras, with fixes"),
+    "train": ("lab.train", "train a model with the parallelisms a config asks for"),
+    "calc": ("lab.calc.cli", "cost models: parameter counts (memory, FLOPs, ... in later chapters)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<8} {help_text}")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"python -m lab: error: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

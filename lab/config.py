@@ -1,0 +1,345 @@
+"""Typed run configuration: the model, the parallel layout and the training loop.
+
+Three small dataclasses, each handed only to the component that needs it (TorchTitan's lesson: one
+monolithic job config reached into everything is hard to change). `Config` bundles them for TOML files.
+
+Everything here is torch-free, so `lab.calc` and the widgets can use it without importing torch.
+Validation raises `ValueError` with one line that names the field, the value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+import tomli_w
+
+ATTENTION_KINDS = ("gqa", "mla")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive(obj: Any, *names: str, minimum: int = 1) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(
+            isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+            f"{name}={value!r} must be an integer >= {minimum}",
+        )
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    _require(value in allowed, f"{name}={value!r} must be one of {', '.join(map(repr, allowed))}")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA or MLA attention, SwiGLU or MoE FFN).
+
+    `n_experts = 0` means dense. With experts, the first `n_dense_layers` blocks keep a dense FFN of width
+    `d_ff` (DeepSeek-V3 does this for its first 3 layers); the others route each token to `top_k` of
+    `n_experts` SwiGLU experts of width `d_ff_expert`, plus `n_shared_experts` always-on experts.
+    `attention = "mla"` selects DeepSeek's multi-head latent attention, whose shape is set by the
+    `*_lora_rank` and `*_head_dim` fields; GQA uses `n_kv_heads` and `head_dim`.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // n_heads
+    d_ff: int = 128
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # Mixture of experts
+    n_experts: int = 0
+    top_k: int = 2
+    d_ff_expert: int = 0  # 0: same as d_ff
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3)
+    attention: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.n_heads > 0:
+            self.head_dim = self.d_model // self.n_heads
+        if self.d_ff_expert == 0:
+            self.d_ff_expert = self.d_ff
+        self.validate()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.n_dense_layers
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                  "max_seq_len")
+        _positive(self, "n_experts", "n_shared_experts", "n_dense_layers", minimum=0)
+        _one_of("attention", self.attention, ATTENTION_KINDS)
+        _require(self.n_heads % self.n_kv_heads == 0,
+                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        _require(self.rope_theta > 0, f"rope_theta={self.rope_theta!r} must be > 0")
+        if self.attention == "gqa":
+            _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        else:
+            _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            _positive(self, "q_lora_rank", minimum=0)
+            _require(self.qk_rope_head_dim % 2 == 0,
+                     f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        if self.is_moe:
+            _positive(self, "top_k", "d_ff_expert")
+            _require(self.top_k <= self.n_experts,
+                     f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
+            _require(self.n_dense_layers < self.n_layers,
+                     f"n_dense_layers={self.n_dense_layers} must be < n_layers={self.n_layers}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of the five parallelisms and the memory-saving switches that go with them.
+
+    The world is dp x pp x cp x tp ranks; expert parallelism reuses the dp x cp ranks (ep divides them),
+    as in TorchTitan. `sp` (sequence parallelism) only makes sense together with tp > 1.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    ep: int = 1
+    zero: int = 0
+    grad_accum: int = 1
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    def validate(self) -> None:
+        _positive(self, "dp", "tp", "cp", "pp", "ep", "grad_accum", "pp_virtual_stages")
+        _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be one of 0, 1, 2, 3")
+        _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _one_of("recompute", self.recompute, RECOMPUTE_MODES)
+        _require(not self.sp or self.tp > 1, f"sp=True needs tp > 1 (got tp={self.tp})")
+        _require((self.dp * self.cp) % self.ep == 0,
+                 f"ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp}")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Rules that tie the layout to a model's shape, e.g. "tp=3 must divide n_heads=8"."""
+        _require(model.n_heads % self.tp == 0, f"tp={self.tp} must divide n_heads={model.n_heads}")
+        if model.attention == "gqa":
+            _require(model.n_kv_heads % self.tp == 0,
+                     f"tp={self.tp} must divide n_kv_heads={model.n_kv_heads}")
+        _require(model.d_ff % self.tp == 0, f"tp={self.tp} must divide d_ff={model.d_ff}")
+        _require(model.vocab_size % self.tp == 0, f"tp={self.tp} must divide vocab_size={model.vocab_size}")
+        stages = self.pp * self.pp_virtual_stages
+        _require(model.n_layers % stages == 0,
+                 f"pp*pp_virtual_stages = {self.pp}*{self.pp_virtual_stages} = {stages} "
+                 f"must divide n_layers={model.n_layers}")
+        if self.ep > 1:
+            _require(model.is_moe, f"ep={self.ep} needs a mixture-of-experts model (n_experts=0)")
+            _require(model.n_experts % self.ep == 0,
+                     f"ep={self.ep} must divide n_experts={model.n_experts}")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: how many steps, the global batch (in sequences), optimiser and logging.
+
+    The global batch is fixed, whatever the layout: each data-parallel rank takes
+    `global_batch / dp` sequences, split further into `grad_accum` micro-batches.
+    """
+
+    steps: int = 10
+    global_batch: int = 8
+    seq_len: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    data_branching: int = 4
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _positive(self, "steps", "global_batch", "seq_len", "data_branching")
+        _positive(self, "warmup_steps", "seed", minimum=0)
+        _require(self.lr > 0, f"lr={self.lr!r} must be > 0")
+        _require(self.weight_decay >= 0, f"weight_decay={self.weight_decay!r} must be >= 0")
+        _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
+        _one_of("device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class Config:
+    """A whole run: what `configs/*.toml` holds and `python -m lab.train` executes."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.parallel.validate()
+        self.train.validate()
+        self.parallel.check_model(self.model)
+        _require(self.train.seq_len <= self.model.max_seq_len,
+                 f"seq_len={self.train.seq_len} must be <= max_seq_len={self.model.max_seq_len}")
+        _require(self.train.seq_len % self.parallel.cp == 0,
+                 f"cp={self.parallel.cp} must divide seq_len={self.train.seq_len}")
+        _require(self.parallel.tp == 1 or not self.parallel.sp or self.train.seq_len % self.parallel.tp == 0,
+                 f"tp={self.parallel.tp} must divide seq_len={self.train.seq_len} with sp=True")
+        shards = self.parallel.dp * self.parallel.grad_accum
+        _require(self.train.global_batch % shards == 0,
+                 f"dp*grad_accum = {self.parallel.dp}*{self.parallel.grad_accum} = {shards} "
+                 f"must divide global_batch={self.train.global_batch}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Config:
+        """Build from nested dicts; `[model] preset = "name"` starts from a preset, other keys override it."""
+        unknown = set(data) - {"model", "parallel", "train"}
+        _require(not unknown, f"unknown config section(s) {sorted(unknown)}; valid: model, parallel, train")
+        model_data = dict(data.get("model", {}))
+        preset = model_data.pop("preset", None)
+        base = ModelConfig.from_preset(preset) if preset else ModelConfig()
+        model = _replace_checked(base, model_data, "model")
+        parallel = _replace_checked(ParallelConfig(), data.get("parallel", {}), "parallel")
+        train = _replace_checked(TrainConfig(), data.get("train", {}), "train")
+        config = cls(model=model, parallel=parallel, train=train)
+        config.validate()
+        return config
+
+
+def _replace_checked(obj: Any, values: dict, section: str) -> Any:
+    """`dataclasses.replace` with a clear message for unknown keys and wrongly typed values."""
+    valid = {f.name for f in fields(obj)}
+    clean = {}
+    for key, value in values.items():
+        _require(key in valid, f"unknown field {section}.{key}; valid fields: {', '.join(valid)}")
+        expected = type(getattr(obj, key))
+        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        _require(ok, f"{section}.{key}={value!r} must be of type {expected.__name__}")
+        clean[key] = value
+    return dataclasses.replace(obj, **clean)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse `section.field=value` (value in TOML syntax, bare strings allowed) from the command line."""
+    _require("=" in text and "." in text.split("=", 1)[0],
+             f"override {text!r} must look like section.field=value, e.g. train.steps=20")
+    key, raw = text.split("=", 1)
+    section, name = key.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, name, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = {section: dict(values) for section, values in data.items()}
+    for text in overrides:
+        section, name, value = parse_override(text)
+        data.setdefault(section, {})[name] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML run config (or start from defaults) and apply `section.field=value` overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        _require(path.is_file(), f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    return Config.from_dict(apply_overrides(data, overrides or []))
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(tomli_w.dumps(config.to_dict()))
+
+
+# Presets. Shapes come from each model's public configuration; only the tiny ones are ever
+# instantiated on a CPU, the others are built on the `meta` device or used by `lab.calc`.
+PRESETS: dict[str, ModelConfig] = {}
+
+
+def _preset(**kwargs: Any) -> None:
+    PRESETS[kwargs["name"]] = ModelConfig(**kwargs)
+
+
+# Tiny models for tests and laptops: every degree the chapters use (2 and 4) divides heads (4), KV heads
+# (2 for tp=2), d_ff, vocab and the 8 layers; seq_len 32 splits into 2*cp zig-zag chunks for cp <= 4.
+_preset(name="tiny", vocab_size=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128,
+        max_seq_len=256)
+_preset(name="tiny-moe", vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
+        max_seq_len=256, n_experts=8, top_k=2, d_ff_expert=64)
+# HuggingFaceTB/SmolLM-135M
+_preset(name="smollm-135m", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+        max_seq_len=2048, rope_theta=10000.0, tie_embeddings=True)
+# meta-llama/Llama-3.2-1B
+_preset(name="llama3-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
+        max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True)
+# meta-llama/Llama-3.1-8B, -70B, -405B
+_preset(name="llama3-8b", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+        max_seq_len=131072, rope_theta=500000.0)
+_preset(name="llama3-70b", vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672,
+        max_seq_len=131072, rope_theta=500000.0)
+_preset(name="llama3-405b", vocab_size=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+        d_ff=53248, max_seq_len=131072, rope_theta=500000.0)
+# mistralai/Mixtral-8x7B-v0.1
+_preset(name="mixtral-8x7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+        max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2)
+# deepseek-ai/DeepSeek-V3 (without the multi-token-prediction module): MLA, 3 dense layers, then
+# 256 routed experts (top-8) plus 1 shared expert.
+_preset(name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+        d_ff=18432, max_seq_len=163840, rope_theta=10000.0, norm_eps=1e-6, n_experts=256, top_k=8,
+        d_ff_expert=2048, n_shared_experts=1, n_dense_layers=3, attention="mla", q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=192)

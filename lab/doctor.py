@@ -1,0 +1,201 @@
+"""`python -m lab doctor`: what this machine can run, and what to do about what it cannot.
+
+Each check really exercises the feature (a 2-rank gloo all-reduce, a Triton kernel launch in the
+interpreter, JAX's device list) rather than only importing it, because "installed" and "works" differ:
+a CPU torch wheel has no NCCL, Triton needs a GPU or its interpreter, JAX needs a flag for many devices.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    hint: str = ""
+    required: bool = False
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _all_reduce_rank(_: int = 0) -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(value)
+    return value.item()
+
+
+def _check_gloo() -> Check:
+    from lab import dist as lab_dist
+
+    start = time.perf_counter()
+    try:
+        results = lab_dist.run(_all_reduce_rank, 2, timeout_s=60)
+    except Exception as err:  # report any failure as a failed check, never crash the report
+        return Check("gloo", False, f"2-rank all_reduce failed: {str(err).splitlines()[0]}",
+                     "check that 127.0.0.1 is reachable and no firewall blocks loopback ports", required=True)
+    ok = results == [3.0, 3.0]
+    return Check("gloo", ok, f"2 local ranks, all_reduce -> {results} in {time.perf_counter() - start:.2f} s",
+                 "" if ok else "gloo returned a wrong sum: report this", required=True)
+
+
+def _check_gpu() -> list[Check]:
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        return [Check("cuda", False, "no GPU visible: chapters run on CPU ranks with gloo; GPU-only cells "
+                      "say so and are skipped", "on a GPU machine install a CUDA build of torch (README)")]
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    gpu = Check("cuda", True, f"{len(names)} GPU(s): {', '.join(sorted(set(names)))}; CUDA {torch.version.cuda}")
+    nccl = Check("nccl", dist.is_nccl_available(), "NCCL backend available" if dist.is_nccl_available()
+                 else "this torch build has no NCCL", "install a CUDA build of torch with NCCL")
+    return [gpu, nccl]
+
+
+_TRITON_PROBE = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+x = torch.arange(100.0, device=device)
+out = torch.empty_like(x)
+add[(2,)](x, x, out, 100, BLOCK=64)
+assert torch.equal(out, 2 * x), "wrong result"
+print(triton.__version__, "GPU" if device == "cuda" else "interpreter")
+"""
+
+_JAX_PROBE = "import jax; print(jax.__version__, jax.device_count(), jax.default_backend())"
+
+
+def _probe(code: str, env: dict[str, str]) -> tuple[bool, str]:
+    """Run `code` in a fresh interpreter: Triton's interpreter flag and JAX's device count must be set
+    before import, and a crash there must not take the notebook kernel down."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "probe.py")  # triton.jit needs its source in a real file
+        with open(script, "w") as f:
+            f.write(code)
+        try:
+            done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
+                                  env={**os.environ, **env})
+        except subprocess.TimeoutExpired:
+            return False, "timed out after 120 s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, last
+    return True, done.stdout.strip()
+
+
+def _check_triton() -> Check:
+    if _version("triton") is None:
+        return Check("triton", False, "not installed (chapter 09 kernels fall back to PyTorch)",
+                     "pip install -e '.[triton]'")
+    ok, out = _probe(_TRITON_PROBE, {"TRITON_INTERPRET": "0" if _cuda_available() else "1"})
+    if not ok:
+        return Check("triton", False, f"a vector-add kernel failed: {out}",
+                     "reinstall triton (pip install -e '.[triton]')")
+    version, where = out.split()
+    return Check("triton", True, f"triton {version}: a vector-add kernel ran on the {where}")
+
+
+def _check_jax() -> Check:
+    if _version("jax") is None:
+        return Check("jax", False, "not installed (the JAX cells of chapter 02 are skipped)",
+                     "pip install -e '.[jax]'")
+    ok, out = _probe(_JAX_PROBE, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    if not ok:
+        return Check("jax", False, f"jax failed to start: {out}", "pip install -e '.[jax]'")
+    version, count, backend = out.split()
+    return Check("jax", True, f"jax {version}: {count} simulated {backend} devices")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_packages(name: str, packages: list[str], extra: str) -> Check:
+    missing = [p for p in packages if _version(p) is None]
+    found = ", ".join(f"{p} {_version(p)}" for p in packages if p not in missing)
+    if missing:
+        return Check(name, False, f"missing: {', '.join(missing)}", f"pip install -e '.[{extra}]'")
+    return Check(name, True, found)
+
+
+def _check_browser() -> Check:
+    chromium = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+    playwright = _version("playwright")
+    ok = bool(chromium and playwright)
+    detail = f"chromium at {chromium}, playwright {playwright}" if ok else (
+        f"chromium: {chromium or 'not found'}, playwright: {playwright or 'not installed'} "
+        "(only the browser test lane needs them)")
+    return Check("browser tests", ok, detail, "" if ok else "apt-get install chromium; pip install -e '.[test]'")
+
+
+def run_checks() -> list[Check]:
+    import torch
+
+    py_ok = sys.version_info >= (3, 10)
+    checks = [
+        Check("python", py_ok, f"{platform.python_version()} on {platform.system()} {platform.machine()}",
+              "" if py_ok else "use Python 3.10 or newer", required=True),
+        Check("torch", True, f"torch {torch.__version__}, numpy {_version('numpy')}, lab {_version('ultrascale-lab')}",
+              required=True),
+        Check("cpu", True, f"{os.cpu_count()} cores, torch uses {torch.get_num_threads()} threads"),
+    ]
+    checks.append(_check_gloo())
+    checks.extend(_check_gpu())
+    checks.append(_check_packages("notebooks", ["jupyterlab", "ipywidgets", "matplotlib", "nbclient"], "course"))
+    checks.append(_check_triton())
+    checks.append(_check_jax())
+    checks.append(_check_browser())
+    return checks
+
+
+def format_report(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = ["Ultra-Scale Lab environment report"]
+    for c in checks:
+        mark = "ok " if c.ok else ("ERR" if c.required else "-- ")
+        lines.append(f"  [{mark}] {c.name:<{width}}  {c.detail}")
+        if c.hint and not c.ok:
+            lines.append(f"        {'':<{width}}  fix: {c.hint}")
+    bad = [c.name for c in checks if c.required and not c.ok]
+    lines.append("Everything the course needs works." if not bad else f"Not ready: {', '.join(bad)} failed.")
+    return "\n".join(lines)
+
+
+def print_report() -> bool:
+    """Print the report; return True when every required check passed."""
+    checks = run_checks()
+    print(format_report(checks))
+    return all(c.ok for c in checks if c.required)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return 0 if print_report() else 1

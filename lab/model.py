@@ -1,0 +1,273 @@
+"""A Llama-style decoder that knows nothing of parallelism.
+
+RMSNorm, rotary position embeddings, grouped-query attention (or DeepSeek's multi-head latent attention),
+and a SwiGLU feed-forward (or a mixture of SwiGLU experts). Parallelisms are *applied* to this model by
+`lab.parallel`; to make that possible it follows three rules borrowed from TorchTitan:
+
+1. Head counts are read from tensor shapes in `forward` (`view(B, T, -1, head_dim)`), so a tensor-parallel
+   layer that keeps a slice of the heads needs no change here.
+2. Blocks live in an `nn.ModuleDict` keyed by their layer index, and the embedding, final norm and output
+   layer may be set to `None`, so a pipeline stage can drop what it does not own and keep the same names.
+3. It is built on the `meta` device (no memory) and materialised with `init_weights`, which draws every
+   parameter from a generator seeded by the run seed and the parameter's *name*: the full weights are
+   bit-identical whatever the parallel layout, which is what lets every parallel run be compared with a
+   single-process one.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lab.config import RECOMPUTE_MODES, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, shape (T, dim/2): pair i of position p turns by p·theta^(-2i/dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (first half, second half) pairs of the last dim of x (B, H, T, D) — the Hugging Face layout."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale + causal mask) v, with fewer KV heads than query heads allowed (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.recompute_core = False
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.recompute_core:  # selective recompute: keep q, k, v; redo softmax(qkᵀ)v in backward
+            out = checkpoint(causal_attention, q, k, v, use_reentrant=False)
+        else:
+            out = causal_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA).
+
+    Keys and values are rebuilt from one small latent per token (kv_lora_rank wide) — that latent is all
+    an inference KV cache needs to store. Position goes through a separate RoPE part of each query and a
+    single RoPE key shared by all heads, because a rotation cannot be folded into the latent projection.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_dim = self.nope_dim + self.rope_dim
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * qk_dim, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.d_model, cfg.n_heads * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(cfg.d_model, cfg.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.d_model, bias=False)
+        self.recompute_core = False
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        q = q.view(B, T, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.wkv_b.in_features, self.rope_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(B, T, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope = apply_rope(k_rope.view(B, 1, T, self.rope_dim), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
+        q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        scale = 1.0 / math.sqrt(self.nope_dim + self.rope_dim)
+        if self.recompute_core:
+            out = checkpoint(causal_attention, q, k, v, scale, use_reentrant=False)
+        else:
+            out = causal_attention(q, k, v, scale)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1·x) * w3·x)."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (plus optional always-on shared experts).
+
+    Every expert runs, on the (possibly empty) set of tokens routed to it, so every expert gets a
+    gradient tensor each step — zeros when it got no token — and data-parallel reductions never meet a
+    missing gradient. The weights of the k chosen experts are renormalised to sum to one (Mixtral).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg.d_model, cfg.d_ff_expert) for _ in range(cfg.n_experts))
+        self.shared = (FeedForward(cfg.d_model, cfg.n_shared_experts * cfg.d_ff_expert)
+                       if cfg.n_shared_experts else None)
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (weights, expert ids), both (n_tokens, top_k)."""
+        probs = self.router(tokens).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True)).type_as(tokens), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.route(tokens)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token_idx, expert(tokens[token_idx]) * weights[token_idx, slot, None])
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.view_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.recompute = "none"
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output layer when the config says so (SmolLM, Llama-3.2-1B)."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage without the embedding gets hidden
+        states (B, T, d_model) instead and, without the output layer, returns hidden states.
+        `positions` (T,) defaults to 0..T-1; context parallelism passes the positions of its chunks."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        rope_dim = self.cfg.qk_rope_head_dim if self.cfg.attention == "mla" else self.cfg.head_dim
+        cos, sin = rope_angles(positions, rope_dim, self.cfg.rope_theta)
+        for block in self.layers.values():
+            if self.recompute == "full":  # keep only each block's input; redo the block in backward
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def set_recompute(model: Transformer, mode: str) -> None:
+    """Activation recomputation: "none", "selective" (attention core only) or "full" (every block)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={mode!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
+    model.recompute = mode
+    for block in model.layers.values():
+        block.attn.recompute_core = mode == "selective"
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:
+    """Build the model. On "meta" (the default) no memory is used: count parameters, apply parallelisms,
+    then `materialize`."""
+    with torch.device(device):
+        return Transformer(cfg)
+
+
+def _is_output_projection(name: str) -> bool:
+    return name.endswith(("wo.weight", "w2.weight"))
+
+
+def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full initial value of parameter `name`, on the CPU, independent of any sharding.
+
+    Norm weights start at one; other weights are N(0, 0.02), with projections back into the residual
+    stream scaled by 1/sqrt(2·n_layers) (GPT-2) so the residual's variance does not grow with depth.
+    A parallel layer that owns a shard takes its slice of this tensor.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+    std = 0.02 / math.sqrt(2 * cfg.n_layers) if _is_output_projection(name) else 0.02
+    return torch.randn(shape, generator=generator) * std
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    for name, param in model.named_parameters():
+        param.copy_(init_tensor(name, tuple(param.shape), model.cfg, seed))
+
+
+def materialize(model: Transformer, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """Allocate a meta-device model on `device` and initialise it deterministically by parameter name."""
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty creates new tensors and would silently untie shared weights
+    init_weights(model, seed)
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters of a (possibly meta) model; shared tensors counted once."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,1 @@
+"""Parallelisms applied to `lab.model`, each written from `torch.distributed` primitives."""

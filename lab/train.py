@@ -1,0 +1,261 @@
+"""`python -m lab.train`: train a model with the parallelisms a config asks for.
+
+    python -m lab.train --config configs/tiny.toml --steps 20
+    python -m lab.train --config configs/tiny.toml --nproc 2 --dp 2      # two local gloo ranks
+    torchrun --nproc_per_node 8 -m lab.train --config configs/llama3-1b.toml --dp 8
+
+On a CPU it starts `--nproc` gloo ranks through `lab.dist.run`; under `torchrun` it joins the launched
+group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,
+peak_bytes) to `--log-json`; the final summary compares the loss with the data's known floor.
+
+Each chapter adds its flag here and a test showing its losses equal the single-process run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lab import dist as lab_dist
+from lab.config import PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
+from lab.data import SyntheticTokens, shard_rows
+from lab.model import build_model, materialize, num_params, set_recompute
+from lab.parallel.dp import all_reduce_gradients
+
+# Parallel features that later chapters implement; until then their flags fail loudly, never silently.
+_NOT_YET = {
+    "tp": ("tensor parallelism", "04", lambda p: p.tp > 1),
+    "sp": ("sequence parallelism", "04", lambda p: p.sp),
+    "cp": ("context parallelism", "05", lambda p: p.cp > 1),
+    "pp": ("pipeline parallelism", "06", lambda p: p.pp > 1),
+    "ep": ("expert parallelism", "07", lambda p: p.ep > 1),
+    "zero": ("ZeRO", "03", lambda p: p.zero > 0),
+}
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    peak_bytes: int | None
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad flags end in one line naming the problem (argparse's default also dumps the usage)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="python -m lab.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="TOML run config (configs/*.toml); defaults to the tiny model")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override any config field, e.g. --set model.n_layers=4 (repeatable)")
+    p.add_argument("--nproc", type=int, help="local ranks to start (default: the product of the degrees)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--log-json", metavar="PATH", help="write one JSON object per step to PATH")
+    p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    group = p.add_argument_group("parallelism")
+    for name in ("dp", "tp", "cp", "pp", "ep", "grad-accum"):
+        group.add_argument(f"--{name}", type=int)
+    group.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (with --tp)")
+    group.add_argument("--zero", type=int, help="ZeRO stage 0-3")
+    group.add_argument("--pp-schedule", choices=PP_SCHEDULES)
+    group.add_argument("--recompute", choices=RECOMPUTE_MODES)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
+    """The run config (file < --set < flags) and the number of ranks; raises ValueError on bad input."""
+    overrides = list(args.set)
+    for section, name, value in (
+        ("train", "steps", args.steps), ("train", "seed", args.seed),
+        ("parallel", "dp", args.dp), ("parallel", "tp", args.tp), ("parallel", "cp", args.cp),
+        ("parallel", "pp", args.pp), ("parallel", "ep", args.ep), ("parallel", "grad_accum", args.grad_accum),
+        ("parallel", "zero", args.zero), ("parallel", "sp", args.sp),
+        ("parallel", "pp_schedule", args.pp_schedule), ("parallel", "recompute", args.recompute),
+    ):
+        if value is not None:
+            overrides.append(f"{section}.{name}={json.dumps(value)}")
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+    config = load_config(args.config, overrides)
+    p = config.parallel
+    if args.nproc is not None and args.dp is None and args.nproc % (p.tp * p.cp * p.pp) == 0:
+        # `--nproc 4` alone means "four data-parallel ranks"
+        config = load_config(args.config, overrides + [f"parallel.dp={args.nproc // (p.tp * p.cp * p.pp)}"])
+        p = config.parallel
+    nproc = args.nproc if args.nproc is not None else p.world_size
+    if nproc != p.world_size:
+        raise ValueError(f"--nproc={nproc} must equal dp*tp*cp*pp = "
+                         f"{p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
+    for flag, (what, chapter, used) in _NOT_YET.items():
+        if used(p):
+            raise ValueError(f"--{flag}={getattr(p, flag)}: {what} is not implemented yet "
+                             f"(chapter {chapter}); leave it at its default")
+    return config, nproc
+
+
+def _device(config: Config) -> torch.device:
+    if config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available()):
+        index = dist.get_rank() % torch.cuda.device_count() if dist.is_initialized() else 0
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _lr_factor(step: int, config: Config) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak learning rate."""
+    warmup, total = config.train.warmup_steps, config.train.steps
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def train_worker(config: Config, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
+    """The training loop run by every rank (or by the only process). Returns the per-step log."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dp = config.parallel.dp
+    device = _device(config)
+    train = config.train
+
+    model = materialize(build_model(config.model), device, seed=train.seed)
+    set_recompute(model, config.parallel.recompute)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
+                           train.data_branching)
+
+    log_file = open(log_path, "w") if (log_path and rank == 0) else None  # noqa: SIM115 - closed below
+    progress = _progress(train.steps, enabled=verbose and rank == 0)
+    logs: list[StepLog] = []
+    try:
+        for step in range(train.steps):
+            start = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            inputs, targets = (shard_rows(t, rank % dp, dp) for t in data.next_batch())
+            loss = torch.zeros((), device=device)
+            for micro_in, micro_tgt in zip(inputs.chunk(config.parallel.grad_accum),
+                                           targets.chunk(config.parallel.grad_accum), strict=True):
+                logits = model(micro_in.to(device))
+                micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.to(device).flatten())
+                (micro_loss / config.parallel.grad_accum).backward()
+                loss += micro_loss.detach() / config.parallel.grad_accum
+            if dp > 1:
+                all_reduce_gradients(model)
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                loss /= dp
+            max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            entry = StepLog(step + 1, loss.item(), lr, grad_norm.item(),
+                            train.global_batch * train.seq_len / elapsed, peak)
+            logs.append(entry)
+            if log_file:
+                log_file.write(json.dumps(entry.__dict__) + "\n")
+                log_file.flush()
+            progress(entry)
+    finally:
+        if log_file:
+            log_file.close()
+    return logs
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar on a terminal; plain lines (about 20 per run) when the output is a file or a notebook."""
+    if not enabled:
+        return lambda entry: None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+        def update(entry: StepLog) -> None:
+            bar.set_postfix(loss=f"{entry.loss:.4f}", tok_s=f"{entry.tokens_per_s:,.0f}")
+            bar.update(1)
+            if entry.step == total:
+                bar.close()
+
+        return update
+    every = max(1, total // 20)
+
+    def report(entry: StepLog) -> None:
+        if entry.step % every == 0 or entry.step == total:
+            print(f"step {entry.step:>5}/{total}  loss {entry.loss:.4f}  lr {entry.lr:.2e}  "
+                  f"{entry.tokens_per_s:,.0f} tok/s", flush=True)
+
+    return report
+
+
+def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> str:
+    p = config.parallel
+    floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
+    layout = ", ".join(f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "grad_accum")
+                       if getattr(p, k) != 1) or "single process"
+    tokens = config.train.global_batch * config.train.seq_len * len(logs)
+    return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters) for "
+            f"{len(logs)} steps on {nproc} rank(s) [{layout}]: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "
+            f"(data floor {floor:.4f}); {tokens / seconds:,.0f} tokens/s over {seconds:.1f} s")
+
+
+def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
+    """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched."""
+    if lab_dist.launched_by_torchrun():
+        lab_dist.init_from_env()
+        if dist.get_world_size() != config.parallel.world_size:
+            raise ValueError(f"torchrun started {dist.get_world_size()} ranks but dp*tp*cp*pp = "
+                             f"{config.parallel.world_size}")
+        return train_worker(config, log_path, verbose)
+    if nproc == 1:
+        return train_worker(config, log_path, verbose)
+    backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
+    return lab_dist.run(train_worker, nproc, config, log_path, verbose, backend=backend,
+                        timeout_s=max(600.0, 10.0 * config.train.steps))[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config, nproc = config_from_args(args)
+    except ValueError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    try:
+        logs = run(config, nproc, args.log_json, verbose=not args.quiet)
+    except lab_dist.RankError as err:
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        return 1
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(summary(config, logs, nproc, time.perf_counter() - start))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Config loading, overrides and one-line validation errors."""
+
+import pytest
+
+from lab.config import PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig, load_config, save_config
+
+
+def test_tiny_configs_load_and_round_trip(tmp_path):
+    for name in ("tiny", "tiny-moe"):
+        config = load_config(f"configs/{name}.toml")
+        assert config.model == PRESETS[name]
+        save_config(config, tmp_path / "c.toml")
+        assert load_config(tmp_path / "c.toml") == config
+
+
+def test_overrides_take_toml_values():
+    config = load_config("configs/tiny.toml", ["train.steps=7", "parallel.recompute=full", "train.lr=0.01",
+                                               "parallel.sp=false"])
+    assert (config.train.steps, config.parallel.recompute, config.train.lr) == (7, "full", 0.01)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=3"], "tp=3 must divide n_heads=4"),
+    (["parallel.dp=-2"], "dp=-2 must be an integer >= 1"),
+    (["train.steps=0"], "steps=0 must be an integer >= 1"),
+    (["parallel.dp=3"], "dp*grad_accum = 3*1 = 3 must divide global_batch=8"),
+    (["parallel.pp=3"], "must divide n_layers=8"),
+    (["parallel.cp=3"], "cp=3 must divide seq_len=32"),
+    (["parallel.ep=2"], "ep=2 must divide dp*cp = 1*1 = 1"),
+    (["parallel.sp=true"], "sp=True needs tp > 1"),
+    (["parallel.zero=4"], "zero=4 must be one of 0, 1, 2, 3"),
+    (["parallel.recompute='some'"], "recompute='some' must be one of 'none', 'selective', 'full'"),
+    (["model.preset='gpt-17'"], "unknown model preset 'gpt-17'; valid presets: tiny, tiny-moe"),
+    (["model.n_kv_heads=3"], "n_kv_heads=3 must divide n_heads=4"),
+    (["model.colour=1"], "unknown field model.colour"),
+    (["train.steps='ten'"], "train.steps='ten' must be of type int"),
+    (["train.seq_len=512"], "seq_len=512 must be <= max_seq_len=256"),
+    (["steps=3"], "must look like section.field=value"),
+    (["optim.lr=1"], "unknown config section(s) ['optim']"),
+])
+def test_invalid_configs_fail_with_one_clear_line(overrides, message):
+    with pytest.raises(ValueError) as err:
+        load_config("configs/tiny.toml", overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        load_config(bad)
+
+
+def test_expert_parallel_needs_experts_that_divide():
+    config = Config(ModelConfig.from_preset("tiny"), ParallelConfig(dp=2, ep=2), TrainConfig())
+    with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
+        config.validate()
+    Config(ModelConfig.from_preset("tiny-moe"), ParallelConfig(dp=2, ep=2), TrainConfig()).validate()
+
+
+def test_tiny_shapes_divide_every_degree_the_chapters_use():
+    for name in ("tiny", "tiny-moe"):
+        for tp in (1, 2):
+            for pp in (1, 2, 4):
+                for cp in (1, 2, 4):
+                    Config(ModelConfig.from_preset(name), ParallelConfig(tp=tp, pp=pp, cp=cp), TrainConfig()).validate()
+    Config(ModelConfig.from_preset("tiny-moe"), ParallelConfig(dp=4, ep=4), TrainConfig()).validate()

@@ -1,0 +1,98 @@
+"""The model: parameter counts equal lab.calc's, weights do not depend on the layout, recompute is exact."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lab.calc import count_params
+from lab.config import PRESETS, ModelConfig
+from lab.model import build_model, init_tensor, materialize, num_params, set_recompute
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "deepseek-v3"] + [
+    pytest.param("deepseek-v3", marks=pytest.mark.timeout(120))])
+def test_meta_model_parameter_count_equals_calc(name):
+    model = build_model(PRESETS[name])
+    assert next(model.parameters()).device.type == "meta"
+    assert num_params(model) == count_params(PRESETS[name])
+
+
+def _small(name: str, **changes) -> ModelConfig:
+    small = dict(vocab_size=64, d_model=32, n_layers=3, d_ff=48, head_dim=0)
+    return dataclasses.replace(PRESETS[name], **{**small, **changes})
+
+
+SMALL_VARIANTS = {
+    "gqa": _small("tiny"),
+    "tied": _small("smollm-135m", n_heads=4, n_kv_heads=2),
+    "moe+shared": _small("tiny-moe", n_shared_experts=1, n_dense_layers=1),
+    "mla": _small("deepseek-v3", n_heads=4, n_kv_heads=4, n_experts=4, top_k=2, d_ff_expert=16, n_dense_layers=1,
+                  q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+    "mla-no-q-lora": _small("deepseek-v3", n_heads=4, n_kv_heads=4, n_experts=0, q_lora_rank=0, kv_lora_rank=8,
+                            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+}
+
+
+@pytest.mark.parametrize("variant", SMALL_VARIANTS)
+def test_materialised_variants_run_and_match_calc(variant):
+    cfg = SMALL_VARIANTS[variant]
+    model = materialize(build_model(cfg), seed=0)
+    assert num_params(model) == count_params(cfg)
+    logits = model(torch.randint(0, cfg.vocab_size, (2, 8)))
+    assert logits.shape == (2, 8, cfg.vocab_size) and torch.isfinite(logits).all()
+    if cfg.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_init_is_deterministic_by_name_and_independent_of_build_order():
+    cfg = PRESETS["tiny"]
+    a = materialize(build_model(cfg), seed=3).state_dict()
+    b = materialize(build_model(cfg), seed=3).state_dict()
+    c = materialize(build_model(cfg), seed=4).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.attn.wq.weight"], c["layers.0.attn.wq.weight"])
+    # a pipeline stage that keeps only layers 4..7 gets exactly the same weights for them
+    stage = build_model(cfg)
+    for i in range(4):
+        del stage.layers[str(i)]
+    stage.tok_embeddings = None
+    stage = materialize(stage, seed=3).state_dict()
+    assert all(torch.equal(stage[k], a[k]) for k in stage)
+    # a tensor-parallel shard is a slice of the full tensor
+    full = init_tensor("layers.0.attn.wq.weight", (64, 64), cfg, seed=3)
+    assert torch.equal(full, a["layers.0.attn.wq.weight"])
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    cfg = PRESETS["tiny"]
+    model = materialize(build_model(cfg), seed=0)
+    x = torch.randint(0, cfg.vocab_size, (1, 16))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 1) % cfg.vocab_size
+    torch.testing.assert_close(model(x)[:, :10], model(y)[:, :10])
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_recompute_changes_memory_not_gradients(name):
+    cfg = PRESETS[name]
+    model = materialize(build_model(cfg), seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        set_recompute(model, mode)
+        model.zero_grad()
+        model(tokens).logsumexp(-1).mean().backward()
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
+    for mode in ("selective", "full"):
+        for g0, g1 in zip(grads["none"], grads[mode], strict=True):
+            torch.testing.assert_close(g0, g1, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="recompute='some' must be one of"):
+        set_recompute(model, "some")
+
+
+def test_moe_every_expert_gets_a_gradient():
+    cfg = PRESETS["tiny-moe"]
+    model = materialize(build_model(cfg), seed=0)
+    model(torch.randint(0, cfg.vocab_size, (1, 4))).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -1,0 +1,97 @@
+"""`python -m lab.train`: the loss falls, parallel runs equal the single-process run, bad input is one line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from lab.config import load_config
+from lab.train import run
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lab.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def _losses(path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def _assert_same_losses(a: list[float], b: list[float], rel: float = 1e-5) -> None:
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b, strict=True), start=1):
+        assert abs(x - y) <= rel * abs(x), f"step {step}: {x} vs {y}"
+
+
+def test_cli_lowers_the_loss_and_dp2_matches_single_process(tmp_path):
+    single, dp2 = tmp_path / "single.jsonl", tmp_path / "dp2.jsonl"
+    done = _cli("--config", "configs/tiny.toml", "--steps", "20", "--log-json", str(single))
+    assert done.returncode == 0, done.stderr
+    assert "loss" in done.stdout and "data floor" in done.stdout
+    records = [json.loads(line) for line in single.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert set(records[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_bytes"}
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.5, losses  # from ln(256) = 5.55 to about 4.2
+    done = _cli("--config", "configs/tiny.toml", "--steps", "20", "--nproc", "2", "--dp", "2",
+                "--log-json", str(dp2))
+    assert done.returncode == 0, done.stderr
+    assert "2 rank(s) [dp=2]" in done.stdout
+    _assert_same_losses(losses, _losses(dp2))
+
+
+@pytest.mark.parametrize("overrides, nproc", [
+    (["parallel.dp=4"], 4),
+    (["parallel.grad_accum=4"], 1),
+    (["parallel.dp=2", "parallel.grad_accum=2"], 2),
+    (["parallel.recompute='full'"], 1),
+    (["parallel.recompute='selective'", "parallel.dp=2"], 2),
+])
+def test_layouts_match_single_process(overrides, nproc):
+    base = [log.loss for log in run(load_config("configs/tiny.toml", ["train.steps=6"]), verbose=False)]
+    config = load_config("configs/tiny.toml", ["train.steps=6", *overrides])
+    _assert_same_losses(base, [log.loss for log in run(config, nproc, verbose=False)])
+
+
+def test_moe_data_parallel_matches_single_process():
+    config = load_config("configs/tiny-moe.toml", ["train.steps=6"])
+    base = [log.loss for log in run(config, verbose=False)]
+    dp2 = load_config("configs/tiny-moe.toml", ["train.steps=6", "parallel.dp=2"])
+    _assert_same_losses(base, [log.loss for log in run(dp2, 2, verbose=False)])
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
+                    reason="torchrun not installed next to this python")
+def test_torchrun_joins_the_launched_group(tmp_path):
+    single, launched = tmp_path / "single.jsonl", tmp_path / "torchrun.jsonl"
+    assert _cli("--config", "configs/tiny.toml", "--steps", "5", "--log-json", str(single)).returncode == 0
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "lab.train",
+                           "--config", "configs/tiny.toml", "--steps", "5", "--dp", "2", "--quiet",
+                           "--log-json", str(launched)], capture_output=True, text=True, timeout=240, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same_losses(_losses(single), _losses(launched))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--tp", "3"], "tp=3 must divide n_heads=4"),
+    (["--dp", "-2"], "dp=-2 must be an integer >= 1"),
+    (["--steps", "-5"], "steps=-5 must be an integer >= 1"),
+    (["--nproc", "3", "--dp", "2"], "--nproc=3 must equal dp*tp*cp*pp = 2*1*1*1 = 2"),
+    (["--set", "model.preset='gpt-17'"], "unknown model preset 'gpt-17'"),
+    (["--config", "configs/nope.toml"], "config file 'configs/nope.toml' does not exist"),
+    (["--tp", "2", "--nproc", "2"], "--tp=2: tensor parallelism is not implemented yet (chapter 04)"),
+    (["--pp-schedule", "gpipe"], "argument --pp-schedule: invalid choice: 'gpipe'"),
+])
+def test_bad_input_is_one_clear_line(args, message):
+    done = _cli("--config", "configs/tiny.toml", *args) if "--config" not in args else _cli(*args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

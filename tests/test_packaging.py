@@ -1,11 +1,12 @@
 """The install files agree with each other, and the README's commands exist."""
 
 import re
-import tomllib
 from pathlib import Path
 
 import yaml
 from packaging.requirements import Requirement
+
+from lab.config import tomllib  # the standard library's, or tomli on Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pyproject_requirements() -> dict[str, Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lines = list(project["dependencies"])
-    for extra, deps in project["optional-dependencies"].items():
+    for deps in project["optional-dependencies"].values():
         lines += [d for d in deps if not d.startswith("ultrascale-lab")]
     reqs = [Requirement(line) for line in lines]
     return {r.name.lower(): r for r in reqs if r.marker is None or r.marker.evaluate()}

@@ -1,0 +1,107 @@
+"""A memory timeline of training steps, by category: parameters, optimizer state, activations, gradients...
+
+PyTorch's profiler records every allocation and free; its memory profiler then works out what each
+tensor *is* (a parameter, an activation saved for backward, a gradient, an optimizer state, a temporary)
+from the autograd graph. That is the picture behind the playbook's memory profile figure: activations
+climb during the forward pass and drain during the backward pass as gradients appear, and the first
+optimizer step allocates Adam's two states, which is why step 1 peaks higher than the steps after it.
+
+The same code reads a CPU or a CUDA device. The categorisation is a private PyTorch API
+(`torch.profiler._memory_profiler`, present since 2.1), so it is isolated here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+# The profiler's categories, in the column order of `MemoryProfileTimeline._coalesce_timeline`
+# (column 0 is unused; the last column is memory it could not classify).
+CATEGORIES = ("parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
+              "autograd_detail", "unknown")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class MemoryTimeline:
+    times_ms: list[float]
+    bytes_by_category: dict[str, list[int]]
+    phases: list[tuple[int, str, float, float]]  # (step, phase, start_ms, end_ms)
+
+    @property
+    def total(self) -> list[int]:
+        return [sum(column) for column in zip(*self.bytes_by_category.values(), strict=True)]
+
+    def peak(self, step: int | None = None) -> int:
+        """Peak total bytes over the whole timeline, or within training step `step` (1-based)."""
+        if step is None:
+            return max(self.total)
+        start = min(s for k, _, s, _ in self.phases if k == step)
+        end = max(e for k, _, _, e in self.phases if k == step)
+        return max(b for t, b in zip(self.times_ms, self.total, strict=True) if start <= t <= end)
+
+    def plot(self, ax=None, title: str = "memory during training steps"):
+        """A stacked area chart by category with the phases shaded (needs matplotlib)."""
+        import matplotlib.pyplot as plt
+
+        ax = ax or plt.subplots(figsize=(9, 3.5))[1]
+        shown = {k: [b / 2**20 for b in v] for k, v in self.bytes_by_category.items() if max(v) > 0}
+        ax.stackplot(self.times_ms, *shown.values(), labels=list(shown), step="post")
+        shades = {"forward": "#e8f0ff", "backward": "#ffece8", "optimizer": "#eaffea"}
+        for step, phase, start, end in self.phases:
+            ax.axvspan(start, end, color=shades[phase], zorder=-1)
+            ax.text((start + end) / 2, ax.get_ylim()[1] * 0.97, f"{phase[0].upper()}{step}", ha="center",
+                    va="top", fontsize=8)
+        ax.set_xlabel("time (ms)")
+        ax.set_ylabel("MiB")
+        ax.set_title(title)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        return ax
+
+
+def language_model_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+                        targets: torch.Tensor) -> Callable[[], None]:
+    """One training step of a language model, with its phases named for the profiler."""
+
+    def step() -> None:
+        with record_function("forward"):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def memory_timeline(step: Callable[[], None], steps: int = 2, device: str | torch.device = "cpu") -> MemoryTimeline:
+    """Profile `steps` calls of `step` (which names its phases with `record_function`) on `device`."""
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    device = torch.device(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        for _ in range(steps):
+            step()
+    times_us, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
+    origin = times_us[1] if len(times_us) > 1 and times_us[0] < 0 else times_us[0]  # t=-1: pre-existing
+    times_ms = [max(t - origin, 0) / 1000 for t in times_us]
+    columns = list(zip(*sizes, strict=True))[1:]
+    by_category = {name: list(col) for name, col in zip(CATEGORIES, columns, strict=True)}
+    # events are timed in µs from the trace start; the memory timeline in absolute µs
+    trace_start_us = prof.profiler.kineto_results.trace_start_ns() / 1000
+    phase_events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.name in PHASES)
+    phases, counts = [], dict.fromkeys(PHASES, 0)
+    for start, end, name in phase_events:
+        counts[name] += 1
+        phases.append((counts[name], name, (trace_start_us + start - origin) / 1000,
+                       (trace_start_us + end - origin) / 1000))
+    return MemoryTimeline(times_ms, by_category, phases)

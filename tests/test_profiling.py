@@ -1,0 +1,26 @@
+"""The memory timeline: activations rise in forward and drain in backward; Adam's states appear at step 1."""
+
+import torch
+
+from lab.config import PRESETS
+from lab.model import build_model, materialize
+from lab.profiling import language_model_step, memory_timeline
+
+
+def test_timeline_shows_the_phases_of_a_training_step():
+    model = materialize(build_model(PRESETS["tiny"]), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, 256, (4, 32))
+    timeline = memory_timeline(language_model_step(model, optimizer, tokens, tokens), steps=2)
+    assert [(s, p) for s, p, _, _ in timeline.phases] == [
+        (1, "forward"), (1, "backward"), (1, "optimizer"), (2, "forward"), (2, "backward"), (2, "optimizer")]
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cats = timeline.bytes_by_category
+    assert max(cats["optimizer_state"]) >= 2 * param_bytes  # Adam's exp_avg and exp_avg_sq
+    assert max(cats["gradient"]) >= param_bytes
+    # activations peak at the end of forward, far above what is left when the step ends
+    end_of_forward = next(e for s, p, _, e in timeline.phases if (s, p) == (1, "forward"))
+    at = max(i for i, t in enumerate(timeline.times_ms) if t <= end_of_forward)
+    assert cats["activation"][at] > 10 * cats["activation"][-1]
+    # the first step has no optimizer state yet while its activations peak: later steps peak higher
+    assert timeline.peak(2) > timeline.peak(1)

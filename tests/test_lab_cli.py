@@ -1,0 +1,41 @@
+"""`python -m lab`: the doctor's report, command dispatch, one-line errors."""
+
+import subprocess
+import sys
+
+from lab.doctor import Check, format_report, run_checks
+
+
+def _lab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lab", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_doctor_exercises_each_backend():
+    checks = {c.name: c for c in run_checks()}
+    assert checks["gloo"].ok and "all_reduce -> [3.0, 3.0]" in checks["gloo"].detail
+    assert {"python", "torch", "cpu", "gloo", "cuda", "notebooks", "triton", "jax", "browser tests"} <= set(checks)
+    for check in checks.values():
+        assert check.ok or check.hint, f"{check.name} failed without saying what to do"
+
+
+def test_report_marks_failures_and_fixes():
+    report = format_report([Check("gloo", False, "2-rank all_reduce failed", "check loopback", required=True),
+                            Check("jax", False, "not installed", "pip install -e '.[jax]'")])
+    assert "[ERR] gloo" in report and "fix: check loopback" in report and "[-- ] jax" in report
+    assert report.endswith("Not ready: gloo failed.")
+
+
+def test_dispatch_and_unknown_command():
+    assert "commands:" in _lab("--help").stdout
+    done = _lab("frobnicate")
+    assert done.returncode == 2
+    assert done.stderr.startswith("python -m lab: error: unknown command 'frobnicate'; valid commands: doctor")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_calc_params_cli():
+    done = _lab("calc", "params", "--model", "llama3-8b")
+    assert done.returncode == 0 and "8,030,261,248 parameters" in done.stdout
+    bad = _lab("calc", "params", "--model", "gpt-17")
+    assert bad.returncode == 2 and "unknown model preset 'gpt-17'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -27,10 +27,11 @@ def _ring_reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group: dist
     """In place: afterwards chunks[rank] holds the reduction of every rank's chunks[rank]."""
     rank, world, to_global = group_info(group)
     right, left = to_global((rank + 1) % world), to_global((rank - 1) % world)
+    inbox = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
     for step in range(world - 1):
         send = chunks[(rank - step - 1) % world]
         target = chunks[(rank - step - 2) % world]
-        received = exchange(send, right, torch.empty_like(target), left, group)
+        received = exchange(send, right, inbox[:target.numel()], left, group)
         combine(target, received, op)
 
 
@@ -41,7 +42,7 @@ def _ring_all_gather_chunks(chunks: list[torch.Tensor], group: dist.ProcessGroup
     for step in range(world - 1):
         send = chunks[(rank - step) % world]
         target = chunks[(rank - step - 1) % world]
-        target.copy_(exchange(send, right, torch.empty_like(target), left, group))
+        exchange(send, right, target, left, group)  # receive straight into place
 
 
 def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -51,13 +52,15 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGr
     _, world, _ = group_info(group)
     if world == 1:
         return tensor
-    flat = tensor.detach().reshape(-1).clone()
+    # work in place on the tensor's memory when it is contiguous, as torch's all_reduce does
+    flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
     chunks = _chunks(flat, world)
     _ring_reduce_scatter_chunks(chunks, "sum" if op == "avg" else op, group)
     _ring_all_gather_chunks(chunks, group)
     if op == "avg":
         flat /= world
-    tensor.copy_(flat.view_as(tensor))
+    if not tensor.is_contiguous():
+        tensor.copy_(flat.view_as(tensor))
     return tensor
 
 

@@ -9,9 +9,15 @@ from its left, so every link is busy and no rank is a hot spot. For a tensor of 
 
 which is why ring all-reduce is bandwidth-optimal, and why ZeRO can split it into its two halves at no
 extra cost. Sizes that W does not divide are split into W nearly equal chunks (`torch.tensor_split`).
+
+`ring_all_reduce(..., on_step=f)` calls `f(phase, step, chunks)` after every step, so a notebook can
+watch the chunks travel (chapter 02 fills rank r's tensor with 2^r: a chunk's value then spells out which
+ranks' contributions it already holds).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +29,11 @@ def _chunks(flat: torch.Tensor, world: int) -> list[torch.Tensor]:
     return list(torch.tensor_split(flat, world))
 
 
-def _ring_reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group: dist.ProcessGroup | None) -> None:
+OnStep = Callable[[str, int, list[torch.Tensor]], None]
+
+
+def _ring_reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group: dist.ProcessGroup | None,
+                                on_step: OnStep | None = None) -> None:
     """In place: afterwards chunks[rank] holds the reduction of every rank's chunks[rank]."""
     rank, world, to_global = group_info(group)
     right, left = to_global((rank + 1) % world), to_global((rank - 1) % world)
@@ -33,9 +43,12 @@ def _ring_reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group: dist
         target = chunks[(rank - step - 2) % world]
         received = exchange(send, right, inbox[:target.numel()], left, group)
         combine(target, received, op)
+        if on_step:
+            on_step("reduce-scatter", step, chunks)
 
 
-def _ring_all_gather_chunks(chunks: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+def _ring_all_gather_chunks(chunks: list[torch.Tensor], group: dist.ProcessGroup | None,
+                            on_step: OnStep | None = None) -> None:
     """In place: chunks[rank] is this rank's; afterwards every chunks[i] holds rank i's chunk."""
     rank, world, to_global = group_info(group)
     right, left = to_global((rank + 1) % world), to_global((rank - 1) % world)
@@ -43,9 +56,12 @@ def _ring_all_gather_chunks(chunks: list[torch.Tensor], group: dist.ProcessGroup
         send = chunks[(rank - step) % world]
         target = chunks[(rank - step - 1) % world]
         exchange(send, right, target, left, group)  # receive straight into place
+        if on_step:
+            on_step("all-gather", step, chunks)
 
 
-def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
+                    on_step: OnStep | None = None) -> torch.Tensor:
     """All-reduce `tensor` in place: reduce-scatter around the ring, then all-gather around it."""
     if op not in REDUCE_OPS:
         raise ValueError(f"op={op!r} must be one of {', '.join(map(repr, REDUCE_OPS))}")
@@ -55,8 +71,8 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGr
     # work in place on the tensor's memory when it is contiguous, as torch's all_reduce does
     flat = tensor.detach().view(-1) if tensor.is_contiguous() else tensor.detach().reshape(-1).clone()
     chunks = _chunks(flat, world)
-    _ring_reduce_scatter_chunks(chunks, "sum" if op == "avg" else op, group)
-    _ring_all_gather_chunks(chunks, group)
+    _ring_reduce_scatter_chunks(chunks, "sum" if op == "avg" else op, group, on_step)
+    _ring_all_gather_chunks(chunks, group, on_step)
     if op == "avg":
         flat /= world
     if not tensor.is_contiguous():

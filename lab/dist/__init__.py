@@ -5,9 +5,16 @@ joins the launched group instead. `Mesh` lays ranks out on the dp x pp x cp x tp
 process group per axis; `count_collectives` counts the calls and bytes of every collective.
 """
 
+import warnings
+
 from lab.dist.comm import CollectiveCounts, count_collectives
 from lab.dist.launch import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
 from lab.dist.mesh import Mesh, axis_groups, layout
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on every call. The
+# course keeps the old names: they are what torch 2.5-2.12 and almost every codebase in the field use.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                        r"is deprecated", category=FutureWarning)
 
 __all__ = ["CollectiveCounts", "Mesh", "RankError", "RankTimeout", "axis_groups", "count_collectives",
            "init_from_env", "launched_by_torchrun", "layout", "run"]

@@ -28,9 +28,6 @@ from lab import collectives as lc  # noqa: E402
 from lab.dist import run  # noqa: E402
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-# torch 2.13 renamed the tensor forms; older releases only have the old names
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def _candidates(op: str, numel: int, world: int, device: torch.device):
@@ -41,8 +38,8 @@ def _candidates(op: str, numel: int, world: int, device: torch.device):
     shard = numel // world
     full, part = torch.ones(shard * world, device=device), torch.empty(shard, device=device)
     if op == "reduce_scatter":
-        return lambda: lc.ring_reduce_scatter(part, full), lambda: _reduce_scatter(part, full)
-    return lambda: lc.ring_all_gather(full, part), lambda: _all_gather(full, part)
+        return lambda: lc.ring_reduce_scatter(part, full), lambda: dist.reduce_scatter_tensor(part, full)
+    return lambda: lc.ring_all_gather(full, part), lambda: dist.all_gather_into_tensor(full, part)
 
 
 def _time(call, iterations: int, device: torch.device) -> float:

@@ -57,3 +57,14 @@ def test_bad_input(kwargs, message):
     with pytest.raises(ValueError) as err:
         collective_time(**kwargs)
     assert message in str(err.value)
+
+
+def test_fit_recovers_alpha_and_beta():
+    from lab.calc.comms import fit_alpha_beta
+
+    alpha, beta = 2e-4, 1 / 3e9
+    points = [(6, b, 6 * alpha + b * beta) for b in (1e3, 1e5, 1e7, 1e8)]
+    fitted = fit_alpha_beta(points)
+    assert fitted[0] == pytest.approx(alpha) and fitted[1] == pytest.approx(beta)
+    with pytest.raises(ValueError, match="need at least 2 measurements"):
+        fit_alpha_beta(points[:1])

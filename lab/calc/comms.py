@@ -119,3 +119,24 @@ def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | N
         raise ValueError("give exactly one of link= or system=")
     if system is not None and system not in SYSTEMS:
         raise ValueError(f"system={system!r} must be one of {', '.join(SYSTEMS)}")
+
+
+def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least-squares (alpha, beta) from measured (steps, bytes_on_wire, seconds): t = steps*alpha + bytes*beta.
+
+    Solved with the 2x2 normal equations, so it needs no numerical library; negative estimates (noise on a
+    busy machine) are clipped to tiny positive values.
+    """
+    if len(points) < 2:
+        raise ValueError(f"need at least 2 measurements to fit alpha and beta, got {len(points)}")
+    saa = sum(s * s for s, _, _ in points)
+    sab = sum(s * b for s, b, _ in points)
+    sbb = sum(b * b for _, b, _ in points)
+    sat = sum(s * t for s, _, t in points)
+    sbt = sum(b * t for _, b, t in points)
+    det = saa * sbb - sab * sab
+    if det == 0:
+        raise ValueError("the measurements must differ in size to separate alpha from beta")
+    alpha = (sat * sbb - sbt * sab) / det
+    beta = (saa * sbt - sab * sat) / det
+    return max(alpha, 0.0), max(beta, 1e-15)

@@ -1,0 +1,38 @@
+"""Eight (or any number of) JAX devices on one CPU, to learn shard_map and XLA's collectives on a laptop.
+
+JAX fixes its device count when its CPU backend starts, so the count must be set before the first JAX
+computation; `jax.config.update("jax_num_cpu_devices", n)` says so with a clear error when it is too late,
+whereas a late XLA_FLAGS setting silently leaves one device. Meshes are built with `AxisType.Auto`: JAX 0.10
+defaults to explicit sharding, which makes a matmul over a sharded contraction dimension an error instead of
+an all-reduce that XLA inserts for you — the behaviour the chapters want to show.
+"""
+
+from __future__ import annotations
+
+
+def simulated_devices(n: int = 8) -> list:
+    """Make JAX see `n` CPU devices and return them; call before any other JAX computation."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be an integer >= 1")
+    try:
+        import jax
+    except ImportError:
+        raise ImportError("JAX is not installed: pip install -e '.[jax]'") from None
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backend already started: fine if it has the right number of devices
+        if jax.device_count() != n:
+            raise RuntimeError(f"JAX already started with {jax.device_count()} device(s); restart the kernel and "
+                               f"call lab.jaxsim.simulated_devices({n}) before any other JAX computation") from None
+    devices = jax.devices()
+    if len(devices) != n:
+        raise RuntimeError(f"asked for {n} JAX devices, got {len(devices)}")
+    return devices
+
+
+def make_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A device mesh whose axes XLA may shard automatically (inserting the collectives itself)."""
+    import jax
+    from jax.sharding import AxisType
+
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))

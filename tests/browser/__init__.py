@@ -1,0 +1,1 @@
+"""Real-browser tests of the course notebooks and widgets (JupyterLab + headless Chromium)."""

@@ -1,0 +1,92 @@
+"""The course's widgets work for a learner: in real JupyterLab, in a real browser, against a real kernel.
+
+The notebook lane (tests/test_notebooks.py) proves the cells run; only a browser proves that a widget
+renders and that moving it reaches the kernel and comes back. One short test per widget: open its
+notebook with `open_notebook`, `run_all()`, check there are no errors, drive the widget, check its output.
+
+Needs Debian's /usr/bin/chromium and the playwright package (no `playwright install`); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .jupyterlab import CHROMIUM, LabServer, NotebookPage, launch_chromium, open_notebook
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+
+
+def _missing() -> str | None:
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} not found (apt-get install chromium)"
+    for module in ("playwright", "jupyterlab", "ipywidgets"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (pip install -e '.[course,test]')"
+    return None
+
+
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+
+@pytest.fixture(scope="module")
+def lab_server(jupyter_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+    """JupyterLab serving a temp copy of the notebook folders, so the browser cannot touch tracked files."""
+    root = tmp_path_factory.mktemp("lab-root")
+    for folder in ("chapters", "solutions", "exercises"):
+        if (REPO / folder).is_dir():
+            shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    server = LabServer(root, jupyter_env, log_path=root.with_name(f"{root.name}.log"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(lab_server: LabServer, tmp_path_factory: pytest.TempPathFactory):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        context = launch_chromium(playwright, tmp_path_factory.mktemp("chromium-profile"))
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def _rows(notebook: NotebookPage) -> int:
+    return notebook.page.locator("table.lab-hello-ranks tbody tr").count()
+
+
+def test_welcome_hello_ranks_widget(browser, lab_server: LabServer, record_property) -> None:
+    start = time.perf_counter()
+    with open_notebook(browser, lab_server, "chapters/00_welcome.ipynb", ARTIFACTS) as notebook:
+        notebook.run_all()
+        notebook.assert_no_errors()
+
+        widget = notebook.output("table.lab-hello-ranks")
+        summary = widget.locator(".lab-hello-summary")
+        assert _rows(notebook) == 2 and "gave 3 " in summary.inner_text()  # the default: 2 ranks
+
+        handle = widget.locator(".widget-slider .noUi-handle")
+        handle.focus()
+        # Each key press runs a new job in the kernel; wait for its table before pressing the next key.
+        for key, ranks in [("ArrowRight", 3), ("ArrowRight", 4), ("ArrowLeft", 3), ("ArrowLeft", 2),
+                           ("ArrowLeft", 1)]:
+            handle.press(key)
+            total = ranks * (ranks + 1) // 2
+            summary.filter(has_text=f"gave {total} ").wait_for(timeout=30_000)
+            assert _rows(notebook) == ranks
+            assert widget.locator(".widget-readout").inner_text().strip() == str(ranks)
+        handle.press("ArrowRight")  # end on 2 ranks, so the saved screenshot shows a table
+        summary.filter(has_text="gave 3 ").wait_for(timeout=30_000)
+        notebook.assert_no_errors()
+    record_property("wall_s", ("browser   chapters/00_welcome.ipynb", time.perf_counter() - start))

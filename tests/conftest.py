@@ -1,0 +1,74 @@
+"""Shared pytest fixtures and hooks. Keep this file small: helpers used by one test file live in that file."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- Jupyter: an isolated environment for kernels and servers (notebook and browser lanes) -------------
+
+@pytest.fixture(scope="session")
+def jupyter_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment variables that give kernels and JupyterLab throwaway config/data/runtime dirs.
+
+    Why: a learner's ~/.jupyter, ~/.ipython or matplotlib settings must not change what the tests see,
+    and the tests must not write there. The "python3" kernelspec written here runs *this* interpreter
+    (sys.executable, i.e. the venv), so the kernel imports the same `lab` and torch as pytest, however
+    pytest was started (venv activated or not) and whatever kernelspecs the machine has: JUPYTER_PATH
+    is searched before every other kernel directory.
+    """
+    home = tmp_path_factory.mktemp("jupyter-home")
+    data = home / "data"
+    spec_dir = data / "kernels" / "python3"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }))
+    return {
+        "JUPYTER_PATH": str(data),
+        "JUPYTER_DATA_DIR": str(data),
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(home / "lab-settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(home / "lab-workspaces"),
+        "JUPYTER_PLATFORM_DIRS": "1",  # silences jupyter_core's "migrating to platformdirs" warning
+        "IPYTHONDIR": str(home / "ipython"),
+        "MPLCONFIGDIR": str(home / "matplotlib"),
+        "MPLBACKEND": "Agg",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",  # silences debugpy's "frozen modules" warning in kernels
+        # Kernels run in the notebook's folder: make `import lab` find this checkout even without `pip -e`.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+
+
+# --- Timing: a table of wall times at the end of the session -----------------------------------------
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the wall time of every notebook run (tests record it with `record_property("wall_s", ...)`).
+
+    Why: notebooks are the slowest tests and they grow chapter by chapter; the table shows which one to
+    trim before the suite outgrows its CI budget. user_properties travel with the reports, so this also
+    works under pytest-xdist.
+    """
+    rows = [
+        (*value, outcome)  # value = (label, seconds)
+        for outcome in ("passed", "failed")
+        for report in terminalreporter.stats.get(outcome, [])
+        if report.when == "call"
+        for name, value in report.user_properties
+        if name == "wall_s"
+    ]
+    if not rows:
+        return
+    terminalreporter.write_sep("-", "wall time per notebook")
+    for label, seconds, outcome in sorted(rows, key=lambda row: -row[1]):
+        terminalreporter.write_line(f"{seconds:7.1f} s  {outcome:6}  {label}")

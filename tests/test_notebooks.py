@@ -1,0 +1,108 @@
+"""Every course notebook runs top to bottom in a fresh kernel, and is stored without outputs.
+
+Notebooks are collected at import time from chapters/, solutions/ and exercises/, one test each, so a
+new chapter is tested as soon as its file exists. Each runs with nbclient in this process, in a kernel
+of this interpreter (see the `jupyter_env` fixture), with its folder as working directory, within a
+time budget: 300 s, or `{"lab": {"timeout": N}}` in the notebook's metadata.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(path for folder in ("chapters", "solutions", "exercises")
+                   for path in (REPO / folder).glob("*.ipynb"))
+DEFAULT_TIMEOUT_S = 300
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks
+
+
+def _budget_s(nb: nbformat.NotebookNode) -> int:
+    return int(nb.metadata.get("lab", {}).get("timeout", DEFAULT_TIMEOUT_S))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def _params(marks: list[pytest.MarkDecorator]) -> list:
+    """One pytest param per notebook. The pytest-timeout limit leaves a minute over the notebook's own
+    budget, so that the notebook's budget, which names the slow cell, is what fires first."""
+    return [pytest.param(path, id=_rel(path),
+                         marks=[*marks, pytest.mark.timeout(_budget_s(nbformat.read(path, as_version=4)) + 60)])
+            for path in NOTEBOOKS]
+
+
+def _first_error(nb: nbformat.NotebookNode, rel: str) -> str | None:
+    """The failing cell's source and traceback, which is what one needs to fix a notebook."""
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                traceback = _ANSI.sub("", "\n".join(output.traceback))
+                return (f"{rel}: cell {index} raised {output.ename}: {output.evalue}\n"
+                        f"----- cell {index} source -----\n{cell.source}\n"
+                        f"----- traceback -----\n{traceback}")
+    return None
+
+
+def test_kernel_runs_this_interpreter(jupyter_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards the isolation that the notebook tests rely on: "python3" must be the venv's python."""
+    for name, value in jupyter_env.items():
+        monkeypatch.setenv(name, value)
+    assert KernelSpecManager().get_kernel_spec("python3").argv[0] == sys.executable
+
+
+@pytest.mark.parametrize("path", _params([pytest.mark.notebooks]))
+def test_notebook_runs(path: Path, jupyter_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                       record_property) -> None:
+    for name, value in jupyter_env.items():
+        monkeypatch.setenv(name, value)
+    rel = _rel(path)
+    nb = nbformat.read(path, as_version=4)
+    budget = _budget_s(nb)
+    deadline = time.monotonic() + budget
+    client = NotebookClient(
+        nb,
+        kernel_name="python3",  # ours (jupyter_env), whatever the notebook's metadata says
+        # A budget for the whole notebook, not per cell: each cell may use what the earlier ones left.
+        timeout_func=lambda cell: max(1.0, deadline - time.monotonic()),
+        startup_timeout=60,
+        resources={"metadata": {"path": str(path.parent)}},  # the kernel's working directory
+    )
+    start = time.perf_counter()
+    failure = None  # pytest.fail() is called outside the except blocks: no "During handling..." noise
+    try:
+        client.execute()
+    except CellExecutionError as error:
+        failure = _first_error(nb, rel) or f"{rel}: {error}"
+    except CellTimeoutError as error:
+        failure = (f"{rel}: over its {budget} s budget (raise it with metadata "
+                   f'{{"lab": {{"timeout": N}}}} only if the cell cannot be made faster)\n{error}')
+    except DeadKernelError as error:
+        failure = f"{rel}: the kernel died (out of memory, a segfault, os._exit?): {error}"
+    finally:
+        record_property("wall_s", (f"notebook  {rel}", time.perf_counter() - start))
+    if failure:
+        pytest.fail(failure, pytrace=False)
+
+
+@pytest.mark.parametrize("path", _params([]))
+def test_notebook_is_stored_clean(path: Path) -> None:
+    """Outputs and execution counts make every diff noisy and every merge conflict; the tests produce
+    them anyway. Saved widget state (metadata.widgets) is an output too."""
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    dirty = [index for index, cell in enumerate(nb.cells)
+             if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)]
+    assert not dirty, (f"{_rel(path)}: cells {dirty} are stored with outputs or execution counts; "
+                       f"clear them (JupyterLab: Edit > Clear Outputs of All Cells, then save)")
+    assert "widgets" not in nb.metadata, f"{_rel(path)}: saved widget state in metadata.widgets; remove it"

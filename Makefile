@@ -36,10 +36,11 @@ course: venv
 lint: venv
 	$(PY) -m ruff check .
 
+# The browser lane runs first so that the main suite's summary is the last line printed.
 test: lint
-	$(PY) -m pytest -n 2 -m "not browser" $(PYTEST_ARGS)
 	@if [ -x /usr/bin/chromium ]; then $(MAKE) --no-print-directory test-browser; \
 	else echo "SKIPPED the browser lane: /usr/bin/chromium not found (apt-get install chromium)"; fi
+	$(PY) -m pytest -n 2 -m "not browser" $(PYTEST_ARGS)
 
 test-fast: lint
 	$(PY) -m pytest -n 2 -m "not browser and not notebooks" $(PYTEST_ARGS)

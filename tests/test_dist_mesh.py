@@ -56,6 +56,16 @@ def test_groups_on_four_ranks():
         assert f"rank {rank}: dp_rank={rank // 2}" in text
 
 
+def _device_mesh_agrees():
+    mesh = Mesh(dp=2, tp=2)
+    device_mesh = mesh.device_mesh()
+    return device_mesh["tp"].mesh.tolist() == mesh.group_ranks("tp"), device_mesh["dp"].get_local_rank() == mesh.dp_rank
+
+
+def test_device_mesh_has_the_same_layout():
+    assert run(_device_mesh_agrees, 4) == [(True, True)] * 4
+
+
 def _pipeline_neighbours():
     mesh = Mesh(pp=4)
     return mesh.pp_is_first, mesh.pp_is_last, mesh.pp_prev_rank, mesh.pp_next_rank

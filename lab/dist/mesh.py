@@ -82,6 +82,14 @@ class Mesh:
         self.dp_cp_group, self.ep_group = groups["dp_cp"][0], groups["ep"][0]
         self.ep_rank = groups["ep"][1].index(self.rank)
 
+    def device_mesh(self, device_type: str | None = None):
+        """The same grid as a torch `DeviceMesh` (dims "dp", "pp", "cp", "tp"), to compare lab's
+        implementations with DTensor, FSDP2 and `parallelize_module` on identical rank layouts."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return DeviceMesh(device_type, self.grid, mesh_dim_names=AXES)
+
     def coords(self, rank: int) -> dict[str, int]:
         index = (self.grid == rank).nonzero()[0].tolist()
         return dict(zip(AXES, index, strict=True))

@@ -165,8 +165,9 @@ class ParallelConfig:
         """Rules that tie the layout to a model's shape, e.g. "tp=3 must divide n_heads=8"."""
         _require(model.n_heads % self.tp == 0, f"tp={self.tp} must divide n_heads={model.n_heads}")
         if model.attention == "gqa":
-            _require(model.n_kv_heads % self.tp == 0,
-                     f"tp={self.tp} must divide n_kv_heads={model.n_kv_heads}")
+            _require(model.n_kv_heads % self.tp == 0 or self.tp % model.n_kv_heads == 0,
+                     f"tp={self.tp} must divide n_kv_heads={model.n_kv_heads} (KV heads split) or be a multiple "
+                     f"of it (KV heads replicated)")
         _require(model.d_ff % self.tp == 0, f"tp={self.tp} must divide d_ff={model.d_ff}")
         _require(model.vocab_size % self.tp == 0, f"tp={self.tp} must divide vocab_size={model.vocab_size}")
         stages = self.pp * self.pp_virtual_stages

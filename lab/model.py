@@ -206,8 +206,8 @@ class Transformer(nn.Module):
         states (B, T, d_model) instead and, without the output layer, returns hidden states.
         `positions` (T,) defaults to 0..T-1; context parallelism passes the positions of its chunks."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
+        if positions is None:  # from the input, not h: sequence parallelism hands the blocks a shard of h
+            positions = torch.arange(tokens.shape[1], device=h.device)
         rope_dim = self.cfg.qk_rope_head_dim if self.cfg.attention == "mla" else self.cfg.head_dim
         cos, sin = rope_angles(positions, rope_dim, self.cfg.rope_theta)
         for block in self.layers.values():

@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from lab import dist as lab_dist
 from lab.config import PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
 from lab.data import SyntheticTokens, shard_rows
+from lab.dist import Mesh
 from lab.model import build_model, materialize, num_params, set_recompute
 from lab.parallel.dp import all_reduce_gradients
+from lab.parallel.tp import apply_tensor_parallel, grad_norm, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
 
 # Parallel features that later chapters implement; until then their flags fail loudly, never silently.
 _NOT_YET = {
-    "tp": ("tensor parallelism", "04", lambda p: p.tp > 1),
-    "sp": ("sequence parallelism", "04", lambda p: p.sp),
     "cp": ("context parallelism", "05", lambda p: p.cp > 1),
     "pp": ("pipeline parallelism", "06", lambda p: p.pp > 1),
     "ep": ("expert parallelism", "07", lambda p: p.ep > 1),
@@ -127,13 +127,16 @@ def _lr_factor(step: int, config: Config) -> float:
 
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
     """The training loop run by every rank (or by the only process). Returns the per-step log."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    dp = config.parallel.dp
+    parallel, train = config.parallel, config.train
+    mesh = Mesh(dp=parallel.dp, tp=parallel.tp) if dist.is_initialized() else None
+    rank, dp_rank = (mesh.rank, mesh.dp_rank) if mesh else (0, 0)
+    dp_group, tp_group = (mesh.dp_group, mesh.tp_group) if mesh else (None, None)
     device = _device(config)
-    train = config.train
 
     model = materialize(build_model(config.model), device, seed=train.seed)
-    set_recompute(model, config.parallel.recompute)
+    if parallel.tp > 1:
+        apply_tensor_parallel(model, tp_group, sequence_parallel=parallel.sp)
+    set_recompute(model, parallel.recompute)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -151,27 +154,31 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            inputs, targets = (shard_rows(t, rank % dp, dp) for t in data.next_batch())
+            inputs, targets = (shard_rows(t, dp_rank, parallel.dp) for t in data.next_batch())
             loss = torch.zeros((), device=device)
-            for micro_in, micro_tgt in zip(inputs.chunk(config.parallel.grad_accum),
-                                           targets.chunk(config.parallel.grad_accum), strict=True):
+            for micro_in, micro_tgt in zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum),
+                                           strict=True):
                 logits = model(micro_in.to(device))
-                micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.to(device).flatten())
-                (micro_loss / config.parallel.grad_accum).backward()
-                loss += micro_loss.detach() / config.parallel.grad_accum
-            if dp > 1:
-                all_reduce_gradients(model)
-                dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-                loss /= dp
-            max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                if parallel.tp > 1:
+                    micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt.to(device), tp_group)
+                else:
+                    micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.to(device).flatten())
+                (micro_loss / parallel.grad_accum).backward()
+                loss += micro_loss.detach() / parallel.grad_accum
+            if parallel.tp > 1:
+                sync_tensor_parallel_grads(model, tp_group)
+            if parallel.dp > 1:
+                all_reduce_gradients(model, dp_group)
+                dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dp_group)
+                loss /= parallel.dp
+            norm = clip_gradients(model, train.grad_clip, tp_group if parallel.tp > 1 else None)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            entry = StepLog(step + 1, loss.item(), lr, grad_norm.item(),
+            entry = StepLog(step + 1, loss.item(), lr, norm.item(),
                             train.global_batch * train.seq_len / elapsed, peak)
             logs.append(entry)
             if log_file:
@@ -182,6 +189,19 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         if log_file:
             log_file.close()
     return logs
+
+
+@torch.no_grad()
+def clip_gradients(model: torch.nn.Module, max_norm: float, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm.
+    Same arithmetic as `torch.nn.utils.clip_grad_norm_`, with tensor-parallel shards counted correctly."""
+    norm = grad_norm(model, tp_group)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+    return norm
 
 
 def _progress(total: int, enabled: bool):
@@ -213,8 +233,8 @@ def _progress(total: int, enabled: bool):
 def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> str:
     p = config.parallel
     floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
-    layout = ", ".join(f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "grad_accum")
-                       if getattr(p, k) != 1) or "single process"
+    layout = ", ".join([f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "grad_accum")
+                        if getattr(p, k) != 1] + (["sp"] if p.sp else [])) or "single process"
     tokens = config.train.global_batch * config.train.seq_len * len(logs)
     return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters) for "
             f"{len(logs)} steps on {nproc} rank(s) [{layout}]: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "

@@ -1,0 +1,115 @@
+"""Tensor and sequence parallelism: gradients equal the single-process model's, and the collectives per
+block are the ones the theory says."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lab.config import PRESETS
+from lab.dist import Mesh, count_collectives, run
+from lab.model import build_model, materialize
+from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
+
+# 4 query heads, 2 KV heads (replicated at tp=4), d_ff and vocab divisible by 4; 2 layers keep it quick
+CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2, vocab_size=96, d_ff=80)
+
+
+def _reference(tokens: torch.Tensor, targets: torch.Tensor):
+    model = materialize(build_model(CFG), seed=1)
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _tp_grads(tokens, targets, sequence_parallel):
+    mesh = Mesh(tp=dist.get_world_size())
+    model = apply_tensor_parallel(materialize(build_model(CFG), seed=1), mesh.tp_group, sequence_parallel)
+    loss = vocab_parallel_cross_entropy(model(tokens), targets, mesh.tp_group)
+    loss.backward()
+    sync_tensor_parallel_grads(model, mesh.tp_group)
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _full_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """Which part of the single-process gradient this rank's shard must equal."""
+    if name.endswith(("wk.weight", "wv.weight")) and CFG.n_kv_heads % tp:  # replicated KV head
+        heads = full.view(CFG.n_kv_heads, -1, full.shape[1])
+        return heads[rank // (tp // CFG.n_kv_heads)]
+    if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight",
+                      "tok_embeddings.weight")):
+        return full.chunk(tp, 0)[rank]
+    if name.endswith(("wo.weight", "w2.weight")):
+        return full.chunk(tp, 1)[rank]
+    return full  # norms: replicated
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_gradients_equal_single_process(tp, sequence_parallel):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (2, 16), generator=g)
+    ref_loss, ref_grads = _reference(tokens, targets)
+    for rank, (loss, grads) in enumerate(run(_tp_grads, tp, tokens, targets, sequence_parallel)):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert set(grads) == set(ref_grads)
+        for name, grad in grads.items():
+            expected = _full_slice(name, ref_grads[name], rank, tp)
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def _collectives_per_step(sequence_parallel):
+    mesh = Mesh(tp=2)
+    model = apply_tensor_parallel(materialize(build_model(CFG), seed=1), mesh.tp_group, sequence_parallel)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with count_collectives() as forward:
+        logits = model(tokens)
+    loss = logits.float().pow(2).mean()  # a local loss: counts only the model's own collectives
+    with count_collectives() as backward:
+        loss.backward()
+    return dict(forward.calls), dict(backward.calls)
+
+
+def test_collective_counts_match_the_theory():
+    layers = CFG.n_layers
+    forward, backward = run(_collectives_per_step, 2, False)[0]
+    # forward: g after attention and after the MLP of each block, plus the embedding's all-reduce
+    assert forward == {"all_reduce": 2 * layers + 1}
+    # backward: f at the attention input and at the MLP input of each block, plus the output layer's input
+    assert backward == {"all_reduce": 2 * layers + 1}
+    forward, backward = run(_collectives_per_step, 2, True)[0]
+    # SP: every all-reduce becomes an all-gather / reduce-scatter pair around the sharded regions
+    assert forward == {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 1}
+    assert backward == {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 1}
+
+
+def _cross_entropy(logits, targets):
+    mesh = Mesh(tp=dist.get_world_size())
+    local = logits.chunk(mesh.tp, dim=-1)[mesh.tp_rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets, mesh.tp_group)
+    loss.backward()
+    return loss.item(), local.grad
+
+
+def test_vocab_parallel_cross_entropy_equals_the_full_softmax():
+    logits = torch.randn(3, 5, 12) * 4
+    targets = torch.randint(0, 12, (3, 5))
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full.flatten(0, 1), targets.flatten())
+    expected.backward()
+    for rank, (loss, grad) in enumerate(run(_cross_entropy, 3, logits, targets)):
+        assert loss == pytest.approx(expected.item(), rel=1e-6)
+        torch.testing.assert_close(grad, full.grad.chunk(3, -1)[rank])
+
+
+def _bad_tp():
+    mesh = Mesh(tp=3)
+    apply_tensor_parallel(materialize(build_model(PRESETS["tiny"]), seed=0), mesh.tp_group)
+
+
+def test_degrees_that_do_not_divide_fail_clearly():
+    with pytest.raises(Exception, match="tp=3 must divide n_heads=4"):
+        run(_bad_tp, 3)

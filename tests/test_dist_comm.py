@@ -8,33 +8,41 @@ from lab.dist import count_collectives, run
 
 
 def _counted_ops():
-    rank = dist.get_rank()
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
     pair = dist.new_group([0, 1])
     with count_collectives() as counts:
-        dist.all_reduce(torch.ones(10))                      # 40 bytes
-        dist.all_gather_into_tensor(torch.empty(4), torch.ones(2))  # input shard: 8 bytes
-        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(6))   # whole input: 24 bytes
-        dist.all_reduce(torch.ones(5, dtype=torch.float64), group=pair)  # 40 bytes on the pair
-        peer = 1 - rank
+        dist.all_reduce(torch.ones(10))                                  # 40 bytes
+        dist.all_gather_into_tensor(torch.empty(4), torch.ones(2))       # the input shard: 8 bytes
+        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(6))        # the whole input: 24 bytes
+        dist.all_reduce(torch.ones(5, dtype=torch.float64), group=pair)  # 40 bytes, on the pair
         ops = [dist.P2POp(dist.isend, torch.ones(7), peer), dist.P2POp(dist.irecv, torch.empty(7), peer)]
-        for request in dist.batch_isend_irecv(ops):
+        for request in dist.batch_isend_irecv(ops):                     # 28 bytes each way
             request.wait()
         if rank == 0:
-            dist.send(torch.ones(3), 1)
+            dist.send(torch.ones(3), 1)                                  # 12 bytes sent...
         else:
-            dist.recv(torch.empty(3), 0)
-    return dict(counts.calls), dict(counts.bytes), {str(k): dict(v) for k, v in counts.by_group.items()}
+            dist.recv(torch.empty(3), 0)                                 # ...and received
+        if hasattr(dist, "all_gather_single"):                           # torch >= 2.13's new name
+            dist.all_gather_single(torch.empty(2, dtype=torch.float16), torch.ones(1, dtype=torch.float16))  # 2 B
+    by_group = {key: (dict(c.calls), dict(c.bytes)) for key, c in counts.by_group.items()}
+    return dict(counts.calls), dict(counts.bytes), by_group, counts.table()
 
 
 def test_counts_per_operation_and_group():
-    for rank, (calls, nbytes, by_group) in enumerate(run(_counted_ops, 2)):
+    for rank, (calls, nbytes, by_group, table) in enumerate(run(_counted_ops, 2)):
         assert calls["all_reduce"] == 2 and nbytes["all_reduce"] == 80
-        assert nbytes["all_gather_into_tensor"] == 8
-        assert nbytes["reduce_scatter_tensor"] == 24
-        assert calls["isend"] == calls["irecv"] == 1 and nbytes["isend"] == 28
-        assert nbytes["send" if rank == 0 else "recv"] == 12
-        assert by_group["(0, 1)"] == {"all_reduce": 40, "all_reduce calls": 1}
-        assert by_group["world"]["all_reduce"] == 40
+        assert calls["all_gather_into_tensor"] == 1 and nbytes["all_gather_into_tensor"] == 8
+        assert calls["reduce_scatter_tensor"] == 1 and nbytes["reduce_scatter_tensor"] == 24
+        assert calls["isend"] == calls["irecv"] == 1 and nbytes["isend"] == nbytes["irecv"] == 28
+        assert calls["send" if rank == 0 else "recv"] == 1
+        assert nbytes["send" if rank == 0 else "recv"] == 12 and ("recv" if rank == 0 else "send") not in calls
+        if "all_gather_single" in calls:
+            assert nbytes["all_gather_single"] == 2
+        assert by_group[(0, 1)] == ({"all_reduce": 1}, {"all_reduce": 40})
+        world_calls, world_bytes = by_group["world"]
+        assert world_bytes["all_reduce"] == 40 and world_bytes["isend"] == 28
+        assert sum(world_calls.values()) + 1 == sum(calls.values())  # everything but the pair's all_reduce
+        assert "(0, 1)" in table and "world" in table and "total" in table
 
 
 def test_torch_is_restored_even_after_an_exception():
@@ -46,22 +54,28 @@ def test_torch_is_restored_even_after_an_exception():
 
 
 def _nested():
+    peer = 1 - dist.get_rank()
     with count_collectives() as outer:
         dist.all_reduce(torch.ones(1))
         with count_collectives() as inner:
             dist.all_reduce(torch.ones(1))
-            ops = [dist.P2POp(dist.isend, torch.ones(1), 1 - dist.get_rank()),
-                   dist.P2POp(dist.irecv, torch.empty(1), 1 - dist.get_rank())]
+            ops = [dist.P2POp(dist.isend, torch.ones(1), peer), dist.P2POp(dist.irecv, torch.empty(1), peer)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-    return outer.calls["all_reduce"], inner.calls["all_reduce"], outer.calls["isend"], inner.calls["isend"]
+        dist.barrier()
+    return outer.calls["all_reduce"], inner.calls["all_reduce"], outer.calls["isend"], inner.calls["isend"], \
+        outer.calls["barrier"], inner.calls["barrier"]
 
 
 def test_contexts_nest():
-    assert run(_nested, 2) == [(2, 1, 1, 1)] * 2
+    assert run(_nested, 2) == [(2, 1, 1, 1, 1, 0)] * 2
 
 
-def test_table_lists_every_operation():
+def test_table_lists_every_operation_per_group_and_in_total():
     with count_collectives() as counts:
         counts.record("all_reduce", 1024, None)
-    assert "all_reduce" in counts.table() and "1,024" in counts.table()
+        counts.record("all_reduce", 1024, None)
+    lines = counts.table().splitlines()
+    assert lines[1].split() == ["world", "all_reduce", "2", "2,048"]
+    assert lines[2].split() == ["total", "all_reduce", "2", "2,048"]
+    assert str(counts) == counts.summary() == counts.table()

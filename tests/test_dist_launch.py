@@ -2,18 +2,23 @@
 no process left behind."""
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from dist_workers import all_reduce_on_gpu, all_reduce_rank
 
-from lab.dist import RankError, RankTimeout, run
+from lab.dist import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _descendants() -> set[int]:
@@ -28,8 +33,23 @@ def _descendants() -> set[int]:
     return alive
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_until_gone(pids: list[int], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still running: {[pid for pid in pids if not _gone(pid)]}"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def no_leftovers():
+    """Fails the test if it leaves any process of its own behind."""
     before = _descendants()
     yield
     deadline = time.monotonic() + 5
@@ -38,21 +58,41 @@ def no_leftovers():
     assert _descendants() - before == set(), "processes left behind"
 
 
-def _all_reduce_rank(offset: int, scale: int = 1) -> float:
-    value = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(value)
-    return value.item() * scale + offset
+# --- results --------------------------------------------------------------------------------------------
+
+def test_results_come_back_in_rank_order_with_args_and_kwargs(no_leftovers):
+    assert run(all_reduce_rank, 4, 10, scale=2) == [30.0] * 4  # 1+2+3+4 = 10, summed across 4 ranks
+    assert run(lambda: dist.get_rank() * 10, 3) == [0, 10, 20]  # lambdas work with fork
+    secret = {"word": "closure"}
+    assert run(lambda: (secret["word"], dist.get_world_size(), os.environ["WORLD_SIZE"]), 1) == [("closure", 1, "1")]
 
 
-def test_results_in_rank_order_with_args_and_kwargs(no_leftovers):
-    assert run(_all_reduce_rank, 4, 10, scale=2) == [30.0] * 4
-    assert run(lambda: dist.get_rank() * 10, 3) == [0, 10, 20]  # lambdas and closures work with fork
-    assert run(lambda: (dist.get_world_size(), os.environ["WORLD_SIZE"]), 1) == [(1, "1")]
+def test_prints_of_the_ranks_reach_the_parents_output(capfd, no_leftovers):
+    run(lambda: print(f"hello from rank {dist.get_rank()}"), 2)
+    out = capfd.readouterr().out
+    assert "hello from rank 0" in out and "hello from rank 1" in out
 
 
 def test_spawn_runs_an_importable_function(no_leftovers):
-    assert run(_all_reduce_rank, 2, 0, start_method="spawn", timeout_s=120) == [3.0, 3.0]
+    assert run(all_reduce_rank, 2, 0.0, start_method="spawn") == [3.0, 3.0]
 
+
+def test_spawn_without_cloudpickle_refuses_a_lambda_with_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cloudpickle", None)  # makes `import cloudpickle` fail
+    with pytest.raises(TypeError, match="start_method='spawn' could not pickle fn=.*<lambda>.*pip install cloudpickle"):
+        run(lambda: 0, 2, start_method="spawn")
+
+
+def test_init_from_env_joins_an_existing_group_or_says_what_is_missing(monkeypatch):
+    assert run(init_from_env, 2) == [(0, 2), (1, 2)]  # inside run the group exists already
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert not launched_by_torchrun()
+    with pytest.raises(RuntimeError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"):
+        init_from_env()
+
+
+# --- failures: the rank is named and nothing is left running --------------------------------------------
 
 def _raise_on_rank_1():
     if dist.get_rank() == 1:
@@ -66,20 +106,23 @@ def test_a_rank_that_raises_is_named_with_its_traceback(no_leftovers):
     assert err.value.rank == 1
     assert str(err.value).splitlines()[0].startswith("rank 1 failed: KeyError: 'oops'")
     assert 'raise KeyError("oops")' in err.value.traceback_text
+    copy = pickle.loads(pickle.dumps(err.value))  # e.g. sent back by a grader's subprocess
+    assert (copy.rank, str(copy)) == (1, str(err.value))
 
 
-def _hang_on_rank_2():
-    if dist.get_rank() == 2:
-        time.sleep(600)
+def _hang_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(600)  # never reaches the collective
     dist.all_reduce(torch.ones(1))
 
 
-def test_a_rank_stuck_outside_a_collective_is_named(no_leftovers):
+def test_a_rank_missing_from_a_collective_is_named_where_it_hangs(no_leftovers):
     start = time.monotonic()
     with pytest.raises(RankError) as err:
-        run(_hang_on_rank_2, 4, pg_timeout_s=3)
-    assert err.value.rank == [2]
-    assert "rank(s) [2] never joined it" in str(err.value).splitlines()[0]
+        run(_hang_on_rank_1, 4, pg_timeout_s=3)
+    assert err.value.rank == [1]
+    assert "failed in a collective while rank(s) [1] never joined it" in str(err.value).splitlines()[0]
+    assert "rank 1 was here" in err.value.traceback_text and "in _hang_on_rank_1" in err.value.traceback_text
     assert time.monotonic() - start < 15
 
 
@@ -96,24 +139,45 @@ def test_a_rank_that_exits_is_named_with_its_exit_code(no_leftovers):
     assert str(err.value).splitlines()[0].startswith("rank 3 exited with code 3 before returning a result")
 
 
-def _fork_grandchild_then_raise(pid_file):
+def _killed_on_rank_1():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_killed_by_a_signal_is_named(no_leftovers):
+    with pytest.raises(RankError, match="^rank 1 was killed by signal SIGKILL") as err:
+        run(_killed_on_rank_1, 2)
+    assert err.value.rank == 1
+
+
+def test_a_result_that_cannot_be_sent_back_is_an_error(no_leftovers):
+    with pytest.raises(RankError, match="^rank 0 failed: could not send the result back"):
+        run(lambda: (lambda: 0), 1)  # a lambda cannot be pickled
+
+
+def _forks_without_end(pid_dir: str) -> None:
+    """Rank 0 starts a process that keeps forking sleepers, waits for a few, then raises."""
     if dist.get_rank() == 0:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        with open(pid_file, "w") as f:
-            f.write(str(child.pid))
-        raise RuntimeError("left a grandchild behind")
+        if os.fork() == 0:
+            for _ in range(200):  # bounded, in case the test fails to kill it
+                if os.fork() == 0:
+                    Path(pid_dir, str(os.getpid())).touch()
+                    time.sleep(600)
+                    os._exit(0)
+                time.sleep(0.02)
+            time.sleep(600)
+            os._exit(0)
+        while len(os.listdir(pid_dir)) < 5:
+            time.sleep(0.02)
+        raise RuntimeError("left its children behind")
     dist.barrier()
 
 
 def test_processes_started_by_a_rank_die_with_it(tmp_path, no_leftovers):
-    pid_file = tmp_path / "grandchild.pid"
-    with pytest.raises(RankError, match="rank 0 failed: RuntimeError: left a grandchild behind"):
-        run(_fork_grandchild_then_raise, 2, str(pid_file))
-    grandchild = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while psutil.pid_exists(grandchild) and psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "grandchild still running"
-        time.sleep(0.05)
+    with pytest.raises(RankError, match="^rank 0 failed: RuntimeError: left its children behind"):
+        run(_forks_without_end, 2, str(tmp_path))
+    _wait_until_gone([int(name) for name in os.listdir(tmp_path)])
 
 
 def test_the_deadline_kills_ranks_that_never_return(no_leftovers):
@@ -121,58 +185,82 @@ def test_the_deadline_kills_ranks_that_never_return(no_leftovers):
     with pytest.raises(RankTimeout) as err:
         run(lambda: time.sleep(600) if dist.get_rank() == 1 else None, 3, timeout_s=2)
     assert err.value.rank == [1]
-    assert "rank(s) [1] did not finish within timeout_s=2 s (finished: [0, 2]" in str(err.value)
+    assert str(err.value).splitlines()[0] == ("rank(s) [1] did not finish within timeout_s=2 s "
+                                              "(still running: [1]; finished: [0, 2])")
+    assert "rank 1 was here" in err.value.traceback_text
     assert time.monotonic() - start < 10
 
 
+def test_the_deadline_names_the_rank_the_others_wait_for(no_leftovers):
+    with pytest.raises(RankTimeout) as err:
+        run(_hang_on_rank_1, 3, timeout_s=2, pg_timeout_s=60)  # the collective would wait for a minute
+    assert err.value.rank == [1]
+    assert "(still running: [0, 1, 2], of which [0, 2] wait in torch.distributed" in str(err.value)
+
+
 def test_ranks_die_when_their_parent_is_killed(tmp_path):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
     script = textwrap.dedent(f"""
         import os, time
+        from pathlib import Path
         from lab.dist import run
+
         def sleeper():
-            open(os.path.join({str(pid_dir)!r}, str(os.getpid())), "w").close()
+            Path({str(tmp_path)!r}, str(os.getpid())).touch()
             time.sleep(600)
+
         run(sleeper, 3, timeout_s=600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script])
-    deadline = time.monotonic() + 60
-    while len(os.listdir(pid_dir)) < 3:
-        assert time.monotonic() < deadline and parent.poll() is None, "ranks did not start"
-        time.sleep(0.1)
-    ranks = [int(name) for name in os.listdir(pid_dir)]
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    deadline = time.monotonic() + 5
-    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in ranks):
-        assert time.monotonic() < deadline, "ranks outlived their killed parent"
-        time.sleep(0.05)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 3:
+            assert time.monotonic() < deadline and parent.poll() is None, "ranks did not start"
+            time.sleep(0.05)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    _wait_until_gone([int(name) for name in os.listdir(tmp_path)])
 
 
 def _mismatched_sizes():
-    size = 8 if dist.get_rank() == 1 else 4
-    dist.all_reduce(torch.ones(size))
+    dist.all_reduce(torch.ones(8 if dist.get_rank() == 1 else 4))
 
 
 def test_debug_mode_turns_silent_size_mismatches_into_errors(no_leftovers):
-    with pytest.raises(RankError, match="mismatch"):
+    with pytest.raises(RankError, match="Detected mismatch between collectives"):
         run(_mismatched_sizes, 2, debug=True, pg_timeout_s=10)
+    assert dist.get_debug_level() == dist.DebugLevel.OFF  # the parent is left as it was
 
+
+# --- arguments ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size, kwargs, message", [
     (0, {}, "world_size=0 must be an integer >= 1"),
+    (2.0, {}, "world_size=2.0 must be an integer >= 1"),
     (2, dict(backend="mpi"), "backend='mpi' must be one of 'gloo', 'nccl'"),
     (2, dict(start_method="forkserver"), "start_method='forkserver' must be one of 'fork', 'spawn'"),
     (2, dict(timeout_s=0), "timeout_s=0 must be > 0"),
+    (2, dict(pg_timeout_s=-1), "pg_timeout_s=-1 must be > 0"),
 ])
-def test_bad_arguments(world_size, kwargs, message):
+def test_bad_arguments_are_one_clear_line(world_size, kwargs, message):
     with pytest.raises(ValueError) as err:
-        run(_all_reduce_rank, world_size, 0, **kwargs)
+        run(all_reduce_rank, world_size, 0.0, **kwargs)
     assert str(err.value) == message
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has GPUs: nccl would work")
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs: nccl works here")
 def test_nccl_without_gpus_says_so():
     with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank: world_size=2 but 0 GPU"):
-        run(_all_reduce_rank, 2, 0, backend="nccl")
+        run(all_reduce_rank, 2, 0.0, backend="nccl")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for NCCL")
+def test_nccl_all_reduce_on_two_gpus():
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"  # a forked child cannot re-initialise CUDA
+    assert run(all_reduce_on_gpu, 2, backend="nccl", start_method=start_method) == [3.0, 3.0]
+
+
+def test_tensor_results_survive_the_rank_exiting():
+    # tensors must be copied back, not shared through memory that dies with the rank
+    results = run(lambda: torch.full((3,), float(dist.get_rank())), 3)
+    assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]

@@ -3,11 +3,12 @@
 `run` starts local ranks (notebooks, tests, the grader, `--nproc`); under torchrun `init_from_env`
 joins the launched group instead. `Mesh` lays ranks out on the dp x pp x cp x tp grid and builds a
 process group per axis; `count_collectives` counts the calls and bytes of every collective.
+This package knows nothing of the techniques built on it: it imports torch, and nothing else from `lab`.
 """
 
 import warnings
 
-from lab.dist.comm import CollectiveCounts, count_collectives
+from lab.dist.comm import CollectiveCounts, OpCounts, count_collectives
 from lab.dist.launch import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
 from lab.dist.mesh import Mesh, axis_groups, layout
 
@@ -16,5 +17,5 @@ from lab.dist.mesh import Mesh, axis_groups, layout
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
                         r"is deprecated", category=FutureWarning)
 
-__all__ = ["CollectiveCounts", "Mesh", "RankError", "RankTimeout", "axis_groups", "count_collectives",
+__all__ = ["CollectiveCounts", "Mesh", "OpCounts", "RankError", "RankTimeout", "axis_groups", "count_collectives",
            "init_from_env", "launched_by_torchrun", "layout", "run"]

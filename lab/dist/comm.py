@@ -5,18 +5,24 @@ the tensor per rank"; tests and notebooks check them by counting:
 
     with count_collectives() as counts:
         train_step()
-    counts.calls["all_reduce"], counts.bytes["reduce_scatter_tensor"], counts.by_group[(0, 1)]
+    counts.calls["all_reduce"], counts.bytes["reduce_scatter_tensor"], counts.by_group[(0, 1)].bytes
     print(counts.table())
 
 The context manager temporarily replaces the functions of `torch.distributed` (`dist.all_reduce`, ...)
-with counting wrappers, and restores them on exit, also after an exception; contexts nest. Only code
-that looks the function up on the module at call time (`dist.all_reduce(...)`, as all of `lab` does)
-is counted, not torch internals such as DDP's reducer.
+with counting wrappers, and restores them on exit, also after an exception; contexts nest (an inner
+context's calls are counted by the outer one too). Only code that looks the function up on the module at
+call time (`dist.all_reduce(...)`, as all of `lab` does) is counted — not `from torch.distributed import
+all_reduce` done before the context, and not torch internals such as DDP's reducer or FSDP2.
 
 Bytes are those of the tensor each rank hands to the operation — its own contribution:
-all_reduce, broadcast, reduce, gather, scatter: the tensor; all_gather(_into_tensor): the input shard;
-reduce_scatter(_tensor), all_to_all(_single): the whole input; send/isend: the message sent;
-recv/irecv: the message received (counted under their own names); barrier: 0.
+- all_reduce, broadcast, reduce, gather: the tensor;
+- scatter: the shard this rank receives (its `tensor`);
+- all_gather, all_gather_into_tensor, all_gather_single: the input shard;
+- reduce_scatter, reduce_scatter_tensor, reduce_scatter_single, all_to_all, all_to_all_single: the whole input;
+- send, isend: the message sent; recv, irecv: the message received (counted under their own names);
+  batch_isend_irecv counts each of its ops as an isend or an irecv;
+- barrier: 0 bytes.
+Groups are keyed by their global ranks, e.g. (0, 1); the default group is "world".
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -32,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 # operation -> the name of its argument whose bytes are counted (None: counts no bytes)
-_PAYLOAD_ARGUMENT = {
+PAYLOAD_ARGUMENT = {
     "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "gather": "tensor", "scatter": "tensor",
-    "all_gather": "tensor", "all_gather_into_tensor": "input_tensor", "all_gather_single": "input",
+    "all_gather": "tensor", "all_gather_into_tensor": "input_tensor", "all_gather_single": "input_tensor",
     "reduce_scatter": "input_list", "reduce_scatter_tensor": "input", "reduce_scatter_single": "input",
     "all_to_all": "input_tensor_list", "all_to_all_single": "input",
     "send": "tensor", "recv": "tensor", "isend": "tensor", "irecv": "tensor", "barrier": None,
@@ -49,34 +55,50 @@ def _nbytes(value) -> int:
     return 0
 
 
-def _group_key(group) -> str | tuple[int, ...]:
+def group_key(group: dist.ProcessGroup | None) -> str | tuple[int, ...]:
+    """"world" for the default group, else the group's global ranks."""
     if group is None or group is dist.group.WORLD:
         return "world"
     return tuple(dist.get_process_group_ranks(group))
 
 
 @dataclass
-class CollectiveCounts:
+class OpCounts:
+    """Calls and bytes per operation name."""
+
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
-    by_group: dict = field(default_factory=dict)  # group key -> Counter of {op: bytes, "op calls": n}
 
-    def record(self, op: str, nbytes: int, group) -> None:
-        self.calls[op] += 1
-        self.bytes[op] += nbytes
-        per_group = self.by_group.setdefault(_group_key(group), Counter())
-        per_group[op] += nbytes
-        per_group[f"{op} calls"] += 1
+
+@dataclass
+class CollectiveCounts(OpCounts):
+    """Calls and bytes per operation, in total and per group (`by_group[(0, 1)].bytes["all_reduce"]`)."""
+
+    by_group: dict[str | tuple[int, ...], OpCounts] = field(default_factory=dict)
+
+    def record(self, op: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+        for counts in (self, self.by_group.setdefault(group_key(group), OpCounts())):
+            counts.calls[op] += 1
+            counts.bytes[op] += nbytes
 
     def table(self) -> str:
-        lines = [f"{'operation':<24}{'calls':>8}{'bytes':>16}"]
-        lines += [f"{op:<24}{self.calls[op]:>8}{self.bytes[op]:>16,}" for op in sorted(self.calls)]
+        """One row per (group, operation), then the totals per operation."""
+        lines = [f"{'group':<16}{'operation':<24}{'calls':>8}{'bytes':>16}"]
+        for key, counts in sorted(self.by_group.items(), key=lambda item: str(item[0])):
+            lines += [f"{str(key):<16}{op:<24}{counts.calls[op]:>8}{counts.bytes[op]:>16,}"
+                      for op in sorted(counts.calls)]
+        lines += [f"{'total':<16}{op:<24}{self.calls[op]:>8}{self.bytes[op]:>16,}" for op in sorted(self.calls)]
         return "\n".join(lines)
 
+    summary = table
 
-def _counting(op: str, original, counts: CollectiveCounts):
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _counting(op: str, original: Callable, counts: CollectiveCounts) -> Callable:
     signature = inspect.signature(original)
-    argument = _PAYLOAD_ARGUMENT[op]
+    argument = PAYLOAD_ARGUMENT[op]
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -87,7 +109,7 @@ def _counting(op: str, original, counts: CollectiveCounts):
     return wrapper
 
 
-def _counting_batch(original, counts: CollectiveCounts):
+def _counting_batch(original: Callable, counts: CollectiveCounts) -> Callable:
     @functools.wraps(original)
     def wrapper(p2p_op_list):
         for p2p in p2p_op_list:
@@ -112,7 +134,7 @@ class _P2POp(dist.P2POp):
 def count_collectives() -> Iterator[CollectiveCounts]:
     """Count every `torch.distributed` collective and point-to-point call made inside the block."""
     counts = CollectiveCounts()
-    saved = {op: getattr(dist, op) for op in _PAYLOAD_ARGUMENT if hasattr(dist, op)}
+    saved = {op: getattr(dist, op) for op in PAYLOAD_ARGUMENT if hasattr(dist, op)}
     saved_batch, saved_p2p_op = dist.batch_isend_irecv, dist.P2POp
     try:
         for op, original in saved.items():

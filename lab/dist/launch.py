@@ -5,38 +5,55 @@ N real processes in a real process group on one machine. It exists because the o
 ways a course cannot afford (measured in the course's reference notes):
 
 - `mp.spawn` cannot run a function defined in a notebook cell (it re-imports `__main__`), so ranks are
-  forked by default.
+  forked by default: a child inherits everything the kernel has defined, lambdas and closures included.
 - A forked child hangs forever in its first parallel op if the parent had used OpenMP, unless the child
   calls `torch.set_num_threads(1)` first — which every rank does before anything else.
 - Plain `multiprocessing` waits forever on a rank stuck outside a collective, so the parent watches every
   rank and kills them all at the first failure or at a deadline.
 - When the notebook kernel or pytest is killed, its children would live on; each rank asks the kernel to
   SIGKILL it when its parent dies (`PR_SET_PDEATHSIG`), and leads its own process group so that anything
-  it started dies with it.
+  it started dies with it when the parent kills that group. (If the parent is SIGKILLed, only the ranks
+  die at once: a process a rank started must watch its own parent, as DataLoader workers do.)
 - When one rank crashes, the others fail too ("Connection closed by peer"); the error names the rank
-  whose failure came first in the chain, with its traceback, not a bystander.
+  whose failure came first in the chain, with its traceback, not a bystander. A rank that hangs is shown
+  where it hangs: every rank prints its Python stack on SIGUSR1 (`faulthandler`), which the parent asks
+  for before killing it.
 
 The rendezvous store lives in the parent (created on port 0, so there is no free-port race) and the
 ranks join it as clients. Under `torchrun` none of this is needed: `init_from_env` joins that group.
+POSIX only (process groups, signals); PDEATHSIG is Linux only and skipped elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
+import functools
 import multiprocessing as mp
 import os
+import pickle
+import shutil
 import signal
+import sys
+import tempfile
 import time
 import traceback
+import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
 START_METHODS = ("fork", "spawn")
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _PR_SET_PDEATHSIG = 1
+_GRACE_S = 1.0  # how long a bystander's error waits for the culprit's error to arrive
 # Errors a rank reports because *another* rank failed; they never name the culprit.
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "timed out", "DistNetworkError", "DistStoreError", "NCCL communicator was aborted")
@@ -47,23 +64,29 @@ class RankError(RuntimeError):
 
     def __init__(self, message: str, rank: int | list[int], traceback_text: str = "") -> None:
         super().__init__(message + (f"\n{traceback_text.rstrip()}" if traceback_text else ""))
-        self.rank = rank
-        self.traceback_text = traceback_text
+        self.message, self.rank, self.traceback_text = message, rank, traceback_text
+
+    def __reduce__(self):  # picklable, e.g. by a grader that runs learners' code in a subprocess
+        return type(self), (self.message, self.rank, self.traceback_text)
 
 
 class RankTimeout(RankError):
-    """Ranks were still running at the deadline."""
+    """Ranks were still running at the deadline; `traceback_text` shows where each one was."""
 
 
 def launched_by_torchrun() -> bool:
     """True inside a process started by torchrun (or any launcher that sets the env:// variables)."""
-    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return all(key in os.environ for key in _TORCHRUN_ENV)
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
     """Join the process group torchrun set up: NCCL with one GPU per local rank when CUDA is there,
-    gloo otherwise. Returns (rank, world_size)."""
+    gloo otherwise. Returns (rank, world_size); does nothing but return them if a group already exists."""
     if not dist.is_initialized():
+        if not launched_by_torchrun():
+            missing = ", ".join(key for key in _TORCHRUN_ENV if key not in os.environ)
+            raise RuntimeError(f"init_from_env needs the variables torchrun sets; {missing} not set "
+                               f"(start local ranks with lab.dist.run instead)")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -71,151 +94,191 @@ def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> tupl
     return dist.get_rank(), dist.get_world_size()
 
 
+# --- the rank (child) side -----------------------------------------------------------------------------
+
 def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the parent's deadline still bounds the rank's life
+    """Ask Linux to SIGKILL this rank when its parent dies: a killed kernel must not leave ranks behind.
+    (Strictly, when the parent *thread* that started it ends; `run` blocks that thread until the ranks end.)"""
+    if sys.platform != "linux":  # elsewhere the parent's deadline still bounds the rank's life
         return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
-def _rank_main(payload: tuple, rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float,
-               parent_pid: int, conn: Connection) -> None:
+def _summary(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return text.splitlines()[0]
+
+
+def _rank_main(payload: tuple | bytes, rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float,
+               debug: bool, parent_pid: int, stack_path: str, conn: Connection) -> None:
     """The body of every rank: isolate, join the group, run fn, send back the result or the traceback."""
+    torch.set_num_threads(1)  # before any op: forked children hang in OpenMP otherwise
     os.setsid()  # lead a process group: the parent can kill this rank and everything it started
     _die_with_parent(parent_pid)
-    torch.set_num_threads(1)  # before any op: forked children hang in OpenMP otherwise
+    faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        fn, args, kwargs = payload
+        fn, args, kwargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        if debug:  # the group is wrapped in a checker when it is created: set before init
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
-    except BaseException as error:  # noqa: BLE001 - everything, SystemExit included, goes to the parent
-        summary = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
-        conn.send(("error", summary, traceback.format_exc(), time.time()))
-        conn.close()
-        os._exit(1)
-    finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # fn may have destroyed it itself
             dist.destroy_process_group()
-    conn.close()
+        message = ("ok", result)
+    except BaseException as error:  # everything, SystemExit and KeyboardInterrupt included, goes to the parent
+        message = ("error", time.time(), _summary(error), traceback.format_exc())
+    for stream in (sys.stdout, sys.stderr):  # the parent kills the rank once it has its result: flush first
+        with contextlib.suppress(Exception):
+            stream.flush()
+    # Plain pickle, not Connection.send: multiprocessing's pickler would pass tensors as shared-memory
+    # handles, which die with this process as soon as it exits below. Bytes are copied.
+    try:
+        conn.send_bytes(pickle.dumps(message))
+    except Exception as error:  # e.g. a result that cannot be pickled
+        conn.send_bytes(pickle.dumps(("error", time.time(), f"could not send the result back: {_summary(error)}",
+                                      traceback.format_exc())))
+    os._exit(0)  # at once: the parent knows the outcome, and a broken group can hang in its destructors
 
 
-def _validate(world_size: int, backend: str, start_method: str, timeout_s: float) -> None:
+# --- the parent side -----------------------------------------------------------------------------------
+
+def _validate(fn: Callable, world_size: int, backend: str, start_method: str, timeout_s: float,
+              pg_timeout_s: float) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {', '.join(map(repr, BACKENDS))}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} must be one of {', '.join(map(repr, START_METHODS))}")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
                          f"{torch.cuda.device_count()} GPU(s) are visible; use backend='gloo' on CPUs")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method={start_method!r} must be one of {', '.join(map(repr, START_METHODS))}")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+    if backend == "nccl" and start_method == "fork" and torch.cuda.is_initialized():
+        raise ValueError("backend='nccl' with start_method='fork' needs a parent that has not used CUDA yet "
+                         "(a forked child cannot initialise it again); pass start_method='spawn'")
+    for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s)):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r} must be > 0")
 
 
-_PREIMPORTED = False
-
-
+@functools.cache
 def _preimport() -> None:
-    """Import torch.distributed's heavy submodules once in the parent, so forked ranks need not."""
-    global _PREIMPORTED
-    if not _PREIMPORTED:
-        for name in ("torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-                     "torch.distributed.pipelining", "torch.distributed.device_mesh"):
-            try:
-                __import__(name)
-            except ImportError:  # older torch: the chapter that needs it will say so
-                pass
-        _PREIMPORTED = True
+    """Import torch.distributed's heavy submodules once in the parent, so that forked ranks need not:
+    each rank importing FSDP or pipelining itself costs seconds, on every launch."""
+    for name in ("torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+                 "torch.distributed.pipelining", "torch.distributed.device_mesh"):
+        try:
+            __import__(name)
+        except ImportError:  # older torch: the chapter that needs it will say so
+            pass
 
 
-def run(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120.0, pg_timeout_s: float = 30.0,
-        start_method: str = "fork", debug: bool = False, **kwargs) -> list:
+def _pickle_for_spawn(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    """spawn starts fresh interpreters, so fn travels pickled: by value with cloudpickle when it is installed
+    (lambdas and notebook functions work), else by name with pickle (fn must be importable from a module)."""
+    try:
+        import cloudpickle
+    except ImportError:
+        cloudpickle = None
+    if cloudpickle is not None:
+        return cloudpickle.dumps((fn, args, kwargs))
+    try:
+        return pickle.dumps((fn, args, kwargs))
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(f"start_method='spawn' could not pickle fn={getattr(fn, '__qualname__', fn)} or its "
+                        f"arguments ({error}); define fn at module level, or pip install cloudpickle") from error
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0,
+        pg_timeout_s: float = 30.0, start_method: str = "fork", debug: bool = False, **kwargs: Any) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks in one process group; return their results.
 
-    Results come back in rank order. On the first failure, or if ranks are still running after
-    `timeout_s` seconds, every rank is killed and `RankError` (or `RankTimeout`) names the culprit.
-    A collective that waits for a missing rank fails after `pg_timeout_s`. `debug=True` makes
+    Results come back in rank order (pickled through pipes). On the first failure, or if ranks are still
+    running after `timeout_s` seconds, every rank is killed and `RankError` (or `RankTimeout`) names the
+    culprit. A collective that waits for a missing rank fails after `pg_timeout_s`. `debug=True` makes
     mismatched collectives (e.g. different sizes on different ranks, which gloo can silently get wrong)
-    fail loudly, at a cost in speed. With `start_method="spawn"`, `fn` must be importable by name.
+    fail loudly, at about 2.5x the latency. With `start_method="spawn"`, `fn` is sent with cloudpickle if
+    it is installed, else by name (then it must be importable, and the usual multiprocessing rule applies:
+    a script guards its entry point with `if __name__ == "__main__":`).
     """
-    _validate(world_size, backend, start_method, timeout_s)
+    _validate(fn, world_size, backend, start_method, timeout_s, pg_timeout_s)
     _preimport()
-    if debug:
-        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    payload = (fn, args, kwargs) if start_method == "fork" else _pickle_for_spawn(fn, args, kwargs)
     context = mp.get_context(start_method)
-    payload = (fn, args, kwargs)  # fork: inherited as is; spawn: pickled, so fn must be importable
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=pg_timeout_s))
+    stack_dir = tempfile.mkdtemp(prefix="lab-ranks-")
+    stack_paths = [os.path.join(stack_dir, f"rank{rank}.stack") for rank in range(world_size)]
     ranks, conns = [], []
     try:
         for rank in range(world_size):
             parent_end, child_end = context.Pipe(duplex=False)
             process = context.Process(
                 target=_rank_main, name=f"lab-rank-{rank}", daemon=False,
-                args=(payload, rank, world_size, store.port, backend, pg_timeout_s, os.getpid(), child_end))
-            process.start()
+                args=(payload, rank, world_size, store.port, backend, pg_timeout_s, debug, os.getpid(),
+                      stack_paths[rank], child_end))
+            with warnings.catch_warnings():  # Python >= 3.12 warns on fork with threads (the store's)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                process.start()
             child_end.close()
             ranks.append(process)
             conns.append(parent_end)
-        return _supervise(ranks, conns, timeout_s)
+        return _supervise(ranks, conns, timeout_s, stack_paths)
     finally:
         _kill_all(ranks)
-        if debug:
-            dist.set_debug_level(dist.DebugLevel.OFF)
+        for conn in conns:
+            conn.close()
+        shutil.rmtree(stack_dir, ignore_errors=True)
         del store
 
 
-def _supervise(ranks: list, conns: list[Connection], timeout_s: float) -> list:
+def _supervise(ranks: list, conns: list[Connection], timeout_s: float, stack_paths: list[str]) -> list:
+    """Collect every rank's result; raise at the first failure (once its cause is known) or at the deadline."""
     deadline = time.monotonic() + timeout_s
-    results: dict[int, object] = {}
+    results: dict[int, Any] = {}
     failures: dict[int, tuple[float, str, str]] = {}  # rank -> (when, one-line summary, traceback)
-    first_failure_at = None
+    first_failure_at = 0.0
     while len(results) < len(ranks):
+        running = [r for r in range(len(ranks)) if r not in results and r not in failures]
         now = time.monotonic()
-        if failures and (now - first_failure_at > 2.0 or len(failures) + len(results) == len(ranks)
+        if failures and (not running or now >= deadline or now - first_failure_at > _GRACE_S
                          or any(not _is_secondary(summary) for _, summary, _ in failures.values())):
-            raise _culprit(failures, results, len(ranks))
+            raise _culprit(failures, running, ranks, stack_paths)
         if now >= deadline:
-            running = [r for r in range(len(ranks)) if r not in results and r not in failures]
-            done = sorted(results)
-            raise RankTimeout(f"rank(s) {running} did not finish within timeout_s={timeout_s:g} s "
-                              f"(finished: {done}; a rank stuck outside a collective, or a collective "
-                              f"waiting for it)", running)
-        pending = [r for r in range(len(ranks)) if r not in results and r not in failures]
-        watched = [conns[r] for r in pending] + [ranks[r].sentinel for r in pending]
-        for ready in wait(watched, timeout=min(0.2, max(deadline - now, 0.01))):
-            rank = next(r for r in pending if ready in (conns[r], ranks[r].sentinel))
+            raise _timeout(running, sorted(results), timeout_s, ranks, stack_paths)
+        watched = {conns[r]: r for r in running} | {ranks[r].sentinel: r for r in running}
+        for ready in wait(list(watched), timeout=min(0.2, deadline - now)):
+            rank = watched[ready]
             if rank in results or rank in failures:
                 continue
             message = _receive(conns[rank])
-            if message is None and not ranks[rank].is_alive():
+            if message is None and not ranks[rank].is_alive():  # died without a word: os._exit, a signal
                 ranks[rank].join()
-                message = ("error", _exit_description(ranks[rank].exitcode), "", time.time())
+                message = ("error", time.time(), _exit_description(ranks[rank].exitcode), "")
             if message is None:
                 continue
             if message[0] == "ok":
                 results[rank] = message[1]
             else:
-                failures[rank] = (message[3], message[1], message[2])
+                failures[rank] = message[1:]
                 first_failure_at = first_failure_at or time.monotonic()
     return [results[r] for r in range(len(ranks))]
 
 
-def _receive(conn: Connection):
+def _receive(conn: Connection) -> tuple | None:
     try:
-        return conn.recv() if conn.poll() else None
+        return pickle.loads(conn.recv_bytes()) if conn.poll() else None
     except (EOFError, OSError):
         return None
 
@@ -230,8 +293,9 @@ def _is_secondary(summary: str) -> bool:
     return any(marker in summary for marker in _SECONDARY)
 
 
-def _culprit(failures: dict, results: dict, world_size: int) -> RankError:
-    """Name the rank whose failure caused the others: a primary error first, then the earliest one."""
+def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[str]) -> RankError:
+    """Name the rank whose failure caused the others: a primary error first (the earliest), then a rank that
+    never joined the collective the others timed out in, then the earliest error of all."""
     primary = {r: f for r, f in failures.items() if not _is_secondary(f[1])}
     if primary:
         rank = min(primary, key=lambda r: primary[r][0])
@@ -240,25 +304,68 @@ def _culprit(failures: dict, results: dict, world_size: int) -> RankError:
         others = sorted(set(failures) - {rank})
         tail = f" (then rank(s) {others} failed too)" if others else ""
         return RankError(f"rank {rank} {verb}{summary}{tail}", rank, tb)
-    missing = [r for r in range(world_size) if r not in failures and r not in results]
     rank = min(failures, key=lambda r: failures[r][0])
     _, summary, tb = failures[rank]
-    if missing:
-        return RankError(f"rank(s) {sorted(failures)} failed in a collective while rank(s) {missing} never "
-                         f"joined it: {summary}", missing, tb)
+    if running:
+        stacks = _dump_stacks(running, ranks, stack_paths)
+        return RankError(f"rank(s) {sorted(failures)} failed in a collective while rank(s) {running} never "
+                         f"joined it: {summary}", running, "\n".join([*stacks.values(), f"rank {rank}: {tb}"]))
     return RankError(f"rank {rank} failed: {summary}", rank, tb)
+
+
+def _timeout(running: list[int], finished: list[int], timeout_s: float, ranks: list,
+             stack_paths: list[str]) -> RankTimeout:
+    """Name the ranks still running at the deadline, and — from their stacks — which of them were stuck
+    somewhere other than a torch.distributed call (those waiting in a collective are waiting for them)."""
+    stacks = _dump_stacks(running, ranks, stack_paths)
+    waiting = [r for r in running if _innermost_frame_in_torch_distributed(stacks[r])]
+    culprits = [r for r in running if r not in waiting] or running
+    note = f", of which {waiting} wait in torch.distributed" if waiting and culprits != running else ""
+    return RankTimeout(f"rank(s) {culprits} did not finish within timeout_s={timeout_s:g} s "
+                       f"(still running: {running}{note}; finished: {finished})", culprits, "\n".join(stacks.values()))
+
+
+def _dump_stacks(which: list[int], ranks: list, stack_paths: list[str], wait_s: float = 1.0) -> dict[int, str]:
+    """Where each rank in `which` is right now: its Python stack, printed by faulthandler on SIGUSR1."""
+    for rank in which:
+        _signal(ranks[rank].pid, signal.SIGUSR1, group=False)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(_read(stack_paths[r]) for r in which):
+        time.sleep(0.02)
+    time.sleep(0.05)  # let the last lines land
+    return {rank: f"rank {rank} was here:\n{_user_frames(_read(stack_paths[rank]))}" for rank in which}
+
+
+def _user_frames(stack: str) -> str:
+    """A forked rank's stack goes on down to the parent's `run` call: keep the part above `_rank_main`."""
+    lines = stack.splitlines() or ["(no stack: the rank did not answer)"]
+    end = next((i for i, line in enumerate(lines) if line.endswith(" in _rank_main")), len(lines))
+    return "\n".join(lines[:end])
+
+
+def _read(path: str) -> str:
+    return Path(path).read_text().strip() if os.path.exists(path) else ""  # absent: the rank was still starting
+
+
+def _innermost_frame_in_torch_distributed(stack: str) -> bool:
+    frames = [line for line in stack.splitlines() if line.strip().startswith("File ")]
+    return bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[0]
+
+
+def _signal(pid: int | None, signum: int, group: bool) -> None:
+    if pid is None:
+        return
+    try:
+        (os.killpg if group else os.kill)(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_all(ranks: list) -> None:
     """SIGKILL every rank's process group (the rank and anything it started) and reap the ranks."""
     for process in ranks:
-        if process.pid is None:
-            continue
-        for kill in (os.killpg, os.kill):  # the group, and the rank itself in case it had not yet called setsid
-            try:
-                kill(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _signal(process.pid, signal.SIGKILL, group=True)
+        if process.exitcode is None:  # still running, maybe before its setsid: not yet a group of its own
+            _signal(process.pid, signal.SIGKILL, group=False)
     for process in ranks:
         process.join(timeout=5)
-

@@ -5,25 +5,32 @@ of a TP group are neighbours — on a GPU cluster, GPUs of the same node, where 
 per-layer collectives need is. Then context, pipeline and data parallelism, which talk less often.
 
 A rank's group along an axis is the line of the grid through it along that axis: e.g. its TP group
-is every rank with the same (dp, pp, cp) coordinates. Expert parallelism reuses the dp x cp ranks (as
-TorchTitan does): the EP groups are consecutive runs of `ep` ranks along the flattened (dp, cp) axes.
+is every rank with the same (dp, pp, cp) coordinates. Two more groups are built from the same grid:
+
+- dp_cp: the dp x cp ranks with this rank's (pp, tp). Context parallelism splits the sequence, so each CP
+  rank holds gradients of a different part of the batch: gradients are averaged over dp x cp, not dp.
+- ep: expert parallelism reuses the dp x cp ranks (as TorchTitan does) rather than adding an axis: the EP
+  groups are consecutive runs of `ep` ranks along the flattened (dp, cp) axes, at fixed (pp, tp).
 
 `layout` and `axis_groups` need no process group, so notebooks and widgets can draw the grid.
 `Mesh` builds the groups inside an initialised process group; every rank must build the same mesh,
-because `dist.new_group` must be called by all ranks, in the same order, for every group.
+because `dist.new_group` must be called by every rank, in the same order, for every group (also for the
+groups the rank is not in): that is how ranks agree on which group is which.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("dp", "pp", "cp", "tp")
+GROUPS = AXES + ("dp_cp", "ep")
 
 
 def _check(world_size: int, dp: int, pp: int, cp: int, tp: int, ep: int = 1) -> None:
     for name, value in zip(AXES + ("ep",), (dp, pp, cp, tp, ep), strict=True):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an integer >= 1")
     if dp * pp * cp * tp != world_size:
         raise ValueError(f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * pp * cp * tp} must equal world_size={world_size}")
@@ -39,20 +46,17 @@ def layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) 
 
 def axis_groups(world_size: int, axis: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1,
                 ep: int = 1) -> list[list[int]]:
-    """Every group along `axis` ("dp", "pp", "cp", "tp", "ep" or "dp_cp"), as lists of global ranks."""
+    """Every group along `axis` ("dp", "pp", "cp", "tp", "dp_cp" or "ep"), as lists of global ranks, in the
+    order `Mesh` creates them. E.g. `axis_groups(8, "tp", dp=2, tp=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]`."""
     _check(world_size, dp, pp, cp, tp, ep)
     grid = layout(world_size, dp, pp, cp, tp)
     if axis in AXES:
         dim = AXES.index(axis)
-        lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
-        return lines.tolist()
+        return grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
     if axis in ("dp_cp", "ep"):
-        # (dp, cp) flattened, for every (pp, tp): what gradients are averaged over when cp > 1
-        lines = grid.permute(1, 3, 0, 2).reshape(pp * tp, dp * cp)
-        if axis == "dp_cp":
-            return lines.tolist()
-        return lines.reshape(-1, ep).tolist()
-    raise ValueError(f"axis={axis!r} must be one of 'dp', 'pp', 'cp', 'tp', 'ep', 'dp_cp'")
+        dp_cp = grid.permute(1, 3, 0, 2).reshape(pp * tp, dp * cp)  # one row of dp x cp ranks per (pp, tp)
+        return (dp_cp if axis == "dp_cp" else dp_cp.reshape(-1, ep)).tolist()
+    raise ValueError(f"axis={axis!r} must be one of {', '.join(map(repr, GROUPS))}")
 
 
 class Mesh:
@@ -65,40 +69,41 @@ class Mesh:
     """
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh needs an initialised process group: build it inside lab.dist.run "
+                               "(or after lab.dist.init_from_env under torchrun)")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.pp, self.cp, self.tp, self.ep = dp, pp, cp, tp, ep
         _check(self.world_size, dp, pp, cp, tp, ep)
         self.grid = layout(self.world_size, dp, pp, cp, tp)
         coords = self.coords(self.rank)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
-        groups = {}
-        for axis in AXES + ("dp_cp", "ep"):
+        self._groups: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
+        for axis in GROUPS:
             for ranks in axis_groups(self.world_size, axis, dp, pp, cp, tp, ep):
-                group = dist.new_group(ranks)  # collective: every rank creates every group
+                group = dist.new_group(ranks)  # collective: every rank creates every group, in this order
                 if self.rank in ranks:
-                    groups[axis] = (group, ranks)
-        self._groups = groups
-        self.dp_group, self.pp_group, self.cp_group, self.tp_group = (groups[a][0] for a in AXES)
-        self.dp_cp_group, self.ep_group = groups["dp_cp"][0], groups["ep"][0]
-        self.ep_rank = groups["ep"][1].index(self.rank)
-
-    def device_mesh(self, device_type: str | None = None):
-        """The same grid as a torch `DeviceMesh` (dims "dp", "pp", "cp", "tp"), to compare lab's
-        implementations with DTensor, FSDP2 and `parallelize_module` on identical rank layouts."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
-        return DeviceMesh(device_type, self.grid, mesh_dim_names=AXES)
+                    self._groups[axis] = (group, ranks)
+        self.dp_group, self.pp_group, self.cp_group, self.tp_group, self.dp_cp_group, self.ep_group = (
+            self._groups[axis][0] for axis in GROUPS)
+        self.ep_rank = self._groups["ep"][1].index(self.rank)
+        self._device_mesh: DeviceMesh | None = None
 
     def coords(self, rank: int) -> dict[str, int]:
+        """{"dp": d, "pp": p, "cp": c, "tp": t} of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} must be in [0, {self.world_size})")
         index = (self.grid == rank).nonzero()[0].tolist()
         return dict(zip(AXES, index, strict=True))
 
     def rank_of(self, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at these coordinates."""
         return int(self.grid[dp, pp, cp, tp])
 
     def group_ranks(self, axis: str) -> list[int]:
-        """The global ranks of this rank's group along `axis`."""
+        """The global ranks of this rank's group along `axis` (one of GROUPS)."""
+        if axis not in self._groups:
+            raise ValueError(f"axis={axis!r} must be one of {', '.join(map(repr, GROUPS))}")
         return list(self._groups[axis][1])
 
     @property
@@ -111,11 +116,23 @@ class Mesh:
 
     @property
     def pp_next_rank(self) -> int:
+        """Global rank of the next pipeline stage. Wraps around (the last stage's next is the first), as
+        interleaved schedules need when a micro-batch moves on to the next chunk of layers."""
         return self.rank_of(self.dp_rank, (self.pp_rank + 1) % self.pp, self.cp_rank, self.tp_rank)
 
     @property
     def pp_prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around like `pp_next_rank`)."""
         return self.rank_of(self.dp_rank, (self.pp_rank - 1) % self.pp, self.cp_rank, self.tp_rank)
+
+    def device_mesh(self) -> DeviceMesh:
+        """The same grid as a torch `DeviceMesh` with dims named dp, pp, cp, tp, to compare with DTensor and
+        FSDP2 (`fully_shard(model, mesh=mesh.device_mesh()["dp"])`). Built on first call — by every rank,
+        as it creates process groups — then reused."""
+        if self._device_mesh is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            self._device_mesh = DeviceMesh(device_type, self.grid, mesh_dim_names=AXES)
+        return self._device_mesh
 
     def __repr__(self) -> str:
         return (f"Mesh(dp={self.dp}, pp={self.pp}, cp={self.cp}, tp={self.tp}, ep={self.ep}) rank {self.rank}: "

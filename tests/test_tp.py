@@ -113,3 +113,27 @@ def _bad_tp():
 def test_degrees_that_do_not_divide_fail_clearly():
     with pytest.raises(Exception, match="tp=3 must divide n_heads=4"):
         run(_bad_tp, 3)
+
+
+def _lab_and_dtensor_outputs(tokens, targets):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = Mesh(tp=dist.get_world_size())
+    ours = apply_tensor_parallel(materialize(build_model(CFG), seed=1), mesh.tp_group)
+    our_loss = vocab_parallel_cross_entropy(ours(tokens), targets, mesh.tp_group)
+    theirs = materialize(build_model(CFG), seed=1)
+    plan = {}
+    for i in theirs.layers:
+        plan.update({f"layers.{i}.attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
+        plan.update({f"layers.{i}.ffn.{n}": ColwiseParallel() for n in ("w1", "w3")})
+        plan.update({f"layers.{i}.attn.wo": RowwiseParallel(), f"layers.{i}.ffn.w2": RowwiseParallel()})
+    parallelize_module(theirs, mesh.device_mesh()["tp"], plan)
+    their_loss = F.cross_entropy(theirs(tokens).flatten(0, 1), targets.flatten())
+    return our_loss.item(), their_loss.item()
+
+
+def test_same_loss_as_torch_parallelize_module():
+    g = torch.Generator().manual_seed(3)
+    tokens, targets = (torch.randint(0, CFG.vocab_size, (2, 16), generator=g) for _ in range(2))
+    for ours, theirs in run(_lab_and_dtensor_outputs, 2, tokens, targets):
+        assert ours == pytest.approx(theirs, rel=1e-5)

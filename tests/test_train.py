@@ -52,6 +52,9 @@ def test_cli_lowers_the_loss_and_dp2_matches_single_process(tmp_path):
     (["parallel.dp=2", "parallel.grad_accum=2"], 2),
     (["parallel.recompute='full'"], 1),
     (["parallel.recompute='selective'", "parallel.dp=2"], 2),
+    (["parallel.tp=2"], 2),
+    (["parallel.tp=4", "parallel.sp=true"], 4),
+    (["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.grad_accum=2"], 4),
 ])
 def test_layouts_match_single_process(overrides, nproc):
     base = [log.loss for log in run(load_config("configs/tiny.toml", ["train.steps=6"]), verbose=False)]
@@ -87,7 +90,8 @@ def test_torchrun_joins_the_launched_group(tmp_path):
     (["--nproc", "3", "--dp", "2"], "--nproc=3 must equal dp*tp*cp*pp = 2*1*1*1 = 2"),
     (["--set", "model.preset='gpt-17'"], "unknown model preset 'gpt-17'"),
     (["--config", "configs/nope.toml"], "config file 'configs/nope.toml' does not exist"),
-    (["--tp", "2", "--nproc", "2"], "--tp=2: tensor parallelism is not implemented yet (chapter 04)"),
+    (["--pp", "2", "--nproc", "2"], "--pp=2: pipeline parallelism is not implemented yet (chapter 06)"),
+    (["--sp"], "sp=True needs tp > 1 (got tp=1)"),
     (["--pp-schedule", "gpipe"], "argument --pp-schedule: invalid choice: 'gpipe'"),
 ])
 def test_bad_input_is_one_clear_line(args, message):

@@ -27,7 +27,7 @@ def test_default_view_is_the_playbook_8b_example():
 def test_every_control_changes_the_estimate_it_should():
     widget = memory_calculator()
     breakdowns = [widget.estimate.per_gpu]
-    for name, value in [("seq", 8192), ("mbs", 2), ("precision", "fp32"), ("fp32_grad_accum", True),
+    for name, value in [("seq", 8192), ("mbs", 2), ("fp32_grad_accum", True), ("fp32_grad_accum", False), ("precision", "fp32"),
                         ("recompute", "selective"), ("flash", True), ("activation_model", "exact"), ("dp", 8),
                         ("zero", 3), ("tp", 2), ("sp", True), ("pp", 4), ("cp", 2)]:
         widget.controls[name].value = value

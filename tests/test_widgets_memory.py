@@ -27,14 +27,22 @@ def test_default_view_is_the_playbook_8b_example():
 def test_every_control_changes_the_estimate_it_should():
     widget = memory_calculator()
     breakdowns = [widget.estimate.per_gpu]
-    for name, value in [("seq", 8192), ("mbs", 2), ("fp32_grad_accum", True), ("fp32_grad_accum", False), ("precision", "fp32"),
-                        ("recompute", "selective"), ("flash", True), ("activation_model", "exact"), ("dp", 8),
-                        ("zero", 3), ("tp", 2), ("sp", True), ("pp", 4), ("cp", 2)]:
+    steps = [("seq", 8192), ("mbs", 2), ("fp32_grad_accum", True), ("fp32_grad_accum", False),
+             ("precision", "fp32"), ("flash", True), ("recompute", "full"), ("activation_model", "exact"),
+             ("activation_model", "korthikanti"), ("tp", 2), ("sp", True), ("pp", 4), ("cp", 2)]
+    for name, value in steps:
         widget.controls[name].value = value
         assert widget.error.value == "", (name, widget.error.value)
         breakdowns.append(widget.estimate.per_gpu)
         # (fp32 vs mixed keeps the total: 4+4+8 = 2+2+12 bytes per parameter — only the split moves)
         assert breakdowns[-1] != breakdowns[-2], f"{name}={value} did not change the estimate"
+    # data parallelism alone replicates everything: per-GPU memory only drops once ZeRO shards it
+    widget.controls["zero"].value = 0
+    before = widget.estimate.per_gpu
+    widget.controls["dp"].value = 8
+    assert widget.estimate.per_gpu == before
+    widget.controls["zero"].value = 3
+    assert widget.estimate.per_gpu["params"] == -(-before["params"] // 16)  # dp x cp = 8 x 2 replicas
     widget.controls["gpu"].value = "h200"
     assert "141 GiB" in widget.summary.value
 

@@ -1,4 +1,11 @@
-"""`python -m lab calc ...`: the cost models on the command line (table or --json)."""
+"""`python -m lab calc ...`: the cost models on the command line (a table, or --json).
+
+    python -m lab calc params --model llama3-8b
+    python -m lab calc memory --model llama3-8b --seq 4096 --dp 8 --zero 1 --tp 2 --sp --recompute selective
+    python -m lab calc flops --model llama3-8b --seq 4096 --dp 64 --grad-accum 4 --step-time 5.1 --gpu h100
+
+Invalid values print one line naming the field, the value and what is allowed, and exit with status 2.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,27 @@ import argparse
 import json
 import sys
 
+from lab.calc.flops import COUNTINGS, hfu, mfu, training_flops
+from lab.calc.hardware import HARDWARE, get_accelerator
+from lab.calc.memory import ACTIVATION_MODELS, PARAM_CONVENTIONS, PRECISIONS, estimate_memory
 from lab.calc.params import param_breakdown
-from lab.config import PRESETS, ModelConfig
+from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
 
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _layout_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size in sequences (default 1)")
+    for name in ("dp", "tp", "pp", "cp"):
+        parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (per dp rank)")
+    parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    parser.add_argument("--json", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,17 +42,30 @@ def build_parser() -> argparse.ArgumentParser:
     params = sub.add_parser("params", help="parameter count of a preset, by component")
     params.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
     params.add_argument("--json", action="store_true")
+
+    memory = sub.add_parser("memory", help="per-GPU bytes: parameters, gradients, optimizer, activations")
+    _layout_args(memory)
+    memory.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    memory.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
+    memory.add_argument("--ep", type=int, default=1)
+    memory.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b")
+    memory.add_argument("--precision", choices=tuple(PRECISIONS), default="mixed")
+    memory.add_argument("--fp32-grad-accum", action="store_true", help="fp32 gradient buffer (mixed only)")
+    memory.add_argument("--flash", action="store_true", help="flash attention (no s x s scores kept)")
+    memory.add_argument("--activation-model", choices=ACTIVATION_MODELS, default="korthikanti")
+    memory.add_argument("--param-convention", choices=PARAM_CONVENTIONS, default="exact")
+    memory.add_argument("--stage", type=int, default=None, help="pipeline stage (default: the fullest)")
+
+    flops = sub.add_parser("flops", help="FLOPs per token and per step; MFU/HFU from a measured step time")
+    _layout_args(flops)
+    flops.add_argument("--counting", choices=COUNTINGS, default="6N")
+    flops.add_argument("--step-time", type=float, default=None, help="measured seconds per step")
+    flops.add_argument("--gpu", choices=tuple(HARDWARE), default=None)
+    flops.add_argument("--dtype", choices=("bf16", "fp8", "int8"), default="bf16")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        cfg = ModelConfig.from_preset(args.model)
-    except ValueError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+def _params(cfg: ModelConfig, args: argparse.Namespace) -> int:
     parts = param_breakdown(cfg)
     if args.json:
         print(json.dumps({"model": cfg.name, **parts}))
@@ -41,3 +75,68 @@ def main(argv: list[str] | None = None) -> int:
         if name != "total" and value:
             print(f"  {name:<15} {value:>18,}")
     return 0
+
+
+def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
+    parallel = ParallelConfig(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
+                              grad_accum=args.grad_accum, recompute=args.recompute, pp_schedule=args.pp_schedule)
+    est = estimate_memory(cfg, args.seq, args.mbs, parallel, precision=args.precision,
+                          fp32_grad_accum=args.fp32_grad_accum, flash=args.flash,
+                          activation_model=args.activation_model, param_convention=args.param_convention,
+                          stage=args.stage)
+    if args.json:
+        print(json.dumps(est.as_dict()))
+        return 0
+    print(f"{cfg.name}: {est.num_params:,} parameters; seq {args.seq} x micro-batch {args.mbs}")
+    print(f"dp={args.dp} (ZeRO-{args.zero}) tp={args.tp}{' +sp' if args.sp else ''} pp={args.pp} cp={args.cp} "
+          f"ep={args.ep}; precision {args.precision}{' + fp32 grad accum' if args.fp32_grad_accum else ''}; "
+          f"recompute {args.recompute}{'; flash attention' if args.flash else ''}; "
+          f"activations: {args.activation_model}")
+    print(f"per GPU (pipeline stage {est.stage} of 0..{args.pp - 1})        bytes   GiB (2^30 B)   GB (10^9 B)")
+    rows = [(k, est.per_gpu[k]) for k in ("params", "grads", "optimizer", "activations")]
+    rows += [(f"  {k}", v) for k, v in est.activations_breakdown.items()]
+    for name, value in [*rows, ("total", est.per_gpu["total"])]:
+        print(f"  {name:<16} {value:>23,} {value / 2**30:>14.3f} {value / 1e9:>13.3f}")
+    return 0
+
+
+def _flops(cfg: ModelConfig, args: argparse.Namespace) -> int:
+    parallel = ParallelConfig(dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, grad_accum=args.grad_accum,
+                              recompute=args.recompute)
+    parallel.check_model(cfg)
+    if args.step_time is not None and args.gpu is None:
+        raise ValueError(f"--step-time={args.step_time} needs --gpu (one of {', '.join(HARDWARE)}) for the peak")
+    tokens = args.mbs * args.seq * args.dp * args.grad_accum
+    est = training_flops(cfg, args.seq, tokens, recompute=args.recompute, counting=args.counting)
+    n_gpus = parallel.world_size
+    out = {"model": cfg.name, "tokens_per_step": tokens, "n_gpus": n_gpus,
+           "flops_per_token": {"model": est.model_flops_per_token, "hardware": est.hardware_flops_per_token},
+           "flops_per_step": {"model": est.model_flops, "hardware": est.hardware_flops}}
+    if args.gpu is not None:
+        out["ideal_step_time_s"] = est.model_flops / (n_gpus * get_accelerator(args.gpu).peak_flops(args.dtype))
+    if args.step_time is not None:
+        out["mfu"] = mfu(est, args.step_time, n_gpus, args.gpu, args.dtype)
+        out["hfu"] = hfu(est, args.step_time, n_gpus, args.gpu, args.dtype)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{cfg.name}: {tokens:,} tokens per step on {n_gpus} GPUs (counting {args.counting}, "
+          f"recompute {args.recompute})")
+    print(f"  FLOPs per token  model {est.model_flops_per_token:.4g}   hardware {est.hardware_flops_per_token:.4g}")
+    print(f"  FLOPs per step   model {est.model_flops:.4g}   hardware {est.hardware_flops:.4g}")
+    if "ideal_step_time_s" in out:
+        print(f"  step time at 100% MFU on {args.gpu} ({args.dtype}): {out['ideal_step_time_s']:.4g} s")
+    if "mfu" in out:
+        print(f"  MFU {out['mfu']:.1%}   HFU {out['hfu']:.1%}   (step time {args.step_time} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = ModelConfig.from_preset(args.model)
+        return {"params": _params, "memory": _memory, "flops": _flops}[args.what](cfg, args)
+    except ValueError as err:
+        print(f"{parser.prog} {args.what}: error: {err}", file=sys.stderr)
+        return 2

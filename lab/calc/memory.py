@@ -1,0 +1,262 @@
+"""Per-GPU memory of a training step: parameters, gradients, optimizer states and activations.
+
+Static memory is bytes per parameter times the parameters a rank holds. Tensor parallelism splits every
+matrix (norms stay replicated), pipeline parallelism gives each stage its layers (the first stage also
+holds the embedding, the last the final norm and output layer), expert parallelism splits the experts,
+and ZeRO shards over the ranks that hold the same weights: stage 1 the optimizer states, stage 2 also the
+gradients, stage 3 also the parameters (ZeRO's 2Ψ + 2Ψ + KΨ with K = 12 for mixed-precision Adam).
+Dense weights are replicated on dp·cp ranks, expert weights on dp·cp/ep (TorchTitan's layout).
+
+Activations have two models:
+
+* "korthikanti": Korthikanti et al. 2022 (arXiv 2205.05198) for a GPT layer (MHA, 4h GeLU MLP, dropout)
+  with 16-bit activations and 1-byte dropout masks, s·b·h·(34 + 5·a·s/h) bytes, applied as published
+  whatever the architecture and `precision` (the playbook plots it next to fp32 weights too). Selective
+  recompute and flash attention drop the 5·a·s/h scores; full recompute keeps the 2·s·b·h layer input;
+  tensor parallelism leaves 10·s·b·h replicated (s·b·h·(10 + 24/t + 5·a·s/(h·t))) unless sequence
+  parallelism splits it too (everything /t); context parallelism gives each rank s/cp queries, which still
+  see all s keys (everything /cp). Outside the layers: the embedding's dropout mask s·b·h, and
+  4·s·b·h + 4·s·b·v for the final norm, the output layer's input and fp32 logits.
+* "exact": what autograd really keeps for `lab.model` in fp32 (derived in `_exact_layer`); it matches
+  saved-tensor hooks byte for byte on the grid of tests/test_measure.py, which holds it to 2%.
+
+With pipeline parallelism a stage keeps the activations of every micro-batch it has run forward but not yet
+backward: m for AFAB, min(m, pp - stage) for 1F1B, so the first stage holds pp x (L/pp) layers' worth, as
+much as without pipelining (Korthikanti §4.2.3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lab.calc.params import count_params
+from lab.config import ModelConfig, ParallelConfig
+
+# Bytes per parameter: (weights, gradients, optimizer states).
+PRECISIONS = {
+    "fp32": (4, 4, 8),  # fp32 weights and gradients, Adam's m and v
+    "mixed": (2, 2, 12),  # bf16 weights and gradients + fp32 master weights, m and v (ZeRO's K = 12)
+    "bf16": (2, 2, 8),  # bf16 weights and gradients, fp32 m and v, no master copy: the playbook's 5D plots
+}
+FP32_GRAD_ACCUM_BYTES = 4  # an fp32 gradient buffer next to the bf16 one: 16 -> 20 bytes per parameter
+ACTIVATION_MODELS = ("korthikanti", "exact")
+PARAM_CONVENTIONS = ("exact", "playbook")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one GPU (the pipeline stage `stage`, by default the fullest one)."""
+
+    num_params: int  # the whole model
+    per_gpu: dict[str, int]  # params, grads, optimizer, activations, total
+    activations_breakdown: dict[str, int]  # layers, embedding, logits
+    stage: int
+    params_on_gpu: int  # parameters this rank holds before ZeRO sharding
+
+    def as_dict(self) -> dict:
+        return {"num_params": self.num_params, "per_gpu_bytes": dict(self.per_gpu),
+                "activations_breakdown": dict(self.activations_breakdown)}
+
+
+def static_bytes(num_params: int, precision: str = "mixed", *, zero: int = 0, dp: int = 1,
+                 fp32_grad_accum: bool = False) -> dict[str, int]:
+    """ZeRO's ladder for `num_params` weights replicated on `dp` ranks; shards are rounded up (flat buffers
+    are padded to a multiple of dp)."""
+    p, g, o = PRECISIONS[precision]
+    g += FP32_GRAD_ACCUM_BYTES if fp32_grad_accum else 0
+
+    def shard(stage: int) -> int:
+        return math.ceil(num_params / dp) if zero >= stage else num_params
+
+    return {"params": p * shard(3), "grads": g * shard(2), "optimizer": o * shard(1)}
+
+
+def playbook_num_params(cfg: ModelConfig, seq: int) -> int:
+    """The playbook's GPT-2-style count N = h·(v+s) + L·(12h² + 13h) + 2h (learned positions, 4h MLP, biases)."""
+    h, L = cfg.d_model, cfg.n_layers
+    return h * (cfg.vocab_size + seq) + L * (12 * h * h + 13 * h) + 2 * h
+
+
+def _attention_on_rank(cfg: ModelConfig, tp: int) -> int:
+    """Attention weights of one layer on one tensor-parallel rank: heads split, KV heads replicated beyond
+    n_kv_heads ranks, MLA's latent down-projections (and their norms) replicated."""
+    d, h = cfg.d_model, cfg.n_heads
+    if cfg.attention == "gqa":
+        kv_heads = max(cfg.n_kv_heads // tp, 1)
+        return 2 * d * h * cfg.head_dim // tp + 2 * d * kv_heads * cfg.head_dim
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = (d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * qk // tp) if cfg.q_lora_rank \
+        else d * h * qk // tp
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    kv += cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) // tp
+    return q + kv + h * cfg.v_head_dim * d // tp
+
+
+def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
+    """Layer indices of each pipeline rank: pp·virtual equal chunks dealt round-robin (interleaved 1F1B)."""
+    size = n_layers // (pp * virtual)
+    return [[i for c in range(rank, pp * virtual, pp) for i in range(c * size, (c + 1) * size)]
+            for rank in range(pp)]
+
+
+def stage_params(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters on one rank of pipeline stage `stage`. Experts are split by ep and, inside
+    an expert, by tp (Megatron's default expert-tensor-parallel size). With tied embeddings and pp > 1 the
+    last stage keeps its own copy of the embedding matrix for the output layer."""
+    d, tp = cfg.d_model, parallel.tp
+    dense = expert = 0
+    for layer in stage_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage]:
+        dense += _attention_on_rank(cfg, tp) + 2 * d
+        if cfg.is_moe_layer(layer):
+            dense += d * cfg.n_experts + cfg.n_shared_experts * 3 * d * cfg.d_ff_expert // tp
+            expert += cfg.n_experts * 3 * d * cfg.d_ff_expert // (parallel.ep * tp)
+        else:
+            dense += 3 * d * cfg.d_ff // tp
+    vocab_shard = cfg.vocab_size * d // tp
+    if stage == 0:
+        dense += vocab_shard
+    if stage == parallel.pp - 1:
+        dense += d + (0 if cfg.tie_embeddings and parallel.pp == 1 else vocab_shard)
+    return dense, expert
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: bool = False,
+                            recompute: str = "none", flash: bool = False, s_kv: int | None = None) -> float:
+    """Activation bytes of one transformer layer for one micro-batch (Korthikanti et al., eqs. 1-6).
+    `s` is the local sequence (seq/cp); `s_kv` the keys each query sees (the full sequence, default s)."""
+    split = tp if sp else 1
+    if recompute == "full":
+        return 2 * s * b * h / split
+    linear = 34 * s * b * h / tp if sp else s * b * h * (10 + 24 / tp)
+    scores = 0 if recompute == "selective" or flash else 5 * a * s * (s_kv or s) * b / tp
+    return linear + scores
+
+
+def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool) -> int:
+    """Bytes lab.model's Block saves in fp32 (elements per token, x4 bytes), as autograd keeps them:
+
+    * each RMSNorm: its input, the 1/rms per token, the normalised x and x·weight (the next matmul's input);
+    * SwiGLU: w1·x and w3·x (inputs of silu and of the product), silu(w1·x), and the product (w2's input);
+    * attention, flash kernel: q and k after RoPE, v, the output and its log-sum-exp per head, and the
+      output re-laid out as (B, T, heads·head_dim) for wo — K/V stay at n_kv_heads;
+    * attention, math kernel: q and k scaled by sqrt(scale) and v, all expanded to n_heads (GQA repeats K/V),
+      the softmax probabilities (a·s per token: the whole s x s matrix, causal or not), and wo's input;
+    * selective: the checkpoint keeps only its inputs q, k, v (plus wo's input outside it);
+    * full: the checkpoint keeps only the block's input.
+    """
+    d, a, kv, hd, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    if recompute == "full":
+        per_token = d
+    else:
+        if recompute == "selective":
+            attention = 2 * a * hd + 2 * kv * hd
+        elif flash:
+            attention = 3 * a * hd + 2 * kv * hd + a
+        else:
+            attention = 4 * a * hd + a * s
+        per_token = 2 * (3 * d + 1) + attention + 4 * ff
+    return 4 * per_token * s * b
+
+
+def _in_flight(parallel: ParallelConfig, stage: int) -> tuple[int, float]:
+    """(micro-batches, layers' worth of one micro-batch) a pipeline stage holds at its peak."""
+    p, m, v = parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages
+    if p == 1:
+        return 1, 1.0  # gradient accumulation runs micro-batches one after the other
+    if parallel.pp_schedule == "afab":
+        return m, m
+    if parallel.pp_schedule == "interleaved":  # Megatron's warm-up: (p - stage - 1)·2 + (v - 1)·p chunks + 1
+        chunks = min(m * v, p * v + p - 2 * stage - 1)
+        return min(m, p), chunks / v
+    return min(m, p - stage), min(m, p - stage)
+
+
+def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, precision: str,
+           fp32_grad_accum: bool, activation_model: str, param_convention: str, stage: int | None) -> None:
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    for name, value in (("seq", seq), ("mbs", mbs)):
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name}={value!r} must be an integer >= 1")
+    for name, value, allowed in (("precision", precision, tuple(PRECISIONS)),
+                                 ("activation_model", activation_model, ACTIVATION_MODELS),
+                                 ("param_convention", param_convention, PARAM_CONVENTIONS)):
+        require(value in allowed, f"{name}={value!r} must be one of {', '.join(map(repr, allowed))}")
+    require(not fp32_grad_accum or precision == "mixed",
+            f"fp32_grad_accum=True needs precision='mixed' (got precision={precision!r})")
+    cfg.validate()
+    parallel.validate()
+    parallel.check_model(cfg)
+    tp, cp = parallel.tp, parallel.cp
+    require(seq % cp == 0, f"cp={cp} must divide seq={seq}")
+    require(not parallel.sp or (seq // cp) % tp == 0, f"tp={tp} must divide seq/cp={seq // cp} with sp=True")
+    require(not cfg.is_moe or cfg.d_ff_expert % tp == 0, f"tp={tp} must divide d_ff_expert={cfg.d_ff_expert}")
+    require(stage is None or (isinstance(stage, int) and 0 <= stage < parallel.pp),
+            f"stage={stage!r} must be None (the fullest stage) or in 0..{parallel.pp - 1}")
+    if activation_model == "exact":
+        require(not cfg.is_moe and cfg.attention == "gqa",
+                f"activation_model='exact' covers dense GQA models; {cfg.name} is not (use 'korthikanti')")
+        require(tp == 1 and cp == 1, f"activation_model='exact' models one unsplit rank: tp={tp}, cp={cp} "
+                                     "must be 1 (use 'korthikanti')")
+        require(precision == "fp32", f"activation_model='exact' counts lab.model in fp32; precision={precision!r}"
+                                     " must be 'fp32'")
+
+
+def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, stage: int, flash: bool,
+                 activation_model: str) -> dict[str, int]:
+    tp, sp, cp, recompute = parallel.tp, parallel.sp, parallel.cp, parallel.recompute
+    s, b, h = seq // cp, mbs, cfg.d_model
+    micro_batches, layer_multiple = _in_flight(parallel, stage)
+    n_layers = len(stage_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage])
+    first, last = stage == 0, stage == parallel.pp - 1
+    logits_micro_batches = parallel.grad_accum if parallel.pp > 1 and parallel.pp_schedule == "afab" else 1
+    if activation_model == "exact":
+        rope = 4 * s * cfg.head_dim  # cos and sin, (s, head_dim/2) each, shared by all layers
+        layers = layer_multiple * n_layers * _exact_layer(cfg, s, b, recompute, flash) + micro_batches * rope
+        embedding = 8 * s * b  # the int64 token ids the embedding's backward indexes with
+        logits = 4 * s * b * (3 * cfg.d_model + 1 + cfg.vocab_size) + 8 * s * b + 4  # norm, log-softmax, targets
+    else:
+        split = tp if sp else 1
+        per_layer = korthikanti_layer_bytes(s, b, h, cfg.n_heads, tp=tp, sp=sp, recompute=recompute, flash=flash,
+                                            s_kv=seq)
+        layers = layer_multiple * n_layers * per_layer
+        embedding = s * b * h / split  # dropout mask of the embedding output
+        logits = 4 * s * b * h / split + 4 * s * b * cfg.vocab_size / tp
+    return {"layers": round(layers), "embedding": round(embedding * micro_batches) if first else 0,
+            "logits": round(logits * logits_micro_batches) if last else 0}
+
+
+def estimate_memory(cfg: ModelConfig, seq: int, mbs: int = 1, parallel: ParallelConfig | None = None, *,
+                    precision: str = "mixed", fp32_grad_accum: bool = False, flash: bool = False,
+                    activation_model: str = "korthikanti", param_convention: str = "exact",
+                    stage: int | None = None) -> MemoryEstimate:
+    """Per-GPU bytes of training `cfg` on micro-batches of `mbs` sequences of `seq` tokens with `parallel`
+    (dp, zero, tp, sp, pp, cp, ep, recompute, grad_accum, pp schedule). Invalid input raises ValueError.
+
+    `param_convention="playbook"` counts N with the playbook's GPT-2 formula (split evenly over tp·pp): with
+    precision="fp32" and recompute it reproduces the plots of its §2.1; the parallelism chapters' plots use
+    the exact count, precision="bf16" and recompute="selective".
+    """
+    parallel = parallel or ParallelConfig()
+    _check(cfg, seq, mbs, parallel, precision, fp32_grad_accum, activation_model, param_convention, stage)
+    replicas = parallel.dp * parallel.cp
+    estimates = []
+    for k in range(parallel.pp) if stage is None else [stage]:
+        if param_convention == "playbook":
+            dense, expert = math.ceil(playbook_num_params(cfg, seq) / (parallel.tp * parallel.pp)), 0
+        else:
+            dense, expert = stage_params(cfg, parallel, k)
+        kw = {"precision": precision, "zero": parallel.zero, "fp32_grad_accum": fp32_grad_accum}
+        static = static_bytes(dense, dp=replicas, **kw)
+        for key, value in static_bytes(expert, dp=replicas // parallel.ep, **kw).items():
+            static[key] += value
+        acts = _activations(cfg, seq, mbs, parallel, k, flash, activation_model)
+        per_gpu = {**static, "activations": sum(acts.values())}
+        per_gpu["total"] = sum(per_gpu.values())
+        estimates.append((per_gpu["total"], k, per_gpu, acts, dense + expert))
+    _, k, per_gpu, acts, on_gpu = max(estimates, key=lambda e: (e[0], e[1]))
+    total = playbook_num_params(cfg, seq) if param_convention == "playbook" else count_params(cfg)
+    return MemoryEstimate(total, per_gpu, acts, k, on_gpu)

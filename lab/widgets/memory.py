@@ -102,7 +102,8 @@ class MemoryCalculator(widgets.VBox):
         verdict = "fits" if fits else "does NOT fit"
         stage = f" (pipeline stage {self.estimate.stage}, the fullest)" if v["pp"] > 1 else ""
         self.summary.value = (
-            f'<p class="lab-memory-total"><b>{total / GiB:,.1f} GiB</b> ({total / 1e9:,.1f} GB) per GPU{stage}: '
+            f'<p class="lab-memory-total"><b>{total / GiB:,.1f} GiB</b> ({total / 1e9:,.1f} GB) per GPU{stage} '
+            f"at seq {v['seq']:,} x micro-batch {v['mbs']}: "
             f"{verdict} in {capacity / GiB:.0f} GiB. Model: {_count(self.estimate.num_params)} parameters, "
             f"{_count(self.estimate.params_on_gpu)} on this GPU before ZeRO.</p>")
 

@@ -42,7 +42,9 @@ def lab_server(jupyter_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
     for folder in ("chapters", "solutions", "exercises"):
         if (REPO / folder).is_dir():
             shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    server = LabServer(root, jupyter_env, log_path=root.with_name(f"{root.name}.log"))
+    # the learner's plotting backend (inline), not the notebook lane's Agg: plots must really be drawn here
+    env = {key: value for key, value in jupyter_env.items() if key != "MPLBACKEND"}
+    server = LabServer(root, env, log_path=root.with_name(f"{root.name}.log"))
     try:
         server.start()
         yield server
@@ -90,3 +92,27 @@ def test_welcome_hello_ranks_widget(browser, lab_server: LabServer, record_prope
         summary.filter(has_text="gave 3 ").wait_for(timeout=30_000)
         notebook.assert_no_errors()
     record_property("wall_s", ("browser   chapters/00_welcome.ipynb", time.perf_counter() - start))
+
+
+def test_memory_calculator_reacts_to_the_sequence_slider(browser, lab_server: LabServer, record_property) -> None:
+    start = time.perf_counter()
+    with open_notebook(browser, lab_server, "chapters/01_memory_and_compute.ipynb", ARTIFACTS) as notebook:
+        notebook.run_all(timeout_s=240)
+        notebook.assert_no_errors()
+        widget = notebook.output(".lab-memory-total")
+        total = widget.locator(".lab-memory-total")
+        before = total.inner_text()
+        assert "GiB" in before and widget.locator("img").count() >= 1  # the bar chart was drawn
+        seq = widget.locator(".widget-hslider", has=notebook.page.locator(".widget-label", has_text="seq"))
+        assert seq.locator(".widget-readout").inner_text().strip() == "4096"
+        handle = seq.locator(".noUi-handle")
+        handle.focus()
+        handle.press("ArrowRight")  # 4096 -> 8192: activations grow with s², the total must grow
+        seq.locator(".widget-readout", has_text="8192").wait_for(timeout=30_000)
+        deadline = time.monotonic() + 30  # the HTML widget re-renders its element: poll the text
+        while (after := total.inner_text()) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        gib = lambda text: float(text.split(" GiB")[0].replace(",", ""))  # noqa: E731
+        assert gib(after) > gib(before), (before, after)
+        notebook.assert_no_errors()
+    record_property("wall_s", ("browser   chapters/01_memory_and_compute.ipynb", time.perf_counter() - start))

@@ -68,3 +68,19 @@ def test_fit_recovers_alpha_and_beta():
     assert fitted[0] == pytest.approx(alpha) and fitted[1] == pytest.approx(beta)
     with pytest.raises(ValueError, match="need at least 2 measurements"):
         fit_alpha_beta(points[:1])
+
+
+def test_cli_json_and_errors():
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "lab", "calc", "comms", "--op", "all_reduce", "--bytes", "1e9", "--ranks", "64",
+           "--gpus-per-node", "8", "--hardware", "h100"]
+    done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    out = json.loads(done.stdout)
+    assert {"bytes_sent_per_rank", "time_s", "algbw", "busbw"} <= set(out)
+    assert out["bytes_sent_per_rank"] == pytest.approx(2 * 63 / 64 * 1e9)
+    bad = subprocess.run([*cmd[:-6], "--ranks", "12"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "ranks=12 must be a multiple of gpus_per_node=8" in bad.stderr

@@ -13,9 +13,13 @@ import argparse
 import json
 import sys
 
+from lab.calc.comms import ALGORITHMS as COMM_ALGORITHMS
+from lab.calc.comms import OPS as COMM_OPS
+from lab.calc.comms import collective_time
 from lab.calc.flops import COUNTINGS, hfu, mfu, training_flops
 from lab.calc.hardware import HARDWARE, get_accelerator
 from lab.calc.memory import ACTIVATION_MODELS, PARAM_CONVENTIONS, PRECISIONS, estimate_memory
+from lab.calc.network import SYSTEMS
 from lab.calc.params import param_breakdown
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
 
@@ -62,7 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
     flops.add_argument("--step-time", type=float, default=None, help="measured seconds per step")
     flops.add_argument("--gpu", choices=tuple(HARDWARE), default=None)
     flops.add_argument("--dtype", choices=("bf16", "fp8", "int8"), default="bf16")
+
+    comms = sub.add_parser("comms", help="alpha-beta time of a collective on a cluster's links")
+    comms.add_argument("--op", choices=COMM_OPS, default="all_reduce")
+    comms.add_argument("--bytes", type=float, required=True, help="message size (all-reduce input), e.g. 1e9")
+    comms.add_argument("--ranks", type=int, required=True)
+    comms.add_argument("--gpus-per-node", type=int, default=None, help="default: the system's (8)")
+    comms.add_argument("--hardware", choices=tuple(SYSTEMS), default="h100", help="the cluster design")
+    comms.add_argument("--algorithm", choices=COMM_ALGORITHMS, default="ring")
+    comms.add_argument("--json", action="store_true")
     return parser
+
+
+def _comms(args: argparse.Namespace) -> int:
+    cost = collective_time(args.op, args.bytes, args.ranks, system=args.hardware, algorithm=args.algorithm,
+                           gpus_per_node=args.gpus_per_node)
+    if args.json:
+        print(json.dumps(cost.as_dict()))
+        return 0
+    print(f"{args.op} of {args.bytes:,.0f} bytes on {args.ranks} ranks ({args.algorithm}, {args.hardware}):")
+    print(f"  steps {cost.steps}, bytes sent per rank {cost.bytes_sent_per_rank:,.0f}")
+    print(f"  time {cost.time_s * 1e3:.3f} ms, algbw {cost.algbw / 1e9:.1f} GB/s, busbw {cost.busbw / 1e9:.1f} GB/s")
+    return 0
 
 
 def _params(cfg: ModelConfig, args: argparse.Namespace) -> int:
@@ -135,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.what == "comms":
+            return _comms(args)
         cfg = ModelConfig.from_preset(args.model)
         return {"params": _params, "memory": _memory, "flops": _flops}[args.what](cfg, args)
     except ValueError as err:

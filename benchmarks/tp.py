@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.config import PRESETS  # noqa: E402
 from lab.dist import Mesh, count_collectives, run  # noqa: E402
 from lab.model import build_model, materialize  # noqa: E402
-from lab.parallel.tp import apply_tensor_parallel, vocab_parallel_cross_entropy  # noqa: E402
+from lab.parallel.tp import apply_tensor_parallel, torch_tp_plan, vocab_parallel_cross_entropy  # noqa: E402
 
 
 def _step_time(step, iterations: int) -> float:
@@ -43,18 +43,13 @@ def _step_time(step, iterations: int) -> float:
 
 
 def _compare(cfg, batch: int, seq: int, iterations: int) -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = Mesh(tp=dist.get_world_size())
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     ours = apply_tensor_parallel(materialize(build_model(cfg), seed=0), mesh.tp_group)
     theirs = materialize(build_model(cfg), seed=0)
-    plan = {}
-    for i in theirs.layers:
-        plan.update({f"layers.{i}.attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
-        plan.update({f"layers.{i}.ffn.{n}": ColwiseParallel() for n in ("w1", "w3")})
-        plan.update({f"layers.{i}.attn.wo": RowwiseParallel(), f"layers.{i}.ffn.w2": RowwiseParallel()})
-    parallelize_module(theirs, mesh.device_mesh()["tp"], plan)
+    parallelize_module(theirs, mesh.device_mesh()["tp"], torch_tp_plan(theirs))
 
     def lab_step():
         vocab_parallel_cross_entropy(ours(tokens), tokens, mesh.tp_group).backward()

@@ -11,7 +11,12 @@ import torch.nn.functional as F
 from lab.config import PRESETS
 from lab.dist import Mesh, count_collectives, run
 from lab.model import build_model, materialize
-from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
+from lab.parallel.tp import (
+    apply_tensor_parallel,
+    sync_tensor_parallel_grads,
+    torch_tp_plan,
+    vocab_parallel_cross_entropy,
+)
 
 # 4 query heads, 2 KV heads (replicated at tp=4), d_ff and vocab divisible by 4; 2 layers keep it quick
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2, vocab_size=96, d_ff=80)
@@ -116,18 +121,13 @@ def test_degrees_that_do_not_divide_fail_clearly():
 
 
 def _lab_and_dtensor_outputs(tokens, targets):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = Mesh(tp=dist.get_world_size())
     ours = apply_tensor_parallel(materialize(build_model(CFG), seed=1), mesh.tp_group)
     our_loss = vocab_parallel_cross_entropy(ours(tokens), targets, mesh.tp_group)
     theirs = materialize(build_model(CFG), seed=1)
-    plan = {}
-    for i in theirs.layers:
-        plan.update({f"layers.{i}.attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
-        plan.update({f"layers.{i}.ffn.{n}": ColwiseParallel() for n in ("w1", "w3")})
-        plan.update({f"layers.{i}.attn.wo": RowwiseParallel(), f"layers.{i}.ffn.w2": RowwiseParallel()})
-    parallelize_module(theirs, mesh.device_mesh()["tp"], plan)
+    parallelize_module(theirs, mesh.device_mesh()["tp"], torch_tp_plan(theirs))
     their_loss = F.cross_entropy(theirs(tokens).flatten(0, 1), targets.flatten())
     return our_loss.item(), their_loss.item()
 

@@ -225,3 +225,16 @@ def grad_norm(model: nn.Module, tp_group: dist.ProcessGroup | None) -> torch.Ten
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     return (sharded + replicated).sqrt()
+
+
+def torch_tp_plan(model: Transformer) -> dict:
+    """The same split of the blocks in PyTorch's own API, for `parallelize_module(model, tp_mesh, plan)`:
+    q, k, v, w1, w3 column-wise, wo and w2 row-wise (TorchTitan's plan; embedding and output left whole)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in model.layers:
+        plan.update({f"layers.{i}.attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
+        plan.update({f"layers.{i}.ffn.{n}": ColwiseParallel() for n in ("w1", "w3")})
+        plan.update({f"layers.{i}.attn.wo": RowwiseParallel(), f"layers.{i}.ffn.w2": RowwiseParallel()})
+    return plan

@@ -20,7 +20,9 @@ ways a course cannot afford (measured in the course's reference notes):
   for before killing it.
 
 The rendezvous store lives in the parent (created on port 0, so there is no free-port race) and the
-ranks join it as clients. Under `torchrun` none of this is needed: `init_from_env` joins that group.
+ranks join it as clients. It is created only after every rank has been forked, and each rank learns its
+port through its pipe: forking while the store's server thread holds a lock leaves the child stuck in
+that lock for good (seen in CI: one rank in four never reached `init_process_group`). Under `torchrun` none of this is needed: `init_from_env` joins that group.
 POSIX only (process groups, signals); PDEATHSIG is Linux only and skipped elsewhere.
 """
 
@@ -111,13 +113,14 @@ def _summary(error: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _rank_main(payload: tuple | bytes, rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float,
+def _rank_main(payload: tuple | bytes, rank: int, world_size: int, backend: str, pg_timeout_s: float,
                debug: bool, parent_pid: int, stack_path: str, conn: Connection) -> None:
     """The body of every rank: isolate, join the group, run fn, send back the result or the traceback."""
     torch.set_num_threads(1)  # before any op: forked children hang in OpenMP otherwise
     os.setsid()  # lead a process group: the parent can kill this rank and everything it started
     _die_with_parent(parent_pid)
     faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)
+    port = conn.recv()  # the parent starts its store once every rank is forked (see the module docstring)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -216,24 +219,28 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "glo
     _preimport()
     payload = (fn, args, kwargs) if start_method == "fork" else _pickle_for_spawn(fn, args, kwargs)
     context = mp.get_context(start_method)
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=pg_timeout_s))
+    store = None
     stack_dir = tempfile.mkdtemp(prefix="lab-ranks-")
     stack_paths = [os.path.join(stack_dir, f"rank{rank}.stack") for rank in range(world_size)]
     ranks, conns = [], []
     try:
         for rank in range(world_size):
-            parent_end, child_end = context.Pipe(duplex=False)
+            parent_end, child_end = context.Pipe()
             process = context.Process(
                 target=_rank_main, name=f"lab-rank-{rank}", daemon=False,
-                args=(payload, rank, world_size, store.port, backend, pg_timeout_s, debug, os.getpid(),
-                      stack_paths[rank], child_end))
-            with warnings.catch_warnings():  # Python >= 3.12 warns on fork with threads (the store's)
+                args=(payload, rank, world_size, backend, pg_timeout_s, debug, os.getpid(), stack_paths[rank],
+                      child_end))
+            with warnings.catch_warnings():  # Python >= 3.12 warns on fork with threads (a kernel's)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 process.start()
             child_end.close()
             ranks.append(process)
             conns.append(parent_end)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=pg_timeout_s))
+        for conn in conns:
+            with contextlib.suppress(OSError):  # a rank that already died is reported by _supervise
+                conn.send(store.port)
         return _supervise(ranks, conns, timeout_s, stack_paths)
     finally:
         _kill_all(ranks)

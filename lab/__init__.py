@@ -12,7 +12,7 @@ import os
 import random
 
 __version__ = "0.1.0"
-_SUBMODULES = ("calc", "config", "data", "dist", "doctor", "model", "parallel", "train", "widgets")
+_SUBMODULES = ("calc", "config", "data", "dist", "doctor", "grading", "model", "parallel", "train", "widgets")
 
 
 def setup(seed: int = 0, threads: int | None = None, quiet: bool = False) -> None:
@@ -37,6 +37,14 @@ def setup(seed: int = 0, threads: int | None = None, quiet: bool = False) -> Non
         accel = f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}" if gpus else "no GPU (CPU ranks use gloo)"
         print(f"lab {__version__} | torch {torch.__version__} | {os.cpu_count()} CPU cores, "
               f"{torch.get_num_threads()} torch threads | {accel} | seed {seed}")
+
+
+def check(exercise: str | None = None, *, timeout: float = 60.0):
+    """Check your answer to `exercise` (e.g. "01.param_count"), or every exercise of this notebook: your
+    cell runs in a separate, sandboxed process against the course's checks, and a table shows the result."""
+    from lab.grading.learner import check as _check
+
+    return _check(exercise, timeout=timeout)
 
 
 def __getattr__(name: str):

@@ -1,0 +1,210 @@
+"""Chapter 01, one device: memory and compute. Each answer is compared with `lab.calc` on random configs.
+
+Configs are random (from the check's seed) and deliberately awkward: head counts whose K/V groups differ,
+vocabularies and FFN widths that are not round, head_dim set apart from d_model / n_heads in a hidden check.
+"""
+
+from __future__ import annotations
+
+import random
+
+from lab.calc.flops import mfu, training_flops
+from lab.calc.memory import korthikanti_layer_bytes, static_bytes
+from lab.calc.params import count_params
+from lab.config import ModelConfig
+from lab.grading.checks import describe, exercise, expect_close, expect_equal
+
+
+def random_config(rng: random.Random, *, gqa: bool, tied: bool, free_head_dim: bool = False) -> ModelConfig:
+    n_heads = rng.choice([4, 6, 8, 12, 16, 24, 32, 40])
+    n_kv_heads = rng.choice([d for d in range(1, n_heads) if n_heads % d == 0]) if gqa else n_heads
+    head_dim = rng.randrange(16, 130, 2)
+    d_model = n_heads * head_dim
+    if free_head_dim:  # e.g. Gemma: n_heads * head_dim != d_model
+        d_model = rng.choice([d for d in range(256, 4097, 64) if d != n_heads * head_dim])
+    return ModelConfig(name="random", vocab_size=rng.randrange(1000, 130_000), d_model=d_model,
+                       n_layers=rng.randrange(2, 49), n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       head_dim=head_dim if free_head_dim else 0, d_ff=rng.randrange(d_model, 4 * d_model),
+                       tie_embeddings=tied)
+
+
+def state_bytes(n_params: int, precision: str = "mixed", fp32_grad_accum: bool = False) -> int:
+    return sum(static_bytes(n_params, precision, fp32_grad_accum=fp32_grad_accum).values())
+
+
+def layer_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, recompute: str = "none") -> int:
+    per_layer = korthikanti_layer_bytes(seq_len, micro_batch, cfg.d_model, cfg.n_heads, recompute=recompute)
+    return round(cfg.n_layers * per_layer)
+
+
+# --- 01.param_count ----------------------------------------------------------------------------------------
+
+PARAM_COUNT = exercise("01.param_count", entry=("param_count",))
+
+
+def _param_count(student, rng: random.Random, **kind) -> None:
+    for _ in range(3):
+        cfg = random_config(rng, **kind)
+        expect_equal(student.param_count(cfg), count_params(cfg), f"param_count({describe(cfg)})")
+
+
+@PARAM_COUNT.check(points=1, hint="per layer: 4 attention matrices, 3 SwiGLU matrices and 2 RMSNorm weights; "
+                                  "plus the embedding, the final norm and the output layer")
+def multi_head(student, rng):
+    """multi-head attention, untied embeddings"""
+    _param_count(student, rng, gqa=False, tied=False)
+
+
+@PARAM_COUNT.check(points=1, hint="K and V project to n_kv_heads * head_dim, Q and the output to n_heads * head_dim")
+def grouped_query(student, rng):
+    """grouped-query attention: K and V have n_kv_heads heads"""
+    _param_count(student, rng, gqa=True, tied=False)
+
+
+@PARAM_COUNT.check(points=1, hint="with tie_embeddings the output layer reuses the embedding matrix")
+def tied(student, rng):
+    """tied embeddings are counted once"""
+    _param_count(student, rng, gqa=rng.random() < 0.5, tied=True)
+
+
+@PARAM_COUNT.check(points=1, hidden=True, hint="use cfg.head_dim, not d_model // n_heads")
+def free_head_dim(student, rng):
+    """head_dim set independently of d_model / n_heads"""
+    _param_count(student, rng, gqa=True, tied=rng.random() < 0.5, free_head_dim=True)
+
+
+# --- 01.state_bytes ------------------------------------------------------------------------------------------
+
+STATE_BYTES = exercise("01.state_bytes", entry=("model_state_bytes",))
+
+
+def _state_bytes(student, rng: random.Random, precision: str, fp32_grad_accum: bool) -> None:
+    for _ in range(3):
+        n = rng.randrange(10**6, 10**11)
+        expected = state_bytes(n, precision, fp32_grad_accum)
+        expect_equal(student.model_state_bytes(n, precision, fp32_grad_accum), expected,
+                     f"model_state_bytes({n}, {precision!r}, fp32_grad_accum={fp32_grad_accum})")
+
+
+@STATE_BYTES.check(points=1, hint="fp32 weights and gradients, plus Adam's two fp32 moments")
+def fp32(student, rng):
+    """fp32 training with Adam"""
+    _state_bytes(student, rng, "fp32", False)
+
+
+@STATE_BYTES.check(points=1, hint="bf16 weights and gradients, an fp32 master copy, Adam's two fp32 moments")
+def mixed(student, rng):
+    """bf16 mixed precision with fp32 master weights"""
+    _state_bytes(student, rng, "mixed", False)
+
+
+@STATE_BYTES.check(points=1, hint="an fp32 gradient buffer next to the bf16 one adds 4 bytes per parameter")
+def mixed_fp32_grads(student, rng):
+    """mixed precision with fp32 gradient accumulation"""
+    _state_bytes(student, rng, "mixed", True)
+
+
+# --- 01.activation_bytes -------------------------------------------------------------------------------------
+
+ACTIVATIONS = exercise("01.activation_bytes", entry=("activation_bytes",))
+
+
+def _activations(student, rng: random.Random, recompute: str, seq_range: tuple[int, int]) -> None:
+    for _ in range(3):
+        cfg, s, b = random_config(rng, gqa=True, tied=False), rng.randrange(*seq_range), rng.randrange(1, 17)
+        expect_close(student.activation_bytes(cfg, s, b, recompute), layer_activations(cfg, s, b, recompute),
+                     f"activation_bytes({describe(cfg)}, seq_len={s}, micro_batch={b}, recompute={recompute!r})",
+                     rel=1e-9)
+
+
+@ACTIVATIONS.check(points=1, hint="s·b·h·(34 + 5·a·s/h) bytes per layer, with a = n_heads (query heads)")
+def no_recompute(student, rng):
+    """no recompute: s·b·h·(34 + 5·a·s/h) per layer"""
+    _activations(student, rng, "none", (64, 8192))
+
+
+@ACTIVATIONS.check(points=1, hint="selective recompute drops the attention scores, the 5·a·s²·b term")
+def selective(student, rng):
+    """selective recompute keeps 34·s·b·h per layer"""
+    _activations(student, rng, "selective", (64, 8192))
+
+
+@ACTIVATIONS.check(points=1, hint="full recompute keeps only each layer's input: 2·s·b·h bytes in 16 bits")
+def full(student, rng):
+    """full recompute keeps each layer's input"""
+    _activations(student, rng, "full", (64, 8192))
+
+
+# --- 01.max_micro_batch --------------------------------------------------------------------------------------
+
+MAX_MICRO_BATCH = exercise("01.max_micro_batch", entry=("max_micro_batch",),
+                           requires=("01.param_count", "01.state_bytes", "01.activation_bytes"))
+
+
+def _max_micro_batch(student, rng: random.Random, fits: int, slack: str) -> None:
+    """A random config, seq_len and recompute mode, with a budget in which exactly `fits` micro-batches fit:
+    filled exactly (slack "none"), with part of one more sequence to spare ("some"), or below the model
+    states alone ("below_states", fits = 0)."""
+    cfg, seq = random_config(rng, gqa=True, tied=rng.random() < 0.5), rng.randrange(128, 4097)
+    recompute = rng.choice(["none", "selective", "full"])
+    static, per_sample = state_bytes(count_params(cfg)), layer_activations(cfg, seq, 1, recompute)
+    budget = static + fits * per_sample + (rng.randrange(1, per_sample) if slack == "some" else 0)
+    if slack == "below_states":
+        budget = rng.randrange(static // 2, static)
+    expect_equal(student.max_micro_batch(cfg, seq, budget, "mixed", recompute), fits,
+                 f"max_micro_batch({describe(cfg)}, seq_len={seq}, budget_bytes={budget}, 'mixed', {recompute!r})")
+
+
+@MAX_MICRO_BATCH.check(points=1, hint="model states are paid once; activations grow with the micro-batch")
+def room_for_several(student, rng):
+    """a budget with room for several micro-batches"""
+    for _ in range(3):
+        _max_micro_batch(student, rng, rng.randrange(2, 65), "some")
+
+
+@MAX_MICRO_BATCH.check(points=1, hint="a micro-batch that fills the budget exactly still fits (<=, not <); "
+                                      "work in integers")
+def exactly_full(student, rng):
+    """a budget filled exactly still fits"""
+    for _ in range(3):
+        _max_micro_batch(student, rng, rng.randrange(1, 65), "none")
+
+
+@MAX_MICRO_BATCH.check(points=1, hint="when not even one sequence fits, the answer is 0")
+def nothing_fits(student, rng):
+    """a budget too small for one sequence gives 0"""
+    for slack in ("some", "below_states", "below_states"):
+        _max_micro_batch(student, rng, 0, slack)
+
+
+# --- 01.mfu --------------------------------------------------------------------------------------------------
+
+MFU = exercise("01.mfu", entry=("mfu",), requires=("01.param_count",))
+
+
+def _mfu(student, rng: random.Random, n_gpus: int, seq_range: tuple[int, int]) -> None:
+    for _ in range(3):
+        cfg, seq = random_config(rng, gqa=True, tied=rng.random() < 0.5), rng.randrange(*seq_range)
+        tokens, step_time, peak = seq * rng.randrange(1, 1025), rng.uniform(0.05, 20.0), rng.uniform(1e14, 2e15)
+        expected = mfu(training_flops(cfg, seq, tokens), step_time, n_gpus, peak)
+        expect_close(student.mfu(cfg, seq, tokens, step_time, n_gpus, peak), expected,
+                     f"mfu({describe(cfg)}, seq_len={seq}, tokens_per_step={tokens}, step_time_s={step_time!r}, "
+                     f"n_gpus={n_gpus}, peak_flops={peak!r})")
+
+
+@MFU.check(points=1, hint="training costs 6·N FLOPs per token (2N forward, 4N backward) plus attention")
+def one_gpu(student, rng):
+    """one GPU"""
+    _mfu(student, rng, 1, (128, 2049))
+
+
+@MFU.check(points=1, hint="the step's FLOPs are shared by n_gpus, each with its own peak")
+def several_gpus(student, rng):
+    """several GPUs"""
+    _mfu(student, rng, rng.randrange(2, 1025), (128, 2049))
+
+
+@MFU.check(points=1, hint="attention adds 12·L·h·s FLOPs per token (the QKᵀ and PV products, forward and backward)")
+def long_sequences(student, rng):
+    """long sequences: the attention term"""
+    _mfu(student, rng, rng.randrange(1, 65), (8192, 131_073))

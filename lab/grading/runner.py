@@ -1,0 +1,161 @@
+"""Run one exercise's checks against a student's cells. This is the only place where points are decided.
+
+Points come from the checks' own verdicts in this process, never from the student's process: the sandbox
+returns plain values, the checks compare them with the reference (`lab.calc`), and a sandbox that dies,
+hangs, forks without end or tampers with its channel voids the whole exercise with one clear reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lab.grading.checks import CheckFailed, Exercise
+from lab.grading.sandbox import CallError, ExerciseError, Sandbox
+
+
+@dataclass
+class CheckResult:
+    name: str
+    max_points: float
+    points: float
+    status: str  # passed, failed, not attempted
+    message: str = ""
+    hint: str = ""
+    hidden: bool = False
+
+
+@dataclass
+class ExerciseResult:
+    id: str
+    max_points: float
+    points: float
+    status: str  # passed, partial, failed, not attempted
+    reason: str = ""
+    checks: list[CheckResult] = field(default_factory=list)
+    output: str = ""  # what the student's code printed: shown to learners, never graded
+
+
+@dataclass
+class StudentResult:
+    """One student's grade; `multiplier` is the late policy's (1.0 when on time)."""
+
+    student: str
+    path: str
+    exercises: list[ExerciseResult]
+    assignment: str = ""
+    late_days: int = 0
+    multiplier: float = 1.0
+
+    @property
+    def raw(self) -> float:
+        return sum(e.points for e in self.exercises)
+
+    @property
+    def total(self) -> float:
+        return round(self.raw * self.multiplier, 4)
+
+    @property
+    def max_points(self) -> float:
+        return sum(e.max_points for e in self.exercises)
+
+
+def seed(secret: str | None, exercise_id: str, check_name: str) -> int:
+    """Inputs of a check: the same for every run with the same secret, unguessable without it."""
+    text = "\0".join([secret or "public", exercise_id, check_name])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+class Student:
+    """What checks call: `student.fn(*args)` runs the exercise's `fn` in the sandbox and returns plain data;
+    `student.ranks(fn, world_size, *args)` runs it on `world_size` ranks (through `lab.dist.run`) and
+    returns one value per rank."""
+
+    def __init__(self, box: Sandbox, entry: Sequence[str]) -> None:
+        self._box, self._entry = box, tuple(entry)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in self._entry:
+            raise AttributeError(f"a check may call only the exercise's entry points {self._entry}, not {name!r}")
+        return lambda *args, **kwargs: self._box.call(name, *args, **kwargs)
+
+    def ranks(self, name: str, world_size: int, *args: Any, **kwargs: Any) -> list:
+        if name not in self._entry:
+            raise AttributeError(f"a check may call only the exercise's entry points {self._entry}, not {name!r}")
+        return self._box.call(name, *args, world_size=world_size, **kwargs)
+
+
+def not_graded(ex: Exercise, reason: str, hidden: bool = True, not_attempted: bool = False) -> ExerciseResult:
+    """Zero for every check, for one reason (a missing cell, an edited locked cell, a dead sandbox, ...)."""
+    checks = [CheckResult(c.name, c.points, 0, "not attempted" if not_attempted else "failed", reason, c.hint,
+                          c.hidden) for c in ex.checks if hidden or not c.hidden]
+    return ExerciseResult(ex.id, sum(c.max_points for c in checks), 0, "not attempted" if not_attempted else "failed",
+                          reason, checks)
+
+
+def note_dependencies(results: Sequence[ExerciseResult], exercises: dict[str, Exercise]) -> None:
+    """A failing exercise that builds on another failing one says so: fix that one first."""
+    points = {r.id: (r.points, r.max_points) for r in results}
+    for result in results:
+        weak = [i for i in exercises[result.id].requires if i in points and points[i][0] < points[i][1]]
+        if weak and result.points < result.max_points and not result.reason:
+            result.reason = f"builds on {', '.join(weak)}, which {'is' if len(weak) == 1 else 'are'} not fully " \
+                            f"right yet: start there"
+
+
+def _status(checks: list[CheckResult]) -> str:
+    if all(c.status == "passed" for c in checks):
+        return "passed"
+    if all(c.status == "not attempted" for c in checks):
+        return "not attempted"
+    return "partial" if any(c.points for c in checks) else "failed"
+
+
+def run_exercise(ex: Exercise, parts: Sequence[tuple[str, str]], *, secret: str | None = None, hidden: bool = True,
+                 wall_s: float = 60.0, protect: Sequence[str] = ()) -> ExerciseResult:
+    """Grade `parts` ((label, cell source) in run order: required exercises' cells, then this one's)."""
+    checks = [c for c in ex.checks if hidden or not c.hidden]
+    box = Sandbox(parts, entry=ex.entry, modules=ex.modules, packages=ex.packages, limits=ex.limits(wall_s),
+                  protect=protect)
+    results: list[CheckResult] = []
+    try:
+        with box:
+            student = Student(box, ex.entry)
+            for check in checks:
+                results.append(_run_check(ex, check, student, secret))
+    except ExerciseError as error:
+        result = not_graded(ex, error.reason, hidden, error.not_attempted)
+        result.output = box.output()
+        return result
+    points = sum(c.points for c in results)
+    status = _status(results)
+    reason = ""
+    if status == "not attempted":  # this exercise's stub, or one it builds on (its checks say which)
+        reason = results[0].message or f"not attempted: {', '.join(ex.entry)} raises NotImplementedError " \
+                                       f"(write your answer in the cell)"
+    return ExerciseResult(ex.id, sum(c.points for c in checks), points, status, reason, results, box.output())
+
+
+def _run_check(ex: Exercise, check: Any, student: Student, secret: str | None) -> CheckResult:
+    def verdict(status: str, message: str = "") -> CheckResult:
+        points = check.points if status == "passed" else 0
+        return CheckResult(check.name, check.points, points, status, message, check.hint, check.hidden)
+
+    try:
+        check.fn(student, random.Random(seed(secret, ex.id, check.name)))
+    except CheckFailed as failure:
+        return verdict("failed", str(failure))
+    except CallError as error:
+        if not error.not_attempted:
+            return verdict("failed", str(error))
+        other = error.message.removeprefix("NotImplementedError: exercise ")
+        return verdict("not attempted", f"needs {other}, which is not done yet" if other not in (ex.id,
+                       error.message) else "")
+    except ExerciseError:
+        raise
+    except Exception as error:  # the answer had a shape the check could not use (a str for a number, ...)
+        return verdict("failed", f"the check could not use the answer: {type(error).__name__}: {error}")
+    return verdict("passed")

@@ -1,0 +1,232 @@
+"""The student's side of the sandbox: lock this process down, import the exercise cell, answer calls.
+
+Started by `lab.grading.sandbox` as `python -I -S -B sandbox_child.py RESPONSE_FD` in an empty directory,
+with the settings as the first line of stdin. Stdlib only, and it imports nothing from `lab` itself: it is
+copied into the sandbox next to the few `lab` modules the exercise may use. Before any student code runs it
+
+1. dies with the grader (PR_SET_PDEATHSIG) and joins its own pids cgroup when the grader made one;
+2. sets resource limits (CPU time, memory, file size, open files, tasks) with soft = hard;
+3. shuts the file system with Landlock: read-only system and Python directories, read-write only its
+   working directory; with Landlock ABI >= 6 it can no longer signal processes outside the sandbox;
+4. when running as root, drops every capability (so it cannot raise its limits back, mount, reboot, ...).
+
+Then each request on stdin ({"id", "fn", "args", "kwargs", "world_size"}) is answered on RESPONSE_FD with
+one JSON line of plain data. The grader compares those values itself: nothing printed here counts.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import struct
+import sys
+import traceback
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER = 1, 38, 24, 36
+_LANDLOCK_CREATE, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT = 444, 445, 446  # x86_64 and aarch64 alike
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1, 2, 4, 8
+_FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2
+_MAX_DEPTH = 32
+_ALLOWED: list = []  # the modules and packages this exercise may import, for error messages
+
+
+def _prctl(option: int, arg: int = 0) -> None:
+    if _libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where Landlock is missing or disabled."""
+    if sys.platform != "linux":
+        return 0
+    abi = _libc.syscall(_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(abi, 0)
+
+
+def _landlock(rules: list, abi: int) -> None:
+    """Allow only `rules` ([path, "ro" | "rw"]) from now on, for this process and all it starts."""
+    handled = (1 << 13) - 1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    handled |= _FS_IOCTL_DEV if abi >= 5 else 0
+    file_rights = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV
+    attr = struct.pack("=QQQ", handled, 0, _SCOPE_SIGNAL | _SCOPE_ABSTRACT_UNIX_SOCKET) if abi >= 6 \
+        else struct.pack("=Q", handled)
+    ruleset = _libc.syscall(_LANDLOCK_CREATE, attr, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    for path, mode in rules:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue  # a path this machine does not have
+        access = handled if mode == "rw" else _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+        if not os.path.isdir(path):
+            access &= file_rights & handled
+        rule = struct.pack("=Qi", access, fd)
+        if _libc.syscall(_LANDLOCK_ADD_RULE, ruleset, 1, rule, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_add_rule({path!r}) failed")
+        os.close(fd)
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    if _libc.syscall(_LANDLOCK_RESTRICT, ruleset, 0) != 0:
+        raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    os.close(ruleset)
+
+
+def _drop_capabilities(last: int) -> None:
+    """Root keeps uid 0 (the interpreter may live under /root) but loses every capability, for good."""
+    for cap in range(last + 1):
+        _prctl(_PR_CAPBSET_DROP, cap)
+    header = struct.pack("=Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    if _libc.capset(header, bytes(24)) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+
+
+def _user_tasks(uid: int) -> int:
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                count += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            pass
+    return count
+
+
+def lock_down(settings: dict) -> None:
+    linux = sys.platform == "linux"  # elsewhere (a learner's Mac): resource limits and the process group only
+    if linux:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != settings["grader_pid"]:  # the grader died before prctl took effect
+            os._exit(1)
+    if settings["cgroup"]:
+        with open(os.path.join(settings["cgroup"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    limits = settings["limits"]
+    tasks = limits["max_tasks"] + (0 if os.getuid() == 0 or not linux else _user_tasks(os.getuid()))  # per user
+    for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_bytes"]),
+                        ("RLIMIT_FSIZE", limits["output_bytes"]), ("RLIMIT_CORE", 0), ("RLIMIT_NOFILE", 1024),
+                        ("RLIMIT_NPROC", tasks)):
+        hard = resource.getrlimit(getattr(resource, name))[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        try:
+            resource.setrlimit(getattr(resource, name), (value, value))
+        except (ValueError, OSError):
+            if linux:
+                raise  # macOS refuses some limits (RLIMIT_AS); Linux must not
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails instead of killing us
+    if not linux:
+        return
+    with open("/proc/sys/kernel/cap_last_cap") as f:  # before Landlock hides /proc
+        last_cap = int(f.read())
+    abi = landlock_abi()
+    if abi:
+        _landlock(settings["landlock"], abi)
+    if os.geteuid() == 0:
+        _drop_capabilities(last_cap)
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of the student's processes stay our descendants
+
+
+# --- answering calls ------------------------------------------------------------------------------------
+
+def _plain(value, depth: int = 0):
+    """What may cross back to the grader: JSON data. Tensors and NumPy values become lists and numbers."""
+    if depth > _MAX_DEPTH:
+        raise ValueError("the value is nested too deeply to be graded")
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) in (list, tuple):
+        return [_plain(v, depth + 1) for v in value]
+    if type(value) is dict and all(type(k) is str for k in value):
+        return {k: _plain(v, depth + 1) for k, v in value.items()}
+    if type(value).__module__.split(".")[0] in ("numpy", "torch") and hasattr(value, "tolist"):
+        return _plain(value.tolist(), depth + 1)
+    raise TypeError(f"returned a {type(value).__module__}.{type(value).__qualname__}, which cannot be graded: "
+                    f"return numbers, strings, lists or dicts")
+
+
+def _decode(value):
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__config__"}:
+            from lab.config import ModelConfig
+
+            return ModelConfig(**value["__config__"])
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def _where(error: BaseException, answer: str) -> list:
+    """The student's frames only: [line in the answer file, source line]."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return [[f.lineno, (f.line or "").strip()] for f in frames if f.filename == answer]
+
+
+def _failure(error: BaseException, answer: str) -> dict:
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    if isinstance(error, ModuleNotFoundError):
+        text += f" (graded code may import the standard library and {', '.join(_ALLOWED)})"
+    if isinstance(error, SystemExit):
+        text = f"SystemExit({error.code!r}): the exercise code called sys.exit()"
+    return {"error": text.splitlines()[0][:500] if text else "error", "where": _where(error, answer),
+            "not_attempted": isinstance(error, NotImplementedError)}
+
+
+def _call(module, request: dict, answer: str) -> dict:
+    fn = getattr(module, request["fn"], None)
+    if not callable(fn):
+        return {"error": f"NameError: {request['fn']} is not defined by the exercise cell (was it renamed?)",
+                "where": [], "not_attempted": False}
+    args, kwargs = _decode(request["args"]), _decode(request["kwargs"])
+    try:
+        if request.get("world_size"):
+            from lab.dist import run
+
+            value = run(fn, request["world_size"], *args, timeout_s=request["timeout_s"],
+                        pg_timeout_s=max(1.0, request["timeout_s"] / 2), **kwargs)
+        else:
+            value = fn(*args, **kwargs)
+        return {"value": _plain(value)}
+    except BaseException as error:  # SystemExit and KeyboardInterrupt included: they fail this call only
+        return _failure(error, answer)
+
+
+def main() -> None:
+    channel = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+    for stream in (sys.stdout, sys.stderr):  # what the student prints reaches the log even if killed
+        stream.reconfigure(line_buffering=True)
+    settings = json.loads(sys.stdin.readline())
+    sys.path[:0] = settings["sys_path"]
+    _ALLOWED[:] = settings["importable"]
+
+    def send(message: dict) -> None:
+        channel.write(json.dumps(message, allow_nan=True) + "\n")
+
+    try:
+        lock_down(settings)
+    except Exception as error:  # our failure, not the student's: say so
+        send({"event": "sandbox_error", "error": f"{type(error).__name__}: {error}"})
+        os._exit(1)
+
+    answer = os.path.join(settings["lib"], "answer.py")
+    try:
+        import answer as module
+    except BaseException as error:
+        send({"event": "import_error", **_failure(error, answer)})
+        os._exit(0)
+    missing = [name for name in settings["entry"] if not callable(getattr(module, name, None))]
+    send({"event": "missing", "names": missing} if missing else {"event": "ready"})
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            send({"id": request["id"], **_call(module, request, answer)})
+        except BaseException as error:  # e.g. a value that json cannot encode
+            send({"id": request["id"], **_failure(error, answer)})
+    os._exit(0)  # not sys.exit: threads or atexit hooks the student left must not keep us alive
+
+
+if __name__ == "__main__":
+    main()

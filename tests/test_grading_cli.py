@@ -1,0 +1,150 @@
+"""The three users: the instructor's `python -m lab grade`, the learner's `lab.check()`, the student's
+`python -m lab check`. Solutions score full marks, untouched exercises zero, outputs are deterministic."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import linecache
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import lab
+from lab.grading import grade, learner, report
+from lab.grading.notebook import answer_parts, is_answer, read
+from lab.grading.runner import CheckResult, ExerciseResult
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTION = REPO / "solutions" / "01_memory_and_compute.ipynb"
+EXERCISE = REPO / "exercises" / "01_memory_and_compute.ipynb"
+_CELLS = itertools.count()  # like IPython, every executed cell gets a file name of its own
+
+
+def _lab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lab", *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_grade_solutions_gives_full_marks_with_every_output(tmp_path):
+    done = _lab("grade", str(SOLUTION), "--out", str(tmp_path / "g.csv"), "--results-json", str(tmp_path / "r.json"),
+                "--feedback-dir", str(tmp_path / "fb"), "--seed-secret", "s3cret")
+    assert done.returncode == 0, done.stderr
+    assert "Score: 16 / 16 points" in done.stdout
+    row = next(csv.DictReader((tmp_path / "g.csv").open()))
+    assert row["student"] == "01_memory_and_compute" and row["total"] == row["max"] == "16"
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["score"] == 16 and len(results["tests"]) == 16
+    assert {t["visibility"] for t in results["tests"]} == {"visible", "after_published"}
+    assert "16 / 16" in (tmp_path / "fb" / "01_memory_and_compute.html").read_text()
+
+
+def test_grade_untouched_exercises_gives_zero_not_attempted():
+    done = _lab("grade", str(EXERCISE))
+    assert done.returncode == 0, done.stderr
+    assert "Score: 0 / 16 points" in done.stdout
+    for name in ("param_count", "model_state_bytes", "activation_bytes", "max_micro_batch", "mfu"):
+        assert done.stdout.count(f"not attempted: {name} raises NotImplementedError") == 1
+
+
+def test_class_grading_is_deterministic_with_an_assignment_and_late_policy(tmp_path):
+    """Ten students (perfect, blank, partial), graded twice with 2 jobs: byte-identical CSVs."""
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    for i in range(4):
+        shutil.copy(SOLUTION, subs / f"perfect{i}.ipynb")
+        shutil.copy(EXERCISE, subs / f"blank{i}.ipynb")
+    partial = read(SOLUTION)
+    cell = next(c for c in partial.cells if is_answer(c, "01.state_bytes"))
+    cell.source = "def model_state_bytes(*args):\n    return 0\n"
+    nbformat.write(partial, subs / "partial.ipynb")
+    named = read(SOLUTION)
+    named.metadata["lab"] = {"student": "ada"}
+    nbformat.write(named, subs / "whatever.ipynb")
+    (tmp_path / "times.csv").write_text("student,submitted_at\nperfect0,2026-10-11T10:00:00Z\n")
+    args = [str(subs), "--jobs", "2", "--quiet", "--assignment", "A1",
+            "--submission-times", str(tmp_path / "times.csv")]
+    assert grade.main([*args, "--out", str(tmp_path / "a.csv"), "--feedback-dir", str(tmp_path / "fb")]) == 0
+    assert grade.main([*args, "--out", str(tmp_path / "b.csv")]) == 0
+    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+    rows = {r["student"]: r for r in csv.DictReader((tmp_path / "a.csv").open())}
+    assert len(rows) == 10 and {r["assignment"] for r in rows.values()} == {"A1"}
+    assert rows["ada"]["total"] == "16" and rows["blank0"]["total"] == "0"
+    assert rows["partial"]["01.state_bytes"] == rows["partial"]["01.max_micro_batch"] == "0"  # it builds on it
+    assert rows["partial"]["total"] == "10"
+    assert rows["perfect0"]["late_days"] == "2" and rows["perfect0"]["total"] == "12.8"
+    assert "A1" in (tmp_path / "fb" / "ada.html").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nowhere/"], "nowhere: no such file or folder"),
+    ([str(SOLUTION), "--assignment", "Z9"], "unknown assignment 'Z9'; valid: A1"),
+    ([str(SOLUTION), "--jobs", "0"], "--jobs=0 must be >= 1"),
+    ([str(SOLUTION), str(EXERCISE), "--results-json", "r.json"], "--results-json is Gradescope's per-submission"),
+    ([str(SOLUTION), "--checks", "missing.py"], "--checks missing.py: no such file"),
+])
+def test_grade_errors_are_one_line(args, message, capsys):
+    assert grade.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def _run_cell(namespace: dict, source: str) -> None:
+    """What a kernel does with a cell: IPython keeps each cell's source in linecache, under a name of its own."""
+    filename = f"<ipython-input-{next(_CELLS)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+
+
+def _kernel(notebook: Path, skip: str = "") -> dict:
+    """A namespace like a kernel's after running every answer cell of `notebook` (but `skip`'s)."""
+    namespace = {"__name__": "__main__"}
+    for ex in ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu"):
+        for _, source in answer_parts(read(notebook), ex) if ex != skip else []:
+            _run_cell(namespace, source)
+    return namespace
+
+
+def test_learner_check_runs_what_the_kernel_ran():
+    namespace = _kernel(SOLUTION)
+    one = learner.check("01.param_count", namespace=namespace)
+    assert (one.points, one.max_points) == (3, 3)  # the hidden check is not run for learners
+    assert "hidden checks worth 1 more" in one._repr_html_() and "Score: 3 / 3 points" in repr(one)
+    everything = learner.check(namespace=namespace)
+    assert everything.points == everything.max_points == 15
+    namespace["model_state_bytes"] = _kernel(EXERCISE)["model_state_bytes"]  # the learner re-ran the stub
+    mixed = learner.check(namespace=namespace)
+    by_id = {r.id: r for r in mixed.results}
+    assert by_id["01.state_bytes"].status == "not attempted" and by_id["01.param_count"].status == "passed"
+    assert by_id["01.max_micro_batch"].reason == "needs 01.state_bytes, which is not done yet"
+    namespace["model_state_bytes"] = _kernel(SOLUTION)["model_state_bytes"]
+    _run_cell(namespace, "def param_count(cfg):\n    return 0\n")  # the exercises built on it say where to start
+    wrong = {r.id: r for r in learner.check(namespace=namespace).results}
+    assert wrong["01.mfu"].reason == "builds on 01.param_count, which is not fully right yet: start there"
+
+
+def test_learner_check_explains_what_is_missing():
+    report_ = learner.check("01.mfu", namespace=_kernel(SOLUTION, skip="01.param_count"))
+    assert report_.points == 0 and "run the cell that defines param_count (01.param_count) first" in repr(report_)
+    assert "none found" in learner.check(namespace={}).title
+    with pytest.raises(ValueError, match="unknown exercise '01.nope'; valid: 01.param_count"):
+        lab.check("01.nope")
+
+
+def test_check_cli_for_a_saved_notebook():
+    done = _lab("check", str(EXERCISE), "01.state_bytes")
+    assert done.returncode == 0 and "Score: 0 / 3 points" in done.stdout and "not attempted" in done.stdout
+
+
+def test_reports_escape_what_student_code_could_write():
+    check = CheckResult("c", 1, 0, "failed", "<script>alert(1)</script>", "<b>hint</b>", hidden=False)
+    result = ExerciseResult("01.x", 1, 0, "failed", "<img src=x onerror=alert(1)>", [check], "<script>")
+    page = report.html_report([result], "<title>", output=True)
+    assert "<script>" not in page and "<img" not in page and "&lt;script&gt;" in page
+    hidden = CheckResult("h", 1, 0, "failed", "expected 42", "", hidden=True)
+    assert "expected 42" not in report.html_report([ExerciseResult("01.x", 1, 0, "failed", "", [hidden])], "t",
+                                                   hidden_details=False)

@@ -1,0 +1,112 @@
+"""`python -m lab release`: exercises/ is what solutions/ releases, byte for byte; errors name the cell."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from lab.grading import assignments as course
+from lab.grading import release
+from lab.grading.notebook import BEGIN, END, checksum, exercise_ids, is_answer, is_locked, meta, read
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTION = REPO / "solutions" / "01_memory_and_compute.ipynb"
+
+
+def test_exercises_folder_is_up_to_date():
+    stale = release.release(REPO / "solutions", REPO / "exercises", check_only=True)
+    assert not stale, f"{[str(p) for p in stale]} out of date: run `python -m lab release` and commit the result"
+
+
+def test_release_is_deterministic(tmp_path):
+    assert release.release(REPO / "solutions", tmp_path) == [tmp_path / SOLUTION.name]
+    first = (tmp_path / SOLUTION.name).read_bytes()
+    assert release.release(REPO / "solutions", tmp_path) == []
+    assert (tmp_path / SOLUTION.name).read_bytes() == first
+
+
+def test_released_notebook_hides_solutions_and_locks_statements():
+    nb = release.release_notebook(read(SOLUTION), SOLUTION.name)
+    answers = [c for c in nb.cells if is_answer(c)]
+    assert [meta(c)["exercise"] for c in answers] == exercise_ids(read(SOLUTION)) and len(answers) == 5
+    for cell in answers:
+        assert BEGIN not in cell.source and END not in cell.source
+        assert f'raise NotImplementedError("exercise {meta(cell)["exercise"]}")' in cell.source
+        assert "def " in cell.source  # the stub sits inside the function the learner completes
+    for cell in (c for c in nb.cells if is_locked(c)):
+        assert cell.metadata["lab"]["checksum"] == checksum(cell) and cell.metadata["editable"] is False
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+
+
+def _one_cell_notebook(source: str, **lab) -> nbformat.NotebookNode:
+    cell = nbformat.v4.new_code_cell(source, id="answer")
+    cell.metadata["lab"] = lab
+    return nbformat.v4.new_notebook(cells=[cell])
+
+
+@pytest.mark.parametrize("source, lab, message", [
+    (f"def f():\n    {BEGIN}\n    return 1\n", {"exercise": "01.param_count", "points": 4}, "never closed"),
+    (f"def f():\n    return 1\n    {END}\n", {"exercise": "01.param_count", "points": 4}, f"{END} without"),
+    ("def f():\n    return 1\n", {"exercise": "01.param_count", "points": 4}, "has no ### BEGIN SOLUTION"),
+    (f"{BEGIN}\n{BEGIN}\n{END}\n", {"exercise": "01.param_count", "points": 4}, "inside another"),
+    (f"{BEGIN}\nx = 1\n{END}\n", {"exercise": "01.param_count", "points": 3}, "points=3 for 01.param_count but"),
+    (f"{BEGIN}\nx = 1\n{END}\n", {"exercise": "01.nope", "points": 1}, "'01.nope' has no checks"),
+    (f"{BEGIN}\nx = 1\n{END}\n", {}, "solution markers outside an answer cell"),
+])
+def test_release_errors_name_the_cell_and_the_rule(source, lab, message):
+    with pytest.raises(ValueError, match="t.ipynb cell 0") as error:
+        release.release_notebook(_one_cell_notebook(source, **lab), "t.ipynb")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_stub_keeps_the_indentation_and_the_rest_of_the_cell():
+    source = f"import math\n\ndef f(x):\n    y = 1\n    {BEGIN}\n    return x\n    {END}\n"
+    stub = release._stub(source, "01.param_count", "t")
+    assert stub == ("import math\n\ndef f(x):\n    y = 1\n    # YOUR CODE HERE\n"
+                    '    raise NotImplementedError("exercise 01.param_count")')
+
+
+def test_assignment_handout_keeps_only_its_exercises(tmp_path):
+    toml = tmp_path / "assignments.toml"
+    toml.write_text('[A0]\ntitle = "warm-up"\nexercises = ["01.param_count", "01.state_bytes"]\n')
+    assert release.main(["--solutions", str(REPO / "solutions"), "--assignment", "A0", "--assignments", str(toml),
+                         "--out", str(tmp_path / "handout")]) == 0
+    nb = read(tmp_path / "handout" / SOLUTION.name)
+    assert exercise_ids(nb) == ["01.param_count", "01.state_bytes"]
+    assert {meta(c).get("exercise") for c in nb.cells} == {None, "01.param_count", "01.state_bytes"}
+    assert nb.metadata["lab"]["assignment"] == "A0"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[A]\nexercises = ["01.nope"]\n', "unknown exercise '01.nope'"),
+    ('[A]\nexercises = ["01.mfu"]\n', "01.mfu, which builds on 01.param_count"),
+    ('[A]\nexercises = []\ndue = "friday"\n', "due='friday' must be a TOML date-time"),
+    ('[A]\nexercises = []\npoints = 3\n', "unknown key(s) points"),
+])
+def test_assignments_file_errors(tmp_path, text, message):
+    (tmp_path / "a.toml").write_text(text)
+    with pytest.raises(ValueError, match="a.toml") as error:
+        course.load(tmp_path / "a.toml")
+    assert message in str(error.value)
+
+
+def test_late_policy():
+    a1 = course.get("A1")
+    assert a1.late(a1.due) == (0, 1.0)
+    assert a1.late(a1.due + course.dt.timedelta(hours=30)) == (2, pytest.approx(0.8))
+    assert a1.late(a1.due + course.dt.timedelta(days=4)) == (4, 0.0)
+
+
+def test_release_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert release.main(["--check"]) == 0 and "up to date" in capsys.readouterr().out
+    broken = copy.deepcopy(read(SOLUTION))
+    next(c for c in broken.cells if is_answer(c)).metadata["lab"]["points"] = 99
+    nbformat.write(broken, tmp_path / SOLUTION.name)
+    assert release.main(["--solutions", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m lab release: error: ") and len(err.strip().splitlines()) == 1
+    assert release.main(["--assignment", "A1"]) == 2 and "needs --out" in capsys.readouterr().err

@@ -1,0 +1,185 @@
+"""Adversarial submissions: each tampers with the exercise 01.mfu (nothing builds on it) of an otherwise perfect
+notebook. Every one must score 0 on 01.mfu with a clear reason, full marks elsewhere, the whole class must
+still be graded, and no process of any sandbox may outlive the grading."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from lab.grading import checks
+from lab.grading.confine import isolation
+from lab.grading.grade import grade_all, reference_checksums
+from lab.grading.notebook import is_answer, is_locked
+from lab.grading.runner import run_exercise
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTION = REPO / "solutions" / "01_memory_and_compute.ipynb"
+CHECK_SOURCE = REPO / "lab" / "grading" / "checks" / "ch01.py"
+RIGHT = ("def mfu(cfg, seq_len, tokens, step_time_s, n_gpus, peak):\n"
+         "    return (6 * param_count(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len) * tokens / "
+         "(step_time_s * n_gpus * peak)\n")
+WRONG = "def mfu(*args):\n    return 0.0\n"
+
+CASES = {  # name: (mfu cell source, words the reason or message must contain)
+    "reads_a_solution_file": (f"import json\nnb = json.load(open({str(SOLUTION)!r}))\n"
+                              "exec(''.join(c['source'] for c in nb['cells'] if 'mfu' in c['metadata'].get('lab', {})"
+                              ".get('exercise', '') and 'points' in c['metadata']['lab']))\n", "Permission denied"),
+    "imports_the_checks": ("import lab.grading.checks.ch01 as ch01\n" + RIGHT, "No module named 'lab.grading'"),
+    "patches_the_checker_file": (f"try:\n    open({str(CHECK_SOURCE)!r}, 'a').write('\\nexpect_close = print\\n')\n"
+                                 "except OSError:\n    pass\n" + WRONG, "returned 0.0"),
+    "monkeypatches_builtins": ("import builtins, json\nbuiltins.isinstance = lambda *a: True\n"
+                               "json.dumps = lambda *a, **k: '{\"id\": 0, \"value\": 1}'\n"
+                               "class Anything(float):\n    def __eq__(self, other): return True\n"
+                               "def mfu(*args):\n    return Anything(0.0)\n", "tampered"),
+    "returns_an_object_equal_to_everything": ("class Anything:\n    def __eq__(self, other): return True\n"
+                                              "def mfu(*args):\n    return Anything()\n", "cannot be graded"),
+    "prints_a_fake_score": ("print('Score: 16 / 16 points')\nprint('{\"score\": 16}')\n" + WRONG, "returned 0.0"),
+    "writes_a_fake_results_file": ("import json, os\nfor path in ('results.json', '/autograder/results/results.json',"
+                                   " os.path.expanduser('~/grades.csv')):\n    try:\n"
+                                   "        open(path, 'w').write(json.dumps({'score': 16}))\n"
+                                   "    except OSError:\n        pass\n" + WRONG, "returned 0.0"),
+    "forges_channel_answers": ("import os\nfor fd in range(3, 64):\n    try:\n"
+                               "        os.write(fd, b'{\"id\": 0, \"value\": 0.5}\\n{\"id\": 1, \"value\": 0.5}\\n')\n"
+                               "    except OSError:\n        pass\n" + WRONG, "tampered"),
+    "renamed_the_function": (RIGHT.replace("def mfu(", "def model_flops_utilisation("), "does not define mfu"),
+    "calls_sys_exit": ("import sys\nsys.exit(0)\n" + RIGHT, "sys.exit"),
+    "exits_the_process": ("import os\n" + RIGHT.replace("    return", "    os._exit(3)\n    return"), "exited"),
+    "crashes_the_interpreter": ("import ctypes\n" + RIGHT.replace("    return", "    ctypes.string_at(0)\n    return"),
+                                "SIGSEGV"),
+    "loops_forever": ("def mfu(*args):\n    while True:\n        pass\n", "within|CPU time"),
+    "forks_without_end": ("import os\ndef mfu(*args):\n    while True:\n        try:\n            os.fork()\n"
+                          "        except OSError:\n            pass\n", "fork bomb"),
+    "eats_memory": ("hog = []\nwhile True:\n    hog.append(bytearray(50 << 20))\n" + RIGHT, "MemoryError"),
+    "kills_the_grader": ("import os, signal\n" + RIGHT.replace("    return", "    os.kill(os.getppid(), signal.SIGKILL)"
+                                                                "\n    return"), "Operation not permitted"),
+    "leaves_an_orphan": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                         "        time.sleep(600)\n    os._exit(0)\n" + WRONG, "returned 0.0"),
+}
+
+
+def _notebook(case: str) -> dict:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    if case == "edits_a_locked_cell":
+        next(c for c in nb.cells if is_locked(c, "01.mfu")).source += "\nAnswers are optional."
+    elif case == "deletes_the_cell":
+        nb.cells = [c for c in nb.cells if not is_answer(c, "01.mfu")]
+    elif case == "strips_the_metadata":
+        for cell in nb.cells:
+            if is_answer(cell, "01.mfu"):
+                del cell.metadata["lab"]
+    elif case != "honest":
+        next(c for c in nb.cells if is_answer(c, "01.mfu")).source = CASES[case][0]
+    return nb
+
+
+needs_landlock = pytest.mark.skipif(
+    isolation()["landlock_abi"] < 6, reason="tamper-proof grading needs Landlock ABI >= 6 (Linux >= 6.12); this "
+    f"kernel has ABI {isolation()['landlock_abi']}, and python -m lab grade warns that it cannot confine files")
+
+STRUCTURAL = {"edits_a_locked_cell": "locked cell", "deletes_the_cell": "no cell with metadata",
+              "strips_the_metadata": "no cell with metadata"}
+
+
+@needs_landlock
+def test_adversarial_class(tmp_path):
+    """The whole class is graded in one run (2 jobs), as an instructor would; then each case is judged."""
+    for case in ["honest", *CASES, *STRUCTURAL]:
+        nbformat.write(_notebook(case), tmp_path / f"{case}.ipynb")
+    (tmp_path / "not_json.ipynb").write_text("{ this is not a notebook")
+    old_tempdir, check_source = tempfile.tempdir, CHECK_SOURCE.read_bytes()
+    tempfile.tempdir = str(tmp_path)  # every sandbox directory (so every sandbox's command line) is under tmp_path
+    try:
+        exercises = [e for e in checks.load_all().values() if e.chapter == "01"]
+        submissions = sorted((p.stem, p) for p in tmp_path.glob("*.ipynb"))
+        results = {r.student: r for r in grade_all(submissions, exercises, jobs=2, progress=False, wall_s=10,
+                                                    locked=reference_checksums(REPO / "solutions"),
+                                                    protect=[str(tmp_path)])}
+    finally:
+        tempfile.tempdir = old_tempdir
+    survivors = [p.info for p in psutil.process_iter(["pid", "cmdline", "status"])
+                 if str(tmp_path) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+    assert not survivors, f"processes left behind: {survivors}"
+    assert CHECK_SOURCE.read_bytes() == check_source and not (REPO / "results.json").exists()
+    assert results["honest"].total == results["honest"].max_points == 16
+    broken = results["not_json"]
+    assert broken.total == 0 and all("not valid JSON" in e.reason for e in broken.exercises)
+    wrong = []
+    for case in [*CASES, *STRUCTURAL]:
+        by_id = {e.id: e for e in results[case].exercises}
+        mfu = by_id.pop("01.mfu")
+        words = CASES[case][1] if case in CASES else STRUCTURAL[case]
+        text = " | ".join([mfu.reason, *(c.message for c in mfu.checks)])
+        if mfu.points != 0 or not any(w in text for w in words.split("|")):
+            wrong.append(f"{case}: {mfu.points} points on 01.mfu; expected {words!r} in: {text}")
+        if any(e.points != e.max_points for e in by_id.values()):
+            wrong.append(f"{case}: cost other exercises points")
+    assert not wrong, "\n".join(wrong)
+
+
+@needs_landlock
+def test_isolation_layers_of_this_machine():
+    """The layers the instructor guide promises, all present (a pids cgroup needs root or a delegated one)."""
+    layers = isolation()
+    assert layers["landlock_abi"] >= 6 and (layers["pids_cgroup"] or not layers["root"]), layers
+
+
+def test_a_hung_collective_names_the_rank_and_a_good_one_passes():
+    """Multi-rank exercises run their ranks through lab.dist.run inside the sandbox."""
+    ex = checks.load_file(REPO / "tests" / "fixtures" / "grading" / "checks_ranks.py")[0]
+    good = ("import torch\nimport torch.distributed as dist\n\ndef rank_sum(x):\n"
+            "    t = torch.tensor([float(x * (dist.get_rank() + 1))])\n"
+            "    dist.all_reduce(t)\n    return int(t.item())\n")
+    hang = good.replace("    dist.all_reduce(t)\n",  # rank 1 never joins the collective
+                        "    if dist.get_rank() == 1:\n        __import__('time').sleep(600)\n    dist.all_reduce(t)\n")
+    assert run_exercise(ex, [("99.rank_sum", good)], wall_s=60).points == 2
+    hung = run_exercise(ex, [("99.rank_sum", hang)], wall_s=15)
+    message = hung.checks[0].message
+    assert hung.points == 0 and ("never joined" in message or "did not finish" in message) and "[1]" in message
+
+
+def test_student_output_is_kept_for_the_learner_but_never_graded():
+    ex = checks.get("01.state_bytes")
+    source = "print('Score: 3 / 3 points')\ndef model_state_bytes(n, precision='mixed', fp32_grad_accum=False):\n" \
+             "    print('computing', n)\n    return 0\n"
+    result = run_exercise(ex, [("cell", source)])
+    assert result.points == 0 and "Score: 3 / 3 points" in result.output and "computing" in result.output
+
+
+def test_without_a_pids_cgroup_the_process_tree_is_still_found(tmp_path, monkeypatch):
+    """On machines where no pids cgroup can be made, the sandbox is its session and its descendants (the
+    child is a subreaper): a fork bomb and a process that left the session both die with the sandbox."""
+    from lab.grading import sandbox
+
+    monkeypatch.setattr(sandbox, "make_cgroup", lambda max_tasks: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ex = checks.get("01.state_bytes")
+    bomb = "import os\ndef model_state_bytes(*args):\n    while True:\n        try:\n            os.fork()\n" \
+           "        except OSError:\n            pass\n"
+    escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(600)\n" \
+             "    os._exit(0)\ntime.sleep(0.3)\ndef model_state_bytes(*args):\n    return 0\n"
+    assert "fork bomb" in run_exercise(ex, [("bomb", bomb)], wall_s=10).reason
+    assert run_exercise(ex, [("escape", escape)], wall_s=10).points == 0
+    survivors = [p.info for p in psutil.process_iter(["pid", "cmdline", "status"])
+                 if str(tmp_path) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+    assert not survivors, f"processes left behind: {survivors}"
+
+
+def test_sandboxes_of_a_killed_grader_are_reaped_by_the_next_one():
+    from lab.grading.confine import make_cgroup
+
+    fresh = make_cgroup(8)
+    if fresh is None:
+        return  # no pids cgroup on this machine: nothing is left in one either
+    fresh.rmdir()
+    stale = fresh.parent / "lab-sandbox-999999999-0"  # a grader pid that does not exist
+    stale.mkdir()
+    orphan = subprocess.Popen(["sleep", "600"])
+    (stale / "cgroup.procs").write_text(str(orphan.pid))
+    make_cgroup(8).rmdir()
+    assert orphan.wait(timeout=10) == -9 and not stale.exists()

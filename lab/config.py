@@ -25,6 +25,7 @@ import tomli_w
 ATTENTION_KINDS = ("gqa", "mla")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
 RECOMPUTE_MODES = ("none", "selective", "full")
+DP_MODES = ("naive", "overlapped", "bucketed")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -142,6 +143,8 @@ class ParallelConfig:
     pp_virtual_stages: int = 1
     ep: int = 1
     zero: int = 0
+    dp_mode: str = "bucketed"
+    bucket_mb: float = 25.0
     grad_accum: int = 1
     recompute: str = "none"
 
@@ -155,6 +158,13 @@ class ParallelConfig:
     def validate(self) -> None:
         _positive(self, "dp", "tp", "cp", "pp", "ep", "grad_accum", "pp_virtual_stages")
         _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be one of 0, 1, 2, 3")
+        _require(not self.zero or self.dp > 1, f"zero={self.zero} needs dp > 1: it shards over the data-parallel "
+                                               f"ranks (got dp={self.dp})")
+        _require(not self.zero or self.tp == 1, f"zero={self.zero} with tp={self.tp}: lab's ZeRO shards a model "
+                                                f"that is not tensor parallel; use zero=0 with tp > 1")
+        _one_of("dp_mode", self.dp_mode, DP_MODES)
+        _require(isinstance(self.bucket_mb, int | float) and self.bucket_mb > 0,
+                 f"bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB per gradient bucket)")
         _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _one_of("recompute", self.recompute, RECOMPUTE_MODES)
         _require(not self.sp or self.tp > 1, f"sp=True needs tp > 1 (got tp={self.tp})")

@@ -25,19 +25,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lab import dist as lab_dist
-from lab.config import PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
+from lab.config import DP_MODES, PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
 from lab.data import SyntheticTokens, shard_rows
 from lab.dist import Mesh
 from lab.model import build_model, materialize, num_params, set_recompute
-from lab.parallel.dp import all_reduce_gradients
-from lab.parallel.tp import apply_tensor_parallel, grad_norm, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
+from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
+from lab.parallel.zero import make_data_parallel
 
 # Parallel features that later chapters implement; until then their flags fail loudly, never silently.
 _NOT_YET = {
     "cp": ("context parallelism", "05", lambda p: p.cp > 1),
     "pp": ("pipeline parallelism", "06", lambda p: p.pp > 1),
     "ep": ("expert parallelism", "07", lambda p: p.ep > 1),
-    "zero": ("ZeRO", "03", lambda p: p.zero > 0),
 }
 
 
@@ -72,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dp", "tp", "cp", "pp", "ep", "grad-accum"):
         group.add_argument(f"--{name}", type=int)
     group.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (with --tp)")
-    group.add_argument("--zero", type=int, help="ZeRO stage 0-3")
+    group.add_argument("--zero", type=int, help="ZeRO stage 0-3 over the dp ranks (0: plain data parallelism)")
+    group.add_argument("--dp-mode", choices=DP_MODES, help="how plain data parallelism averages gradients "
+                                                          "(default bucketed)")
+    group.add_argument("--bucket-mb", type=float, help="MiB per gradient bucket for --dp-mode bucketed")
     group.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     group.add_argument("--recompute", choices=RECOMPUTE_MODES)
     return p
@@ -85,19 +87,21 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
         ("train", "steps", args.steps), ("train", "seed", args.seed),
         ("parallel", "dp", args.dp), ("parallel", "tp", args.tp), ("parallel", "cp", args.cp),
         ("parallel", "pp", args.pp), ("parallel", "ep", args.ep), ("parallel", "grad_accum", args.grad_accum),
-        ("parallel", "zero", args.zero), ("parallel", "sp", args.sp),
+        ("parallel", "zero", args.zero), ("parallel", "sp", args.sp), ("parallel", "dp_mode", args.dp_mode),
+        ("parallel", "bucket_mb", args.bucket_mb),
         ("parallel", "pp_schedule", args.pp_schedule), ("parallel", "recompute", args.recompute),
     ):
         if value is not None:
             overrides.append(f"{section}.{name}={json.dumps(value)}")
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc={args.nproc} must be >= 1")
+    if args.nproc is not None and args.dp is None:  # `--nproc 4` alone means "four data-parallel ranks"
+        # (the degrees come from a load without ZeRO, which on its own would need dp > 1)
+        p = load_config(args.config, [o for o in overrides if not o.startswith("parallel.zero=")]).parallel
+        if args.nproc % (p.tp * p.cp * p.pp) == 0:
+            overrides.append(f"parallel.dp={args.nproc // (p.tp * p.cp * p.pp)}")
     config = load_config(args.config, overrides)
     p = config.parallel
-    if args.nproc is not None and args.dp is None and args.nproc % (p.tp * p.cp * p.pp) == 0:
-        # `--nproc 4` alone means "four data-parallel ranks"
-        config = load_config(args.config, overrides + [f"parallel.dp={args.nproc // (p.tp * p.cp * p.pp)}"])
-        p = config.parallel
     nproc = args.nproc if args.nproc is not None else p.world_size
     if nproc != p.world_size:
         raise ValueError(f"--nproc={nproc} must equal dp*tp*cp*pp = "
@@ -137,12 +141,10 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     if parallel.tp > 1:
         apply_tensor_parallel(model, tp_group, sequence_parallel=parallel.sp)
     set_recompute(model, parallel.recompute)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=train.lr, betas=(0.9, 0.95), eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    # Plain DP (naive, overlapped or bucketed) or ZeRO: one object owns gradient averaging, clipping and AdamW.
+    engine = make_data_parallel(model, dp_group, train, zero=parallel.zero, dp_mode=parallel.dp_mode,
+                                bucket_mb=parallel.bucket_mb, tp_group=tp_group if parallel.tp > 1 else None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: _lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
                            train.data_branching)
 
@@ -156,26 +158,29 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
                 torch.cuda.reset_peak_memory_stats(device)
             inputs, targets = (shard_rows(t, dp_rank, parallel.dp) for t in data.next_batch())
             loss = torch.zeros((), device=device)
-            for micro_in, micro_tgt in zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum),
-                                           strict=True):
-                logits = model(micro_in.to(device))
-                if parallel.tp > 1:
-                    micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt.to(device), tp_group)
-                else:
-                    micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.to(device).flatten())
-                (micro_loss / parallel.grad_accum).backward()
+            micro_batches = list(zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum),
+                                     strict=True))
+            for i, (micro_in, micro_tgt) in enumerate(micro_batches):
+                # no gradient communication until the last micro-batch's backward
+                with engine.backward_context(last_micro_batch=i == len(micro_batches) - 1):
+                    logits = model(micro_in.to(device))
+                    if parallel.tp > 1:
+                        micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt.to(device), tp_group)
+                    else:
+                        micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.to(device).flatten())
+                    (micro_loss / parallel.grad_accum).backward()
                 loss += micro_loss.detach() / parallel.grad_accum
+            engine.finish()  # every rank now holds the averaged gradients (ZeRO: of its shard)
             if parallel.tp > 1:
                 sync_tensor_parallel_grads(model, tp_group)
             if parallel.dp > 1:
-                all_reduce_gradients(model, dp_group)
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dp_group)
                 loss /= parallel.dp
-            norm = clip_gradients(model, train.grad_clip, tp_group if parallel.tp > 1 else None)
+            norm = engine.clip_grad_norm(train.grad_clip)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            engine.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            engine.zero_grad()
             elapsed = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             entry = StepLog(step + 1, loss.item(), lr, norm.item(),
@@ -189,19 +194,6 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         if log_file:
             log_file.close()
     return logs
-
-
-@torch.no_grad()
-def clip_gradients(model: torch.nn.Module, max_norm: float, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Scale gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm.
-    Same arithmetic as `torch.nn.utils.clip_grad_norm_`, with tensor-parallel shards counted correctly."""
-    norm = grad_norm(model, tp_group)
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for param in model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale)
-    return norm
 
 
 def _progress(total: int, enabled: bool):
@@ -234,7 +226,8 @@ def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> 
     p = config.parallel
     floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
     layout = ", ".join([f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "grad_accum")
-                        if getattr(p, k) != 1] + (["sp"] if p.sp else [])) or "single process"
+                        if getattr(p, k) != 1] + (["sp"] if p.sp else []) + ([f"zero={p.zero}"] if p.zero else [])
+                       ) or "single process"
     tokens = config.train.global_batch * config.train.seq_len * len(logs)
     return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters) for "
             f"{len(logs)} steps on {nproc} rank(s) [{layout}]: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "

@@ -55,6 +55,13 @@ def test_cli_lowers_the_loss_and_dp2_matches_single_process(tmp_path):
     (["parallel.tp=2"], 2),
     (["parallel.tp=4", "parallel.sp=true"], 4),
     (["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "parallel.grad_accum=2"], 4),
+    (["parallel.dp=2", "parallel.dp_mode='naive'"], 2),
+    (["parallel.dp=2", "parallel.dp_mode='overlapped'", "parallel.grad_accum=2"], 2),
+    (["parallel.dp=4", "parallel.bucket_mb=0.05", "parallel.grad_accum=2"], 4),
+    (["parallel.dp=2", "parallel.zero=1", "parallel.grad_accum=2"], 2),
+    (["parallel.dp=4", "parallel.zero=2"], 4),
+    (["parallel.dp=2", "parallel.zero=3", "parallel.grad_accum=2", "parallel.recompute='full'"], 2),
+    (["parallel.dp=4", "parallel.zero=3"], 4),
 ])
 def test_layouts_match_single_process(overrides, nproc):
     base = [log.loss for log in run(load_config("configs/tiny.toml", ["train.steps=6"]), verbose=False)]
@@ -92,6 +99,10 @@ def test_torchrun_joins_the_launched_group(tmp_path):
     (["--config", "configs/nope.toml"], "config file 'configs/nope.toml' does not exist"),
     (["--pp", "2", "--nproc", "2"], "--pp=2: pipeline parallelism is not implemented yet (chapter 06)"),
     (["--sp"], "sp=True needs tp > 1 (got tp=1)"),
+    (["--zero", "1"], "zero=1 needs dp > 1: it shards over the data-parallel ranks (got dp=1)"),
+    (["--zero", "2", "--dp", "2", "--tp", "2"], "zero=2 with tp=2: lab's ZeRO shards a model that is not tensor"),
+    (["--bucket-mb", "0"], "bucket_mb=0.0 must be a number > 0"),
+    (["--dp-mode", "ring"], "argument --dp-mode: invalid choice: 'ring'"),
     (["--pp-schedule", "gpipe"], "argument --pp-schedule: invalid choice: 'gpipe'"),
 ])
 def test_bad_input_is_one_clear_line(args, message):

@@ -4,13 +4,60 @@ After each backward pass the ranks average their gradients, so every replica tak
 step and the replicas never drift apart. Averaging the per-rank mean losses' gradients over equal-sized
 slices gives exactly the gradient of the mean loss over the whole batch — the reason a data-parallel run
 reproduces a single-process run step for step.
+
+Three ways to average, each a small class with the same training loop (ZeRO in `lab.parallel.zero` too):
+
+    dp = BucketedDP(model, group, lr=3e-3, weight_decay=0.1, bucket_mb=25)
+    for i, (x, y) in enumerate(micro_batches):
+        with dp.backward_context(last_micro_batch=i == len(micro_batches) - 1):
+            (loss_fn(model(x), y) / len(micro_batches)).backward()
+    dp.finish()                      # wait for the gradient communication
+    norm = dp.clip_grad_norm(1.0)    # global norm, as torch.nn.utils.clip_grad_norm_
+    dp.step()                        # AdamW (dp.optimizer: drive its lr with any LR scheduler)
+    dp.zero_grad()
+
+- `NaiveDP`: compute, then communicate — one all-reduce per parameter after the whole backward pass.
+- `OverlappedDP`: a hook per parameter launches its all-reduce as soon as its gradient is ready, while
+  backward goes on computing the gradients of earlier layers.
+- `BucketedDP`: gradients are copied into a few large contiguous buffers ("buckets"), each all-reduced as
+  soon as all of its gradients are in: fewer, larger messages, each paying the per-message latency once.
+- `TorchDDP`: torch's `DistributedDataParallel` behind the same loop, to check and time ours against.
+
+Gradient accumulation: inside `no_sync()` (every micro-batch but the last) nothing is communicated; the
+gradients add up locally and the last micro-batch's backward sends their sum once.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lab.parallel.tp import grad_norm
+
+BETAS, EPS = (0.9, 0.95), 1e-8  # lab.train's AdamW
+
+
+def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW as `lab.train` uses it. Weight decay pulls matrices towards zero; it is not applied to vectors
+    (norm weights), whose scale carries meaning — callers split the parameters by their original dimension."""
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=BETAS, eps=EPS)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the memory these tensors really hold: each storage counted once (views share one), freed
+    storages (resized to zero, as ZeRO-3 does) count zero. Measuring, not computing from shapes."""
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 @torch.no_grad()
@@ -21,3 +68,213 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = Non
         if param.grad is not None:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
             param.grad.div_(world)
+
+
+class DataParallel:
+    """What every variant here and ZeRO (`lab.parallel.zero`) share: a rank group, and the `no_sync` switch.
+
+    The rest of the interface — `finish`, `clip_grad_norm`, `step`, `zero_grad`, `optimizer`,
+    `resident_bytes` — is the loop in this module's docstring; each subclass decides when to communicate.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        self.model, self.group = model, group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.sync = True  # False inside no_sync(): accumulate locally, communicate nothing
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block only accumulate gradients (every micro-batch but the last)."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def backward_context(self, last_micro_batch: bool) -> AbstractContextManager:
+        """`no_sync()` for every micro-batch but the last: the loop body is the same for all of them."""
+        return nullcontext() if last_micro_batch else self.no_sync()
+
+
+class NaiveDP(DataParallel):
+    """Compute, then communicate: one all-reduce per parameter after the whole backward pass.
+
+    Also the base of the other two variants: an AdamW over the full (replicated) parameters, and gradient
+    clipping without data-parallel communication, since after `finish()` every rank holds the full average.
+    `tp_group` only matters for a model that is also tensor parallel: the norm then sums TP shards over it.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(model, group)
+        self.tp_group = tp_group
+        self.optimizer = adamw([p for p in self.params if p.dim() >= 2], [p for p in self.params if p.dim() < 2],
+                               lr, weight_decay)
+
+    def finish(self) -> None:
+        """Called once after the last backward of a step: afterwards `param.grad` is the average over ranks."""
+        if self.world > 1:
+            all_reduce_gradients(self.model, self.group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so that their global norm is at most `max_norm` (0: no clipping); return the norm."""
+        norm = grad_norm(self.model, self.tp_group)
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s arithmetic
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+        return norm
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter by name (`Zero.full_parameters` gathers the shards to give the same)."""
+        return {name: param.detach().clone() for name, param in self.model.named_parameters()}
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held right now by parameters, gradients and optimizer states (AdamW's m, v and step)."""
+        grads = [p.grad for p in self.params] + [getattr(p, "main_grad", None) for p in self.params]
+        states = [t for state in self.optimizer.state.values() for t in state.values()]
+        return {"params": storage_bytes(self.params), "grads": storage_bytes(grads),
+                "optimizer": storage_bytes(states)}
+
+
+class OverlappedDP(NaiveDP):
+    """All-reduce each gradient as soon as autograd has finished accumulating it.
+
+    Backward computes the last layer's gradients first; their all-reduce runs (asynchronously) while the
+    earlier layers' gradients are still being computed, so most communication hides behind compute.
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(model, group, lr, weight_decay, tp_group)
+        self.handles: list[dist.Work] = []
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.sync and self.world > 1:
+            param.grad.div_(self.world)  # average = sum of (grad / world): divide first, as DDP does
+            self.handles.append(dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+
+    def finish(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+        self.handles.clear()
+
+
+class Bucket:
+    """A few parameters whose gradients live side by side in one flat fp32 buffer (`param.main_grad` views).
+
+    fp32 so that gradients accumulated over micro-batches keep their precision even when the model computes
+    in bf16 (what Megatron and picotron do); contiguous so that one collective sends them all.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+        offset = 0
+        for param in params:
+            param.main_grad = self.buffer[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
+        self.ready = 0  # parameters whose gradient of the last micro-batch is in the buffer
+        self.handle: dist.Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class BucketedDP(NaiveDP):
+    """Overlapped *and* bucketed: picotron's `DataParallelBucket`, Megatron's and torch DDP's design.
+
+    Parameters are assigned to buckets in reverse order — the order backward produces their gradients —
+    a bucket closing once it holds at least `bucket_mb` MiB (torch DDP's rule for `bucket_cap_mb`). A hook
+    adds each new gradient into its `main_grad` view and frees it; when a bucket's last gradient is in, the
+    whole bucket is all-reduced asynchronously. `finish()` waits, then points each `param.grad` at its
+    averaged `main_grad` for the optimizer (no copy for fp32 parameters).
+    """
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
+                 bucket_mb: float = 25.0, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(model, group, lr, weight_decay, tp_group)
+        cap = int(bucket_mb * 2**20) // 4  # fp32 elements
+        self.buckets: list[Bucket] = []
+        pending: list[nn.Parameter] = []
+        for param in reversed(self.params):
+            pending.append(param)
+            if sum(p.numel() for p in pending) >= cap:
+                self.buckets.append(Bucket(pending))
+                pending = []
+        if pending:
+            self.buckets.append(Bucket(pending))
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket))
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Bytes of each bucket, in the order they are all-reduced."""
+        return [bucket.nbytes for bucket in self.buckets]
+
+    @torch.no_grad()
+    def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None  # the gradient now lives in the bucket; free autograd's copy
+        if self.sync:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._all_reduce(bucket)
+
+    def _all_reduce(self, bucket: Bucket) -> None:
+        if self.world > 1:
+            bucket.buffer.div_(self.world)
+            bucket.handle = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        for bucket in self.buckets:
+            if bucket.ready < len(bucket.params):  # a parameter got no gradient on any rank: send the bucket now
+                self._all_reduce(bucket)
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            bucket.ready, bucket.handle = 0, None
+        for param in self.params:
+            param.grad = param.main_grad.to(param.dtype)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+
+class TorchDDP(NaiveDP):
+    """The production API that does `BucketedDP`'s job — torch's `DistributedDataParallel`: buckets of
+    `bucket_mb`, all-reduces overlapped with backward, `no_sync` — behind this module's loop, for side-by-side
+    checks and benchmarks. The forward must go through `self.model` (the DDP wrapper), which arms its hooks.
+    Gradients are views of DDP's buckets (`gradient_as_bucket_view`), as they are of ours."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
+                 bucket_mb: float = 25.0) -> None:
+        super().__init__(model, group, lr, weight_decay)
+        self.model = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb,
+                                                         gradient_as_bucket_view=True)
+
+    def backward_context(self, last_micro_batch: bool) -> AbstractContextManager:
+        return nullcontext() if last_micro_batch else self.model.no_sync()
+
+    def finish(self) -> None:
+        """Nothing to wait for: DDP's backward returns once its all-reduces are done."""
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: param.detach().clone() for name, param in self.model.module.named_parameters()}

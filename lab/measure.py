@@ -35,13 +35,19 @@ from lab.calc.memory import estimate_memory
 from lab.config import ModelConfig, ParallelConfig
 from lab.model import Transformer, build_model, materialize, set_recompute
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-def _loss(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor, flash: bool) -> torch.Tensor:
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _loss(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor, flash: bool,
+          loss_fn: LossFn = _cross_entropy) -> torch.Tensor:
     # Checkpointed regions recompute in backward outside this context: the caller must run backward (if at
     # all) under the same backend, or the recomputed tensors would not match the saved ones.
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION if flash else SDPBackend.MATH):
-        logits = model(tokens)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return loss_fn(model(tokens), targets)
 
 
 def _fixed_storages(model: torch.nn.Module) -> set[int]:
@@ -49,10 +55,11 @@ def _fixed_storages(model: torch.nn.Module) -> set[int]:
 
 
 def saved_activation_bytes(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
-                           flash: bool = False) -> dict[str, int]:
-    """Bytes autograd keeps for backward after forward + cross-entropy, by region: `embedding` (until the
-    embedding returns), `layers` (the blocks, with the RoPE tables they share), `logits` (final norm, output
-    layer, loss), and `total`. `targets` defaults to the tokens shifted by one."""
+                           flash: bool = False, loss_fn: LossFn = _cross_entropy) -> dict[str, int]:
+    """Bytes autograd keeps for backward after forward + loss, by region: `embedding` (until the embedding
+    returns), `layers` (the blocks, with the RoPE tables they share), `logits` (final norm, output layer,
+    loss), and `total`. `targets` defaults to the tokens shifted by one; `loss_fn(logits, targets)` to
+    cross-entropy (a tensor-parallel rank passes `lab.parallel.tp.vocab_parallel_cross_entropy`)."""
     targets = tokens.roll(-1, dims=1) if targets is None else targets
     fixed = _fixed_storages(model)
     seen: dict[int, tuple[str, int]] = {}
@@ -73,7 +80,7 @@ def saved_activation_bytes(model: Transformer, tokens: torch.Tensor, targets: to
     handles += [m.register_forward_pre_hook(enter("logits")) for m in (model.norm, model.output) if m is not None]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = _loss(model, tokens, targets, flash)
+            loss = _loss(model, tokens, targets, flash, loss_fn)
     finally:
         for handle in handles:
             handle.remove()

@@ -133,7 +133,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: 
     return linear + scores
 
 
-def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool) -> int:
+def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool, tp: int = 1, sp: bool = False) -> int:
     """Bytes lab.model's Block saves in fp32 (elements per token, x4 bytes), as autograd keeps them:
 
     * each RMSNorm: its input, the 1/rms per token, the normalised x and x·weight (the next matmul's input);
@@ -144,19 +144,27 @@ def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool) 
       the softmax probabilities (a·s per token: the whole s x s matrix, causal or not), and wo's input;
     * selective: the checkpoint keeps only its inputs q, k, v (plus wo's input outside it);
     * full: the checkpoint keeps only the block's input.
+
+    Tensor parallelism (`lab.parallel.tp`) splits heads, KV heads (one per rank once tp > n_kv_heads) and
+    the FFN width by tp; the norms stay whole. With sequence parallelism the norms and the block input hold
+    s/tp tokens, but the all-gathered input of each column-parallel group (attention, FFN) is what its matmul
+    saves: d per token over the whole sequence, twice per layer. Megatron-LM gathers it again in backward
+    instead, which is how Korthikanti et al. reach "everything / tp"; lab keeps it, for clarity.
     """
-    d, a, kv, hd, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    d, hd = cfg.d_model, cfg.head_dim
+    a, ff = cfg.n_heads // tp, cfg.d_ff // tp
+    kv = cfg.n_kv_heads // tp if cfg.n_kv_heads % tp == 0 else 1
+    local = s // tp if sp else s  # tokens of the residual stream on this rank
     if recompute == "full":
-        per_token = d
+        return 4 * d * local * b
+    if recompute == "selective":
+        attention = 2 * a * hd + 2 * kv * hd
+    elif flash:  # with one head per rank, wo's input is a view of the kernel's output, not a copy
+        attention = (3 if a > 1 else 2) * a * hd + 2 * kv * hd + a
     else:
-        if recompute == "selective":
-            attention = 2 * a * hd + 2 * kv * hd
-        elif flash:
-            attention = 3 * a * hd + 2 * kv * hd + a
-        else:
-            attention = 4 * a * hd + a * s
-        per_token = 2 * (3 * d + 1) + attention + 4 * ff
-    return 4 * per_token * s * b
+        attention = 4 * a * hd + a * s
+    norms_local, norms_full = (2 * (2 * d + 1), 2 * d) if sp else (0, 2 * (3 * d + 1))
+    return 4 * b * (norms_local * local + (norms_full + attention + 4 * ff) * s)
 
 
 def _in_flight(parallel: ParallelConfig, stage: int) -> tuple[int, float]:
@@ -199,8 +207,8 @@ def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, preci
     if activation_model == "exact":
         require(not cfg.is_moe and cfg.attention == "gqa",
                 f"activation_model='exact' covers dense GQA models; {cfg.name} is not (use 'korthikanti')")
-        require(tp == 1 and cp == 1, f"activation_model='exact' models one unsplit rank: tp={tp}, cp={cp} "
-                                     "must be 1 (use 'korthikanti')")
+        require(cp == 1, f"activation_model='exact' models ranks that hold the whole sequence: cp={cp} must be 1 "
+                         "(use 'korthikanti')")
         require(precision == "fp32", f"activation_model='exact' counts lab.model in fp32; precision={precision!r}"
                                      " must be 'fp32'")
 
@@ -215,9 +223,15 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
     logits_micro_batches = parallel.grad_accum if parallel.pp > 1 and parallel.pp_schedule == "afab" else 1
     if activation_model == "exact":
         rope = 4 * s * cfg.head_dim  # cos and sin, (s, head_dim/2) each, shared by all layers
-        layers = layer_multiple * n_layers * _exact_layer(cfg, s, b, recompute, flash) + micro_batches * rope
-        embedding = 8 * s * b  # the int64 token ids the embedding's backward indexes with
-        logits = 4 * s * b * (3 * cfg.d_model + 1 + cfg.vocab_size) + 8 * s * b + 4  # norm, log-softmax, targets
+        layers = layer_multiple * n_layers * _exact_layer(cfg, s, b, recompute, flash, tp, sp) + micro_batches * rope
+        # the int64 token ids the embedding's backward indexes with (TP: and the mask of ids outside its shard)
+        embedding = 8 * s * b + (s * b if tp > 1 else 0)
+        d, vocab = cfg.d_model, cfg.vocab_size // tp
+        norm = 4 * s * b * ((2 * d + 1) / tp + d if sp else 3 * d + 1)  # the final norm (sp: and the gather)
+        if tp == 1:  # log-softmax, targets, and a scalar of F.cross_entropy
+            logits = norm + 4 * s * b * vocab + 8 * s * b + 4
+        else:  # vocab_parallel_cross_entropy: the local softmax, local targets (int64) and a bool mask
+            logits = norm + 4 * s * b * vocab + 9 * s * b
     else:
         split = tp if sp else 1
         per_layer = korthikanti_layer_bytes(s, b, h, cfg.n_heads, tp=tp, sp=sp, recompute=recompute, flash=flash,

@@ -33,7 +33,9 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     local = x.movedim(1, 0).contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, local, group=group)
-    return out.movedim(0, 1)
+    # Contiguous once here: otherwise each column linear (wq, wk, wv; w1, w3) flattens the strided view into a
+    # copy of its own and saves it for backward, holding 3 (then 2) copies of the gathered activations.
+    return out.movedim(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

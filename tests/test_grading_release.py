@@ -22,10 +22,11 @@ def test_exercises_folder_is_up_to_date():
 
 
 def test_release_is_deterministic(tmp_path):
-    assert release.release(REPO / "solutions", tmp_path) == [tmp_path / SOLUTION.name]
-    first = (tmp_path / SOLUTION.name).read_bytes()
+    every = sorted(tmp_path / p.name for p in (REPO / "solutions").glob("*.ipynb"))
+    assert sorted(release.release(REPO / "solutions", tmp_path)) == every
+    first = [p.read_bytes() for p in every]
     assert release.release(REPO / "solutions", tmp_path) == []
-    assert (tmp_path / SOLUTION.name).read_bytes() == first
+    assert [p.read_bytes() for p in every] == first
 
 
 def test_released_notebook_hides_solutions_and_locks_statements():

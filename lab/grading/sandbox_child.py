@@ -165,14 +165,26 @@ def _where(error: BaseException, answer: str) -> list:
     return [[f.lineno, (f.line or "").strip()] for f in frames if f.filename == answer]
 
 
+def _unattempted_on_ranks(error: BaseException) -> str | None:
+    """The stub's error when ranks ran an answer left as released: lab.dist.run wraps it in a RankError."""
+    launcher = sys.modules.get("lab.dist")  # only there if the exercise ran ranks
+    if launcher is not None and isinstance(error, launcher.RankError):
+        inner = error.message.partition(" failed: ")[2].split(" (then rank")[0]
+        if inner.startswith("NotImplementedError"):
+            return inner
+    return None
+
+
 def _failure(error: BaseException, answer: str) -> dict:
     text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    stub = _unattempted_on_ranks(error)
+    text = stub or text
     if isinstance(error, ModuleNotFoundError):
         text += f" (graded code may import the standard library and {', '.join(_ALLOWED)})"
     if isinstance(error, SystemExit):
         text = f"SystemExit({error.code!r}): the exercise code called sys.exit()"
     return {"error": text.splitlines()[0][:500] if text else "error", "where": _where(error, answer),
-            "not_attempted": isinstance(error, NotImplementedError)}
+            "not_attempted": isinstance(error, NotImplementedError) or stub is not None}
 
 
 def _call(module, request: dict, answer: str) -> dict:

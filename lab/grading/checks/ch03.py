@@ -1,0 +1,418 @@
+"""Chapter 03, data parallelism and ZeRO. The student's classes train a tiny model on real gloo ranks.
+
+Each multi-rank exercise cell ends with a given driver (`train_bucketed`, `train_zero1`, `train_zero3`) that
+builds a small `lab.model` from the config a check sends, trains it for a few steps with the student's class on
+this rank's rows of each global batch, and reports plain numbers: per-step losses, three-number fingerprints of
+every gradient and parameter, collective calls and bytes, bytes held. The checks here run the same steps in
+one process on the whole batch (`lab.model`, `lab.parallel.dp`) and compare, after every step and on every
+rank; bucket sizes, shard sizes and bytes come from `lab.parallel.dp.BucketedDP` and
+`lab.calc.memory.static_bytes`. Configs are random and awkward: odd widths, so that no block's parameter count
+divides by 2 or 3 and every shard ends in padding. The DP and ZeRO-3 drivers take plain SGD steps, so that a
+gradient off by a factor of dp shows in the parameters (AdamW would normalise it away); ZeRO-1, whose point is
+the optimizer's states, uses AdamW and also reports the global gradient norm.
+
+torch is imported inside the functions: `lab.check` of other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from lab.calc.memory import static_bytes
+from lab.config import ModelConfig
+from lab.grading.checks import CheckFailed, describe, exercise, expect_equal
+
+RANKS = {"modules": ("lab.config", "lab.model", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+SEQ_LEN = 8
+
+
+def random_config(rng: random.Random) -> ModelConfig:
+    """Two blocks of a tiny decoder whose blocks' parameter counts divide by neither 2 nor 3."""
+    while True:
+        n_heads = rng.choice([2, 4])
+        cfg = ModelConfig(name="random", vocab_size=rng.randrange(31, 97), d_model=rng.randrange(17, 41, 2),
+                          n_layers=2, n_heads=n_heads, n_kv_heads=rng.choice([d for d in (1, 2) if n_heads % d == 0]),
+                          head_dim=rng.choice([4, 6, 8]), d_ff=rng.randrange(21, 61, 2), max_seq_len=64)
+        if block_numel(cfg) % 2 and block_numel(cfg) % 3 and total_numel(cfg) % 2 and total_numel(cfg) % 3:
+            return cfg
+
+
+def block_numel(cfg: ModelConfig) -> int:
+    d = cfg.d_model
+    return 2 * d + 2 * d * cfg.head_dim * (cfg.n_heads + cfg.n_kv_heads) + 3 * d * cfg.d_ff
+
+
+def total_numel(cfg: ModelConfig) -> int:
+    return cfg.n_layers * block_numel(cfg) + 2 * cfg.vocab_size * cfg.d_model + cfg.d_model
+
+
+def model_numels(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters of the model, of one block), counted by `lab.model` on the meta device."""
+    from lab.model import build_model, num_params
+
+    model = build_model(cfg)
+    return num_params(model), num_params(model.layers["0"])
+
+
+# --- the single-process reference: the same helpers as the notebook's drivers --------------------------------
+
+def tokens_for(cfg: ModelConfig, seed: int, step: int, global_batch: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randint(cfg.vocab_size, (global_batch, SEQ_LEN + 1), generator=generator)
+
+
+def lm_loss(model, rows):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+
+
+def fingerprint(t) -> list[float]:
+    import torch
+
+    t = t.detach().double().flatten()
+    ramp = torch.linspace(-1.0, 1.0, t.numel(), dtype=torch.float64)
+    return [t.sum().item(), t.square().sum().item(), (t * ramp).sum().item()]
+
+
+def reference(cfg: ModelConfig, seed: int, steps: int, global_batch: int, lr: float, weight_decay: float = 0.0,
+              optimizer: str = "sgd") -> dict:
+    """One process, the whole global batch in one backward pass: per-step loss, gradient and parameter
+    fingerprints, and the global gradient norm. AdamW is `lab.parallel.dp.adamw` (lab.train's betas, eps)."""
+    import torch
+
+    from lab.model import build_model, materialize
+    from lab.parallel.dp import adamw
+
+    model = materialize(build_model(cfg), seed=seed)
+    params = list(model.parameters())
+    adam = adamw(params, [], lr, weight_decay) if optimizer == "adamw" else None
+    out = {"names": [n for n, _ in model.named_parameters()], "numels": [p.numel() for p in params],
+           "losses": [], "grads": [], "params": [], "grad_norms": []}
+    for step in range(steps):
+        loss = lm_loss(model, tokens_for(cfg, seed, step, global_batch))
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["grads"].append([fingerprint(p.grad) for p in params])
+        out["grad_norms"].append(math.sqrt(sum(p.grad.double().square().sum().item() for p in params)))
+        with torch.no_grad():
+            if adam is not None:
+                adam.step()
+            else:
+                for p in params:
+                    p -= lr * p.grad
+        model.zero_grad(set_to_none=True)
+        out["params"].append([fingerprint(p) for p in params])
+    return out
+
+
+def reference_bucket_sizes(cfg: ModelConfig, bucket_mb: float) -> list[int]:
+    """Bytes of each bucket, in all-reduce order, by `lab.parallel.dp.BucketedDP` (torch DDP's rule)."""
+    from lab.model import build_model, materialize
+    from lab.parallel.dp import BucketedDP
+
+    return BucketedDP(materialize(build_model(cfg)), None, 1e-3, 0.0, bucket_mb).bucket_sizes
+
+
+def _close(got, want: float, scale: float, rel: float) -> bool:
+    return isinstance(got, (int, float)) and not isinstance(got, bool) and abs(got - want) <= rel * scale + 1e-12
+
+
+def _expect_fingerprints(got, want: list, numel: int, what: str, rel: float) -> None:
+    """Sums and ramp-weighted sums within rel·‖t‖·√numel (their largest possible size), squares within rel·‖t‖²."""
+    norm_sq = max(want[1], 0.0)
+    scales = [math.sqrt(norm_sq * numel), norm_sq, math.sqrt(norm_sq * numel)]
+    if not (isinstance(got, list) and len(got) == 3 and all(map(_close, got, want, scales, [rel] * 3))):
+        raise CheckFailed(f"{what} returned {got!r}, expected {[float(f'{w:.6g}') for w in want]!r} "
+                          f"(fingerprint: sum, sum of squares, ramp-weighted sum)")
+
+
+def expect_parity(results: list, ref: dict, keys: tuple[str, ...], what: str, rel: float) -> None:
+    """Every rank's per-step losses and fingerprints (`keys`: "grads", "params") match the reference."""
+    for rank, got in enumerate(results):
+        if not isinstance(got, dict):
+            raise CheckFailed(f"{what}: rank {rank} returned {type(got).__name__}, expected the driver's dict")
+        for step, want in enumerate(ref["losses"]):
+            losses = got.get("losses") or []
+            loss = losses[step] if len(losses) > step else None
+            if not _close(loss, want, abs(want), rel):
+                raise CheckFailed(f"{what}: rank {rank}, the loss of step {step + 1} returned {loss!r}, "
+                                  f"expected {want:.6g}")
+            if "grad_norms" in got and not _close(got["grad_norms"][step], ref["grad_norms"][step],
+                                                  ref["grad_norms"][step], rel):
+                raise CheckFailed(f"{what}: rank {rank}, global gradient norm of step {step + 1} returned "
+                                  f"{got['grad_norms'][step]!r}, expected {ref['grad_norms'][step]:.6g}")
+            for key in keys:
+                rows = got.get(key) or []
+                row = rows[step] if len(rows) > step and isinstance(rows[step], list) else []
+                for index, (name, numel) in enumerate(zip(ref["names"], ref["numels"], strict=True)):
+                    label = "gradient" if key == "grads" else "value"
+                    _expect_fingerprints(row[index] if index < len(row) else None, ref[key][step][index], numel,
+                                         f"{what}: rank {rank}, after step {step + 1} the {label} of {name}", rel)
+
+
+def _batch(rng: random.Random, dp: int, grad_accum: int = 1) -> int:
+    return dp * grad_accum * rng.randrange(1, 3)
+
+
+# --- 03.bucketed_dp -----------------------------------------------------------------------------------------
+
+BUCKETED = exercise("03.bucketed_dp", entry=("train_bucketed",), **RANKS)
+SGD_LR = 0.5
+
+
+def _bucketed(student, rng: random.Random, dp: int, grad_accum: int, steps: int = 3) -> tuple[list, dict]:
+    cfg, seed = random_config(rng), rng.randrange(10**6)
+    batch, bucket_mb = _batch(rng, dp, grad_accum), rng.uniform(0.004, 0.02)
+    call = f"train_bucketed({describe(cfg)}, seed={seed}, steps={steps}, global_batch={batch}, " \
+           f"grad_accum={grad_accum}, bucket_mb={bucket_mb:.4f}) on {dp} ranks"
+    results = student.ranks("train_bucketed", dp, cfg, seed, steps, batch, grad_accum, bucket_mb, SGD_LR)
+    return results, {"cfg": cfg, "seed": seed, "batch": batch, "bucket_mb": bucket_mb, "call": call,
+                     "steps": steps}
+
+
+def _bucketed_parity(student, rng: random.Random, dp: int, grad_accum: int) -> None:
+    results, run = _bucketed(student, rng, dp, grad_accum)
+    ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], SGD_LR)
+    expect_parity(results, ref, ("grads", "params"), run["call"], rel=1e-5)
+
+
+@BUCKETED.check(points=2, hint="each rank's gradient is the mean over its own rows: the average over ranks is "
+                               "the sum of the all-reduce divided by dp")
+def parity_two_ranks(student, rng):
+    """dp=2: the same losses, gradients and parameters as one process after every step"""
+    _bucketed_parity(student, rng, 2, 1)
+
+
+@BUCKETED.check(points=2, hint="inside no_sync() the gradients only add up in the buckets; the last micro-batch's "
+                               "backward sends their sum once")
+def parity_three_ranks_accumulation(student, rng):
+    """dp=3 with gradient accumulation: the same as one process after every step"""
+    _bucketed_parity(student, rng, 3, rng.choice([2, 3]))
+
+
+def _all_reduces(results: list, run: dict) -> list:
+    first = results[0] if results and isinstance(results[0], dict) else {}
+    steps = first.get("all_reduces")
+    if not isinstance(steps, list) or len(steps) != run["steps"]:
+        raise CheckFailed(f"{run['call']}: rank 0 returned all_reduces={steps!r}, expected one entry per step")
+    return steps
+
+
+@BUCKETED.check(points=1, hint="assign parameters to buckets in reverse order (the order backward produces "
+                               "gradients); a bucket closes once it holds at least bucket_mb MiB of fp32 values")
+def buckets(student, rng):
+    """buckets as torch DDP sizes them, one all-reduce per bucket per step"""
+    results, run = _bucketed(student, rng, rng.choice([2, 3]), 1, steps=2)
+    sizes = reference_bucket_sizes(run["cfg"], run["bucket_mb"])
+    expect_equal(results[0].get("bucket_sizes") if isinstance(results[0], dict) else None, sizes,
+                 f"{run['call']}: bucket_sizes")
+    for step, entry in enumerate(_all_reduces(results, run), start=1):
+        calls = sum(c for c, _ in entry["per_backward"]) + entry["finish"][0]
+        sent = sum(b for _, b in entry["per_backward"]) + entry["finish"][1]
+        expect_equal([calls, sent], [len(sizes), sum(sizes)], f"{run['call']}: step {step}, [all_reduce calls, bytes]")
+
+
+@BUCKETED.check(points=1, hint="while self.sync is False (inside no_sync) a full bucket must not be all-reduced")
+def no_sync(student, rng):
+    """no all-reduce inside no_sync(): one per bucket, on the last micro-batch only"""
+    grad_accum = rng.choice([2, 3])
+    results, run = _bucketed(student, rng, 2, grad_accum, steps=2)
+    n_buckets = len(reference_bucket_sizes(run["cfg"], run["bucket_mb"]))
+    for step, entry in enumerate(_all_reduces(results, run), start=1):
+        calls = [c for c, _ in entry["per_backward"]] + [entry["finish"][0]]
+        expect_equal(sum(calls[:-2]), 0, f"{run['call']}: step {step}, all_reduce calls in the {grad_accum - 1} "
+                                         f"micro-batches under no_sync()")
+        expect_equal(sum(calls[-2:]), n_buckets, f"{run['call']}: step {step}, all_reduce calls after the last "
+                                                 f"micro-batch")
+
+
+@BUCKETED.check(points=1, hint="launch a bucket's all-reduce from the gradient hook, with async_op=True, as soon "
+                               "as its last gradient is in; finish() only waits")
+def overlap(student, rng):
+    """every all-reduce starts during backward (overlapped), none in finish()"""
+    results, run = _bucketed(student, rng, rng.choice([2, 3]), 1, steps=2)
+    n_buckets = len(reference_bucket_sizes(run["cfg"], run["bucket_mb"]))
+    for step, entry in enumerate(_all_reduces(results, run), start=1):
+        expect_equal([entry["per_backward"][-1][0], entry["finish"][0]], [n_buckets, 0],
+                     f"{run['call']}: step {step}, all_reduce calls [during backward, in finish()]")
+
+
+# --- 03.zero1 -----------------------------------------------------------------------------------------------
+
+ZERO1 = exercise("03.zero1", entry=("train_zero1",), **RANKS)
+ADAM_LR, WEIGHT_DECAY = 1e-2, 0.1
+
+
+def _zero1(student, rng: random.Random, dp: int, steps: int = 3) -> tuple[list, dict]:
+    cfg, seed = random_config(rng), rng.randrange(10**6)
+    batch = _batch(rng, dp)
+    call = f"train_zero1({describe(cfg)}, seed={seed}, steps={steps}, global_batch={batch}) on {dp} ranks"
+    results = student.ranks("train_zero1", dp, cfg, seed, steps, batch, ADAM_LR, WEIGHT_DECAY)
+    return results, {"cfg": cfg, "seed": seed, "batch": batch, "call": call, "steps": steps, "dp": dp}
+
+
+def _zero1_parity(student, rng: random.Random, dp: int) -> None:
+    results, run = _zero1(student, rng, dp)
+    ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], ADAM_LR, WEIGHT_DECAY, "adamw")
+    expect_parity(results, ref, ("params",), run["call"], rel=3e-5)
+
+
+@ZERO1.check(points=1, hint="reduce-scatter the flat gradient divided by dp, so each rank's shard holds the average; "
+                            "AdamW on the shard, then all-gather the updated shards")
+def zero1_parity_two_ranks(student, rng):
+    """dp=2: the same losses, gradient norms and parameters as one process after every step"""
+    _zero1_parity(student, rng, 2)
+
+
+@ZERO1.check(points=2, hint="pad the flat buffer to dp·ceil(numel/dp): rank r's shard starts at r·shard_numel, "
+                            "exactly where reduce_scatter_tensor and all_gather_into_tensor put it")
+def zero1_parity_uneven(student, rng):
+    """dp=3, a parameter count dp does not divide: the same as one process after every step"""
+    _zero1_parity(student, rng, 3)
+
+
+@ZERO1.check(points=1, hint="give make_optimizer only this rank's shard (one Parameter viewing it), not the model's "
+                            "parameters or the whole flat buffer")
+def optimizer_states_sharded(student, rng):
+    """each rank keeps AdamW's two moments for its 1/dp shard only"""
+    dp = rng.choice([2, 3])
+    results, run = _zero1(student, rng, dp, steps=1)
+    expected = static_bytes(model_numels(run["cfg"])[0], "fp32", zero=1, dp=dp)["optimizer"]
+    expect_equal([r.get("optimizer_bytes") if isinstance(r, dict) else None for r in results], [expected] * dp,
+                 f"{run['call']}: AdamW's exp_avg + exp_avg_sq bytes on each rank")
+
+
+@ZERO1.check(points=1, hint="the gradient goes out as one reduce_scatter_tensor (each rank receives only its "
+                            "shard's sum), the parameters come back as one all_gather_into_tensor; no all_reduce")
+def zero1_communication(student, rng):
+    """one reduce-scatter of the gradients and one all-gather of the parameters per step"""
+    dp = rng.choice([2, 3])
+    results, run = _zero1(student, rng, dp, steps=1)
+    shard = math.ceil(model_numels(run["cfg"])[0] / dp)
+    got = results[0].get("collectives") if isinstance(results[0], dict) else None
+    expected = {"all_reduce": [0, 0], "reduce_scatter_tensor": [1, 4 * dp * shard],
+                "all_gather_into_tensor": [1, 4 * shard]}
+    got = got if isinstance(got, dict) else {}
+    for op, want in expected.items():
+        expect_equal(got.get(op, [0, 0]), want, f"{run['call']}: [{op} calls, bytes] in zero.step()")
+
+
+# --- 03.zero3 -----------------------------------------------------------------------------------------------
+
+ZERO3 = exercise("03.zero3", entry=("train_zero3",), **RANKS)
+
+
+def _zero3(student, rng: random.Random, dp: int, steps: int = 3) -> tuple[list, dict]:
+    cfg, seed = random_config(rng), rng.randrange(10**6)
+    batch = _batch(rng, dp)
+    call = f"train_zero3({describe(cfg)}, seed={seed}, steps={steps}, global_batch={batch}) on {dp} ranks"
+    results = student.ranks("train_zero3", dp, cfg, seed, steps, batch, SGD_LR)
+    return results, {"cfg": cfg, "seed": seed, "batch": batch, "call": call, "steps": steps, "dp": dp}
+
+
+def _zero3_parity(student, rng: random.Random, dp: int) -> None:
+    results, run = _zero3(student, rng, dp)
+    ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], SGD_LR)
+    expect_parity(results, ref, ("params",), run["call"], rel=1e-5)
+
+
+def _shard_bytes(cfg: ModelConfig, dp: int) -> int:
+    """What ZeRO-3 keeps of one block at rest: a 1/dp shard (rounded up) of its fp32 parameters."""
+    return static_bytes(model_numels(cfg)[1], "fp32", zero=3, dp=dp)["params"]
+
+
+@ZERO3.check(points=2, hint="gather before the block's forward and again before its backward; reduce-scatter the "
+                            "block's flat gradient divided by dp once all its parameters have one")
+def zero3_parity_two_ranks(student, rng):
+    """dp=2: the same losses and parameters as one process after every step"""
+    _zero3_parity(student, rng, 2)
+
+
+@ZERO3.check(points=1, hint="the full buffer holds dp·ceil(numel/dp) values; rank r's shard is "
+                            "full[r·shard_numel : (r+1)·shard_numel]")
+def zero3_parity_uneven(student, rng):
+    """dp=3, blocks whose size dp does not divide: the same as one process after every step"""
+    _zero3_parity(student, rng, 3)
+
+
+@ZERO3.check(points=1, hint="free the full buffer (untyped_storage().resize_(0)) right after the block's "
+                            "reduce-scatter, and once at the start: between steps only the shards stay")
+def at_rest(student, rng):
+    """between steps each rank holds only its 1/dp shard of each block"""
+    dp = rng.choice([2, 3])
+    results, run = _zero3(student, rng, dp, steps=2)
+    expected = run["cfg"].n_layers * _shard_bytes(run["cfg"], dp)
+    for rank, got in enumerate(results):
+        expect_equal(got.get("at_rest") if isinstance(got, dict) else None, [expected] * (run["steps"] + 1),
+                     f"{run['call']}: rank {rank}, bytes of the blocks' parameters at start and after each step")
+
+
+@ZERO3.check(points=1, hint="free the block's full buffer in a forward hook, right after its forward: the next "
+                            "block is gathered while this one is not needed until backward")
+def gathered_while_computing(student, rng):
+    """while a block computes its forward, it alone is gathered"""
+    dp = rng.choice([2, 3])
+    results, run = _zero3(student, rng, dp, steps=2)
+    cfg = run["cfg"]
+    expected = [[(cfg.n_layers + dp) * _shard_bytes(cfg, dp)] * cfg.n_layers] * run["steps"]
+    for rank, got in enumerate(results):
+        expect_equal(got.get("in_forward") if isinstance(got, dict) else None, expected,
+                     f"{run['call']}: rank {rank}, bytes of the blocks' parameters during each block's forward")
+
+
+# --- 03.memory_ladder ---------------------------------------------------------------------------------------
+
+LADDER = exercise("03.memory_ladder", entry=("zero_state_bytes",))
+
+
+def _ladder(student, rng: random.Random, stages: tuple[int, ...], precision: str = "mixed",
+            uneven: bool = False) -> None:
+    for _ in range(3):
+        dp = rng.choice([2, 3, 4, 6, 8, 12, 16, 64, 100, 256, 1024])
+        n = rng.randrange(10**6, 10**11)
+        n = n - n % dp + (rng.randrange(1, dp) if uneven else 0)
+        for stage in stages:
+            expected = static_bytes(n, precision, zero=stage, dp=dp)
+            got = student.zero_state_bytes(n, stage, dp, precision)
+            keys = ("params", "grads", "optimizer")
+            expect_equal([got.get(k) for k in keys] if isinstance(got, dict) else got, [expected[k] for k in keys],
+                         f"zero_state_bytes({n}, stage={stage}, dp={dp}, {precision!r}) as [params, grads, "
+                         f"optimizer]")
+
+
+@LADDER.check(points=1, hint="without ZeRO every rank holds everything: 2 + 2 + 12 bytes per parameter in mixed "
+                             "precision, whatever dp is")
+def stage_zero(student, rng):
+    """no ZeRO (stage 0): every rank holds all the states"""
+    _ladder(student, rng, (0,))
+
+
+@LADDER.check(points=1, hint="ZeRO-1 shards the optimizer's 12 bytes: the fp32 master weights belong to the "
+                             "optimizer, with Adam's m and v")
+def stage_one(student, rng):
+    """ZeRO-1 shards the optimizer states, fp32 master weights included"""
+    _ladder(student, rng, (1,))
+
+
+@LADDER.check(points=1, hint="stage s shards everything up to s: 1 the optimizer states, 2 also the gradients, "
+                             "3 also the parameters")
+def stages_two_three(student, rng):
+    """ZeRO-2 also shards the gradients, ZeRO-3 the parameters too"""
+    _ladder(student, rng, (2, 3))
+
+
+@LADDER.check(points=1, hint="shards are padded: ceil(n_params / dp) per rank, -(-n // dp) in integers")
+def uneven(student, rng):
+    """parameter counts that dp does not divide round up"""
+    _ladder(student, rng, (1, 2, 3), uneven=True)
+
+
+@LADDER.check(points=1, hidden=True, hint="in fp32: 4-byte weights and gradients and Adam's two 4-byte moments, "
+                                          "no master copy")
+def fp32(student, rng):
+    """fp32 training: 4 + 4 + 8 bytes per parameter"""
+    _ladder(student, rng, (0, 1, 2, 3), precision="fp32")

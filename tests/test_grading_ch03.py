@@ -1,0 +1,166 @@
+"""Chapter 03's checks: the solutions pass with any secret, the released stubs score nothing, and every
+plausible-but-wrong answer (mutant) fails the checks named for it.
+
+The three multi-rank exercises run the student's class on real gloo ranks (dp 2 and 3) inside the sandbox and
+compare with one process. A mutant is the solution cell with one classic mistake — gradients summed instead of
+averaged, an all-reduce inside gradient accumulation, a shard that starts one element off when dp does not
+divide the parameter count, memory never freed — and only the checks that must catch it are run, to keep this
+file fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from lab.grading import checks
+from lab.grading.checks import ch03
+from lab.grading.notebook import answer_parts, read
+from lab.grading.release import release_notebook
+from lab.grading.runner import run_exercise
+from lab.model import build_model, num_params
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = read(REPO / "solutions" / "03_data_parallel_zero.ipynb")
+EXERCISES = ("03.bucketed_dp", "03.zero1", "03.zero3", "03.memory_ladder")
+
+
+def _grade(exercise_id: str, replace: list[tuple[str, str]] = (), secret: str | None = None,
+           only: set[str] | None = None, notebook=SOLUTIONS):
+    """Grade `exercise_id`'s cell of `notebook`, with each (old, new) of `replace` applied to it, running only the
+    checks named in `only` (all when None)."""
+    ex = checks.get(exercise_id)
+    if only is not None:
+        ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+    (label, source), = answer_parts(notebook, exercise_id)
+    for old, new in replace:
+        assert source.count(old) == 1, f"mutant does not apply once: {old!r} in the {exercise_id} solution"
+        source = source.replace(old, new)
+    return run_exercise(ex, [(label, source)], secret=secret, wall_s=60)
+
+
+@pytest.mark.parametrize("secret", [None, "class-of-2026"])
+def test_solutions_score_full_marks(secret):
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, secret=secret)
+        assert result.points == result.max_points == checks.get(exercise_id).points, result
+
+
+def test_released_stubs_score_nothing_and_say_not_attempted():
+    released = release_notebook(SOLUTIONS, "03_data_parallel_zero.ipynb")
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, notebook=released)
+        assert result.points == 0 and result.status == "not attempted", result
+
+
+BUCKETED_LAUNCH = ("                bucket.buffer.div_(self.world)  # the sum of grad / dp is the average\n"
+                   "                bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)\n")
+
+MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
+    "dp_gradients_summed_not_averaged": (
+        "03.bucketed_dp", [("                bucket.buffer.div_(self.world)  # the sum of grad / dp is the average\n",
+                            "")],
+        {"dp=2: the same losses, gradients and parameters as one process after every step",
+         "dp=3 with gradient accumulation: the same as one process after every step"}),
+    "dp_all_reduce_inside_accumulation": (
+        "03.bucketed_dp", [("        if self.sync:\n            bucket.ready += 1\n"
+                            "            if bucket.ready == len(bucket.params):\n",
+                            "        if True:  # no_sync() ignored: every micro-batch sends its buckets\n"
+                            "            bucket.ready += 1\n            if bucket.ready == len(bucket.params):\n"
+                            "                bucket.ready = 0\n")],
+        {"no all-reduce inside no_sync(): one per bucket, on the last micro-batch only"}),
+    "dp_no_sync_counts_but_never_sends": (  # counts gradients under no_sync too: the last micro-batch sends nothing
+        "03.bucketed_dp", [("        if self.sync:\n            bucket.ready += 1\n",
+                            "        bucket.ready += 1\n        if self.sync:\n")],
+        {"dp=3 with gradient accumulation: the same as one process after every step"}),
+    "dp_buckets_in_forward_order": (
+        "03.bucketed_dp", [("for param in reversed(self.params):", "for param in self.params:")],
+        {"buckets as torch DDP sizes them, one all-reduce per bucket per step"}),
+    "dp_one_bucket_per_parameter": (
+        "03.bucketed_dp", [("cap = int(bucket_mb * 2**20) // 4", "cap = 1")],
+        {"buckets as torch DDP sizes them, one all-reduce per bucket per step"}),
+    "dp_all_reduce_in_finish_not_overlapped": (
+        "03.bucketed_dp", [(BUCKETED_LAUNCH, "                pass  # sent in finish()\n"),
+                           ("            if bucket.handle is not None:\n                bucket.handle.wait()\n",
+                            "            bucket.buffer.div_(self.world)\n"
+                            "            dist.all_reduce(bucket.buffer)\n")],
+        {"every all-reduce starts during backward (overlapped), none in finish()"}),
+    "zero1_gradients_summed_not_averaged": (
+        "03.zero1", [("        self.flat_grad.div_(self.world)\n", "")],
+        {"dp=2: the same losses, gradient norms and parameters as one process after every step"}),
+    "zero1_shard_off_by_one_on_uneven_sizes": (
+        "03.zero1", [("self.start = self.rank * self.shard_numel", "self.start = self.rank * (numel // self.world)")],
+        {"dp=3, a parameter count dp does not divide: the same as one process after every step",
+         "dp=2: the same losses, gradient norms and parameters as one process after every step"}),
+    "zero1_optimizer_over_all_parameters": (
+        "03.zero1", [("make_optimizer([self.shard])", "make_optimizer(self.params)")],
+        {"each rank keeps AdamW's two moments for its 1/dp shard only"}),
+    "zero1_all_reduce_then_slice": (
+        "03.zero1", [("dist.reduce_scatter_tensor(self.shard.grad, self.flat_grad)",
+                      "dist.all_reduce(self.flat_grad)\n"
+                      "        self.shard.grad.copy_(self.flat_grad[self.start:self.start + self.shard_numel])")],
+        {"one reduce-scatter of the gradients and one all-gather of the parameters per step"}),
+    "zero3_gradients_summed_not_averaged": (
+        "03.zero3", [("            self.grad.div_(self.world)\n", "")],
+        {"dp=2: the same losses and parameters as one process after every step",
+         "dp=3, blocks whose size dp does not divide: the same as one process after every step"}),
+    "zero3_shard_off_by_one_on_uneven_sizes": (
+        "03.zero3", [("start = self.rank * self.shard_numel", "start = self.rank * (numel // self.world)")],
+        {"dp=3, blocks whose size dp does not divide: the same as one process after every step"}),
+    "zero3_not_freed_after_forward": (
+        "03.zero3", [("# called just before the block's backward\n        self.free()\n",
+                      "# called just before the block's backward\n")],
+        {"while a block computes its forward, it alone is gathered"}),
+    "zero3_not_freed_after_reduce_scatter": (
+        "03.zero3", [("            self.grad = None\n            self.free()\n", "            self.grad = None\n")],
+        {"between steps each rank holds only its 1/dp shard of each block"}),
+    "ladder_optimizer_sharded_from_stage_two": (
+        "03.memory_ladder", [("(shard if stage >= 1 else n_params)", "(shard if stage >= 2 else n_params)")],
+        {"ZeRO-1 shards the optimizer states, fp32 master weights included"}),
+    "ladder_master_weights_counted_with_parameters": (
+        "03.memory_ladder", [('"mixed": (2, 2, 12)', '"mixed": (6, 2, 8)')],
+        {"no ZeRO (stage 0): every rank holds all the states",
+         "ZeRO-1 shards the optimizer states, fp32 master weights included"}),
+    "ladder_optimizer_sharded_without_zero": (
+        "03.memory_ladder", [("optimizer * (shard if stage >= 1 else n_params)", "optimizer * shard")],
+        {"no ZeRO (stage 0): every rank holds all the states"}),
+    "ladder_gradients_sharded_only_at_stage_three": (
+        "03.memory_ladder", [("(shard if stage >= 2 else n_params)", "(shard if stage >= 3 else n_params)")],
+        {"ZeRO-2 also shards the gradients, ZeRO-3 the parameters too"}),
+    "ladder_shard_rounded_down": (
+        "03.memory_ladder", [("shard = -(-n_params // dp)", "shard = n_params // dp")],
+        {"parameter counts that dp does not divide round up"}),
+    "ladder_fp32_with_master_copy": (
+        "03.memory_ladder", [('"fp32": (4, 4, 8)', '"fp32": (4, 4, 12)')],
+        {"fp32 training: 4 + 4 + 8 bytes per parameter"}),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_fails_its_check(name):
+    exercise_id, replace, must_fail = MUTANTS[name]
+    result = _grade(exercise_id, replace, only=must_fail)
+    failed = {c.name: c.message for c in result.checks if c.status == "failed"}
+    assert must_fail <= set(failed), f"{name}: expected {must_fail} to fail, failed: {failed}"
+    for message in failed.values():  # says what came back and what was due
+        assert "returned" in message and "expected" in message, message
+
+
+def test_every_exercise_has_a_mutant_and_every_check_catches_one():
+    caught = {name for _, _, names in MUTANTS.values() for name in names}
+    for ex in (e for e in checks.load_all().values() if e.chapter == "03"):
+        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+
+
+def test_random_configs_make_every_shard_uneven():
+    """No block and no model divides by 2 or 3: every shard at dp 2 and 3 ends in padding."""
+    rng = random.Random(0)
+    for _ in range(20):
+        cfg = ch03.random_config(rng)
+        assert all(n % dp for n in (ch03.block_numel(cfg), ch03.total_numel(cfg)) for dp in (2, 3))
+        model = build_model(cfg)
+        assert num_params(model) == ch03.total_numel(cfg)
+        assert num_params(model.layers["0"]) == ch03.block_numel(cfg)

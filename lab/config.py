@@ -160,8 +160,6 @@ class ParallelConfig:
         _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be one of 0, 1, 2, 3")
         _require(not self.zero or self.dp > 1, f"zero={self.zero} needs dp > 1: it shards over the data-parallel "
                                                f"ranks (got dp={self.dp})")
-        _require(not self.zero or self.tp == 1, f"zero={self.zero} with tp={self.tp}: lab's ZeRO shards a model "
-                                                f"that is not tensor parallel; use zero=0 with tp > 1")
         _one_of("dp_mode", self.dp_mode, DP_MODES)
         _require(isinstance(self.bucket_mb, int | float) and self.bucket_mb > 0,
                  f"bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB per gradient bucket)")

@@ -106,6 +106,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     if nproc != p.world_size:
         raise ValueError(f"--nproc={nproc} must equal dp*tp*cp*pp = "
                          f"{p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
+    # A layout the calculators accept (ZeRO over TP shards is how large runs train) that lab.train cannot run yet.
+    if p.zero and p.tp > 1:
+        raise ValueError(f"zero={p.zero} with tp={p.tp}: lab's ZeRO shards a model that is not tensor parallel; "
+                         f"use zero=0 with tp > 1")
     for flag, (what, chapter, used) in _NOT_YET.items():
         if used(p):
             raise ValueError(f"--{flag}={getattr(p, flag)}: {what} is not implemented yet "

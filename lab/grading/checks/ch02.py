@@ -1,0 +1,322 @@
+"""Chapter 02, collectives. Ring collectives on real gloo ranks, the α–β cost model, a sharded matmul in JAX.
+
+The two multi-rank exercise cells end with a given driver (`run_ring`, `run_reduce_scatter`): on every rank it
+fills a random tensor from a seed and the rank, calls the student's collective inside `count_collectives`, and
+reports the tensor afterwards and the messages it counted. The checks rebuild the same tensors here, reduce them
+with torch (what `dist.all_reduce` and `dist.reduce_scatter_tensor` compute) and count what the ring must send
+with `lab.calc.comms`. Sizes are random and, where it matters, not divisible by the world size.
+
+The cost-model exercises are compared with `lab.calc.comms` on random sizes, world sizes, latencies and
+bandwidths. The JAX exercise's driver returns the product, where each device's shard sits, and the collectives
+of the program XLA compiled; the check multiplies the matrices here in float64.
+
+torch is imported inside the functions: `lab.check` of other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from lab.calc.comms import collective_time
+from lab.calc.network import Link
+from lab.grading.checks import CheckFailed, exercise, expect_close, expect_equal
+
+RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+POINT_TO_POINT = ("send", "isend", "recv", "irecv")
+SEED_STRIDE = 7919  # rank r's tensor comes from seed + SEED_STRIDE * r: the drivers use the same rule
+
+
+def cost(op: str, nbytes: float, world: int, alpha: float = 0.0, bandwidth: float = 1.0,
+         algorithm: str = "ring"):
+    """`lab.calc.comms`' prediction for one collective on one link."""
+    return collective_time(op, nbytes, world, Link("check", bandwidth, alpha, "grader"), algorithm)
+
+
+def rank_tensors(shape: list[int], seed: int, world: int) -> list:
+    """Every rank's input, as the drivers build it (float32, one generator per rank)."""
+    import torch
+
+    return [torch.randn(shape, generator=torch.Generator().manual_seed(seed + SEED_STRIDE * rank))
+            for rank in range(world)]
+
+
+def _preview(values: list) -> str:
+    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
+    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
+
+
+def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-5) -> None:
+    """A list of floats equal to `expected` within tol·(1 + |expected|) each."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        size = f"{len(got)} values" if isinstance(got, list) else type(got).__name__
+        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if not isinstance(g, (int, float)) or isinstance(g, bool) or not abs(g - e) <= tol * (1 + abs(e)):
+            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
+                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
+
+
+def _per_rank(results, world: int, what: str) -> list[dict]:
+    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
+        raise CheckFailed(f"{what} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
+    return results
+
+
+def _messages(results: list[dict], world: int, what: str) -> tuple[list[int], int]:
+    """(messages each rank sent, bytes all ranks sent together); fails on any collective call."""
+    sent, total = [], 0
+    for rank, got in enumerate(results):
+        calls, nbytes = got.get("calls") or {}, got.get("bytes") or {}
+        others = {op: n for op, n in calls.items() if op not in POINT_TO_POINT and n}
+        if others:
+            raise CheckFailed(f"{what}: rank {rank} called {others}; expected point-to-point messages only "
+                              f"(dist.isend / dist.irecv or dist.send / dist.recv)")
+        sent.append(calls.get("isend", 0) + calls.get("send", 0))
+        total += nbytes.get("isend", 0) + nbytes.get("send", 0)
+    return sent, total
+
+
+def _random_shape(rng: random.Random, world: int, uneven: bool) -> list[int]:
+    """A 2-D shape with at least `world` elements, a number that `world` divides or (`uneven`) does not."""
+    while True:
+        shape = [rng.randrange(1, 7), rng.randrange(2, 61)]
+        numel = shape[0] * shape[1]
+        if numel >= world and bool(numel % world) == uneven:
+            return shape
+
+
+# --- 02.ring_all_reduce ----------------------------------------------------------------------------------------
+
+RING = exercise("02.ring_all_reduce", entry=("ring_all_reduce", "run_ring"), **RANKS)
+
+
+def _ring(student, rng: random.Random, world: int, op: str = "sum", uneven: bool = False) -> tuple[list, dict]:
+    shape, seed = _random_shape(rng, world, uneven), rng.randrange(10**6)
+    call = f"run_ring(shape={shape}, seed={seed}, op={op!r}) on {world} ranks"
+    results = _per_rank(student.ranks("run_ring", world, shape, seed, op), world, call)
+    return results, {"shape": shape, "seed": seed, "call": call, "world": world}
+
+
+def _ring_values(student, rng: random.Random, world: int, op: str = "sum", uneven: bool = False) -> None:
+    results, run = _ring(student, rng, world, op, uneven)
+    import torch
+
+    total = torch.stack(rank_tensors(run["shape"], run["seed"], world)).double().sum(0)
+    expected = (total / world if op == "avg" else total).flatten().tolist()
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("result"), expected, f"{run['call']}: rank {rank}'s tensor after the all-reduce")
+
+
+@RING.check(points=1, hint="reduce-scatter (W-1 steps: send a chunk right, add the chunk from the left into yours), "
+                           "then all-gather (W-1 steps: pass the finished chunks on, copying them in place)")
+def two_ranks(student, rng):
+    """2 ranks: every rank ends with the sum of every rank's tensor"""
+    _ring_values(student, rng, 2, uneven=False)
+
+
+@RING.check(points=2, hint="with W >= 3 the direction matters: send to (rank + 1) % W, receive from (rank - 1) % W; "
+                           "chunk boundaries numel * i // W cover every element, also when W does not divide numel "
+                           "(a rank killed by SIGABRT received a message of another size than it expected)")
+def three_and_four_ranks(student, rng):
+    """3 and 4 ranks, sizes the world size divides and sizes it does not"""
+    _ring_values(student, rng, 3, uneven=False)  # first, so that a wrong schedule shows as wrong values
+    _ring_values(student, rng, 3, uneven=True)
+    _ring_values(student, rng, 4, uneven=True)
+
+
+@RING.check(points=1, hint="op='avg' is the sum divided by the world size: what data parallelism needs for "
+                           "gradients")
+def average(student, rng):
+    """op='avg': every rank ends with the mean"""
+    _ring_values(student, rng, rng.choice([2, 3, 4]), op="avg", uneven=rng.random() < 0.5)
+
+
+@RING.check(points=1, hint="only dist.isend/dist.irecv (or dist.send/dist.recv), looked up on dist at call time; "
+                           "each step sends one chunk: 2(W-1) messages per rank")
+def point_to_point_only(student, rng):
+    """only point-to-point messages: 2(W−1) per rank, 2(W−1)·B bytes over all ranks"""
+    world = rng.choice([3, 4])
+    results, run = _ring(student, rng, world, uneven=True)
+    sent, total = _messages(results, world, run["call"])
+    nbytes = 4 * math.prod(run["shape"])
+    expect_equal(sent, [cost("all_reduce", nbytes, world).steps] * world, f"{run['call']}: messages sent per rank")
+    expect_equal(total, round(world * cost("all_reduce", nbytes, world).bytes_sent_per_rank),
+                 f"{run['call']}: bytes sent by all ranks together")
+
+
+# --- 02.reduce_scatter -----------------------------------------------------------------------------------------
+
+REDUCE_SCATTER = exercise("02.reduce_scatter", entry=("ring_reduce_scatter", "run_reduce_scatter"), **RANKS)
+
+
+def _reduce_scatter(student, rng: random.Random, world: int) -> tuple[list, dict]:
+    block, seed = [rng.randrange(1, 5), rng.randrange(1, 41)], rng.randrange(10**6)
+    call = f"run_reduce_scatter(block_shape={block}, seed={seed}) on {world} ranks"
+    results = _per_rank(student.ranks("run_reduce_scatter", world, block, seed), world, call)
+    return results, {"block": block, "seed": seed, "call": call, "world": world}
+
+
+def _reduce_scatter_values(student, rng: random.Random, world: int) -> None:
+    results, run = _reduce_scatter(student, rng, world)
+    import torch
+
+    shape = [world * run["block"][0], run["block"][1]]
+    blocks = torch.stack(rank_tensors(shape, run["seed"], world)).double().sum(0).chunk(world)
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("result"), blocks[rank].flatten().tolist(),
+                        f"{run['call']}: rank {rank}'s output (the sum of every rank's block {rank})")
+
+
+@REDUCE_SCATTER.check(points=1, hint="rank r must end with block r: at step s send block (r - s - 1) % W to the "
+                                     "right and add what arrives from the left into block (r - s - 2) % W")
+def rs_two_ranks(student, rng):
+    """2 ranks: rank r receives the sum of every rank's block r"""
+    _reduce_scatter_values(student, rng, 2)
+
+
+@REDUCE_SCATTER.check(points=1, hint="after W-1 steps the last chunk a rank added into is complete: index the "
+                                     "steps so that it is block r")
+def rs_three_and_four_ranks(student, rng):
+    """3 and 4 ranks: rank r receives the sum of every rank's block r"""
+    _reduce_scatter_values(student, rng, 3)
+    _reduce_scatter_values(student, rng, 4)
+
+
+@REDUCE_SCATTER.check(points=1, hint="no library collective: W-1 ring steps of one block each, (W-1)/W of the "
+                                     "input per rank")
+def rs_point_to_point_only(student, rng):
+    """only point-to-point messages: W−1 per rank, (W−1)/W of the input each"""
+    world = rng.choice([3, 4])
+    results, run = _reduce_scatter(student, rng, world)
+    sent, total = _messages(results, world, run["call"])
+    nbytes = 4 * world * math.prod(run["block"])
+    expect_equal(sent, [cost("reduce_scatter", nbytes, world).steps] * world, f"{run['call']}: messages sent per rank")
+    expect_equal(total, round(world * cost("reduce_scatter", nbytes, world).bytes_sent_per_rank),
+                 f"{run['call']}: bytes sent by all ranks together")
+
+
+# --- 02.ring_bytes ---------------------------------------------------------------------------------------------
+
+RING_BYTES = exercise("02.ring_bytes", entry=("bytes_sent_per_rank",))
+
+
+def _ring_bytes(student, rng: random.Random, op: str) -> None:
+    for world in (1, rng.randrange(2, 9), rng.randrange(9, 2049)):
+        nbytes = rng.randrange(1, 2**34)
+        expect_close(student.bytes_sent_per_rank(op, nbytes, world), cost(op, nbytes, world).bytes_sent_per_rank,
+                     f"bytes_sent_per_rank({op!r}, nbytes={nbytes}, world_size={world})", rel=1e-9)
+
+
+@RING_BYTES.check(points=1, hint="all-reduce = reduce-scatter + all-gather: 2(W-1) steps, each sending one "
+                                 "chunk of B/W bytes")
+def bytes_all_reduce(student, rng):
+    """all_reduce: 2(W−1)/W·B"""
+    _ring_bytes(student, rng, "all_reduce")
+
+
+@RING_BYTES.check(points=1, hint="a rank never sends its own finished chunk in reduce-scatter: W-1 steps, not W")
+def bytes_reduce_scatter(student, rng):
+    """reduce_scatter: (W−1)/W·B of its input"""
+    _ring_bytes(student, rng, "reduce_scatter")
+
+
+@RING_BYTES.check(points=1, hint="B is the all-gather's output (all W shards): each step passes one shard of B/W bytes")
+def bytes_all_gather(student, rng):
+    """all_gather: (W−1)/W·B of its output"""
+    _ring_bytes(student, rng, "all_gather")
+
+
+# --- 02.alpha_beta ---------------------------------------------------------------------------------------------
+
+ALPHA_BETA = exercise("02.alpha_beta", entry=("predicted_time",), requires=("02.ring_bytes",))
+
+
+def _alpha_beta(student, rng: random.Random, op: str, algorithm: str, worlds: tuple[int, ...]) -> None:
+    for world in worlds:
+        nbytes, alpha = rng.randrange(2**10, 2**32), rng.uniform(1e-6, 1e-3)
+        bandwidth = rng.uniform(1e9, 9e11)
+        expected = cost(op, nbytes, world, alpha, bandwidth, algorithm).time_s
+        expect_close(student.predicted_time(op, nbytes, world, alpha, bandwidth, algorithm), expected,
+                     f"predicted_time({op!r}, nbytes={nbytes}, world_size={world}, alpha={alpha!r}, "
+                     f"bandwidth={bandwidth!r}, algorithm={algorithm!r})", rel=1e-9)
+
+
+def _not_power_of_two(rng: random.Random) -> int:
+    return rng.choice([w for w in range(3, 200) if w & (w - 1)])
+
+
+@ALPHA_BETA.check(points=1, hint="a ring all-reduce takes 2(W-1) steps, each costing alpha, and each rank pushes "
+                                 "2(W-1)/W·B bytes through its link")
+def time_ring_all_reduce(student, rng):
+    """ring all-reduce: 2(W−1)·α + 2(W−1)/W·B / bandwidth"""
+    _alpha_beta(student, rng, "all_reduce", "ring", (2, rng.randrange(3, 9), rng.randrange(9, 1025)))
+
+
+@ALPHA_BETA.check(points=1, hint="reduce-scatter and all-gather are half an all-reduce: W-1 steps")
+def time_ring_halves(student, rng):
+    """ring reduce-scatter and all-gather: (W−1)·α + (W−1)/W·B / bandwidth"""
+    for op in ("reduce_scatter", "all_gather"):
+        _alpha_beta(student, rng, op, "ring", (rng.randrange(2, 9), rng.randrange(9, 1025)))
+
+
+@ALPHA_BETA.check(points=1, hint="a tree all-reduce is a reduce then a broadcast, each ceil(log2 W) steps, and every "
+                                 "step moves the whole B bytes")
+def time_tree_all_reduce(student, rng):
+    """tree all-reduce: 2⌈log₂W⌉ steps, each moving the whole message"""
+    _alpha_beta(student, rng, "all_reduce", "tree", (2, _not_power_of_two(rng), _not_power_of_two(rng)))
+
+
+# --- 02.sharded_matmul -----------------------------------------------------------------------------------------
+
+SHARDED_MATMUL = exercise("02.sharded_matmul", entry=("matmul_reduce_scatter", "run_matmul"),
+                          modules=("lab.config", "lab.jaxsim"), packages=("jax",), memory_mb=4096)
+
+
+def _matmul(student, rng: random.Random, n: int) -> tuple[dict, dict]:
+    m, k, cols = n * rng.randrange(1, 5), n * rng.randrange(1, 6), rng.randrange(1, 9)
+    a = [[round(rng.uniform(-1, 1), 4) for _ in range(k)] for _ in range(m)]
+    b = [[round(rng.uniform(-1, 1), 4) for _ in range(cols)] for _ in range(k)]
+    call = f"run_matmul(a of shape ({m}, {k}), b of shape ({k}, {cols}), n_devices={n})"
+    got = student.run_matmul(a, b, n)
+    if not isinstance(got, dict):
+        raise CheckFailed(f"{call} returned {got!r:.200}, expected the driver's dict")
+    return got, {"a": a, "b": b, "m": m, "n_cols": cols, "n": n, "call": call}
+
+
+@SHARDED_MATMUL.check(points=1, hint="each device multiplies its column block of A by its row block of B: a partial "
+                                     "product of the whole C; the partial products must be summed over devices")
+def matmul_values(student, rng):
+    """C = A·B on 2 and 4 devices"""
+    import torch
+
+    for n in (2, 4):
+        got, run = _matmul(student, rng, n)
+        expected = (torch.tensor(run["a"], dtype=torch.float64) @ torch.tensor(run["b"], dtype=torch.float64))
+        c = got.get("c")
+        flat = [v for row in c for v in row] if isinstance(c, list) and all(isinstance(r, list) for r in c) else c
+        expect_allclose(flat, expected.flatten().tolist(), f"{run['call']}: C (row by row)", tol=1e-4)
+
+
+@SHARDED_MATMUL.check(points=1, hint="psum_scatter(..., scatter_dimension=0, tiled=True) leaves device d with rows "
+                                     "d·M/n to (d+1)·M/n; out_specs=P('x', None) says so")
+def matmul_row_shards(student, rng):
+    """C ends sharded by rows: device d holds rows d·M/n to (d+1)·M/n, every column"""
+    n = rng.choice([2, 4])
+    got, run = _matmul(student, rng, n)
+    rows = run["m"] // n
+    expected = [[d * rows, (d + 1) * rows, 0, run["n_cols"]] for d in range(n)]
+    expect_equal(got.get("shards"), expected, f"{run['call']}: [first row, end row, first column, end column] "
+                                              f"of each device's shard of C")
+
+
+@SHARDED_MATMUL.check(points=1, hint="psum is an all-reduce: every device gets all of C (twice the bytes of a "
+                                     "reduce-scatter) and then keeps a slice; psum_scatter sends only what is kept")
+def matmul_one_reduce_scatter(student, rng):
+    """the compiled program has one reduce-scatter and no other collective"""
+    n = rng.choice([2, 4])
+    got, run = _matmul(student, rng, n)
+    collectives = got.get("collectives")
+    if collectives != {"reduce-scatter": 1}:
+        raise CheckFailed(f"{run['call']}: the compiled program's collectives returned {collectives!r}, "
+                          f"expected {{'reduce-scatter': 1}}")

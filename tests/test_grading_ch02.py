@@ -1,0 +1,179 @@
+"""Chapter 02's checks: the solutions pass with any secret, the released stubs score nothing, and every
+plausible-but-wrong answer (mutant) fails the checks named for it.
+
+The two ring exercises run the student's collective on real gloo ranks (2, 3 and 4) inside the sandbox; the
+JAX exercise runs on 8 simulated CPU devices there. A mutant is the solution cell with one classic mistake — a
+ring that forgets to average, a ring that turns the wrong way, a chunk index off by one, a remainder that no
+chunk covers, a library collective instead of messages, an all-reduce where a reduce-scatter would do — and only
+the checks that must catch it are run, to keep this file fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from lab.grading import checks
+from lab.grading.checks import ch02
+from lab.grading.notebook import answer_parts, read
+from lab.grading.release import release_notebook
+from lab.grading.runner import run_exercise, seed
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = read(REPO / "solutions" / "02_collectives.ipynb")
+EXERCISES = ("02.ring_all_reduce", "02.reduce_scatter", "02.ring_bytes", "02.alpha_beta", "02.sharded_matmul")
+
+
+def _grade(exercise_id: str, replace: list[tuple[str, str]] = (), secret: str | None = None,
+           only: set[str] | None = None, notebook=SOLUTIONS):
+    """Grade `exercise_id`'s cell of `notebook` (after the cells it requires), with each (old, new) of `replace`
+    applied to its own cell, running only the checks named in `only` (all when None)."""
+    ex = checks.get(exercise_id)
+    if only is not None:
+        ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+    parts = [part for i in ex.requires for part in answer_parts(notebook, i)]
+    (label, source), = answer_parts(notebook, exercise_id)
+    for old, new in replace:
+        assert source.count(old) == 1, f"mutant does not apply once: {old!r} in the {exercise_id} solution"
+        source = source.replace(old, new)
+    return run_exercise(ex, [*parts, (label, source)], secret=secret, wall_s=60)
+
+
+@pytest.mark.parametrize("secret", [None, "class-of-2026"])
+def test_solutions_score_full_marks(secret):
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, secret=secret)
+        assert result.points == result.max_points == checks.get(exercise_id).points, result
+
+
+def test_released_stubs_score_nothing_and_say_not_attempted():
+    released = release_notebook(SOLUTIONS, "02_collectives.ipynb")
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, notebook=released)
+        assert result.points == 0 and result.status == "not attempted", result
+
+
+RING_TWO = "2 ranks: every rank ends with the sum of every rank's tensor"
+RING_UNEVEN = "3 and 4 ranks, sizes the world size divides and sizes it does not"
+RING_AVG = "op='avg': every rank ends with the mean"
+RING_P2P = "only point-to-point messages: 2(W−1) per rank, 2(W−1)·B bytes over all ranks"
+RS_TWO = "2 ranks: rank r receives the sum of every rank's block r"
+RS_MORE = "3 and 4 ranks: rank r receives the sum of every rank's block r"
+RS_P2P = "only point-to-point messages: W−1 per rank, (W−1)/W of the input each"
+MM_VALUES = "C = A·B on 2 and 4 devices"
+MM_ROWS = "C ends sharded by rows: device d holds rows d·M/n to (d+1)·M/n, every column"
+MM_ONE_RS = "the compiled program has one reduce-scatter and no other collective"
+RING_DIRECTION = ("right, left = (rank + 1) % world, (rank - 1) % world",
+                  "right, left = (rank - 1) % world, (rank + 1) % world")
+PSUM_SCATTER = 'return jax.lax.psum_scatter(partial_c, "x", scatter_dimension=0, tiled=True)'
+OUT_ROWS = 'out_specs=P("x", None)'
+
+MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
+    "ring_forgets_to_average": ("02.ring_all_reduce", [("    if op == \"avg\":\n        flat /= world\n", "")],
+                                {RING_AVG}),
+    "ring_in_the_wrong_direction": ("02.ring_all_reduce", [RING_DIRECTION], {RING_UNEVEN}),
+    "ring_all_gather_one_chunk_off": (  # believes rank r owns chunk r after the reduce-scatter
+        "02.ring_all_reduce", [("swap(chunks[(rank - step + 1) % world], chunks[(rank - step) % world])",
+                                "swap(chunks[(rank - step) % world], chunks[(rank - step - 1) % world])")],
+        {RING_TWO, RING_UNEVEN}),
+    "ring_remainder_in_no_chunk": ("02.ring_all_reduce", [("bounds = [numel * i // world for i in range(world + 1)]",
+                                                           "bounds = [numel // world * i for i in range(world + 1)]")],
+                                   {RING_UNEVEN}),
+    "ring_calls_dist_all_reduce": ("02.ring_all_reduce", [("    numel = flat.numel()\n",
+                                                           "    dist.all_reduce(tensor)\n    if op == \"avg\":\n"
+                                                           "        tensor /= world\n    return tensor\n")],
+                                   {RING_P2P}),
+    "reduce_scatter_ends_one_block_off": (  # the all-reduce's schedule: rank r completes block r + 1
+        "02.reduce_scatter", [("chunks[(rank - step - 1) % world], chunks[(rank - step - 2) % world]",
+                               "chunks[(rank - step) % world], chunks[(rank - step - 1) % world]")],
+        {RS_TWO, RS_MORE}),
+    "reduce_scatter_in_the_wrong_direction": ("02.reduce_scatter", [RING_DIRECTION], {RS_MORE}),
+    "reduce_scatter_calls_the_library": ("02.reduce_scatter", [("    chunks = list(",
+                                                                "    dist.reduce_scatter_tensor(output, input)\n"
+                                                                "    return output\n    chunks = list(")],
+                                         {RS_P2P}),
+    "bytes_all_reduce_without_all_gather": ("02.ring_bytes", [('"all_reduce": 2 * (world_size - 1)',
+                                                               '"all_reduce": world_size - 1')],
+                                            {"all_reduce: 2(W−1)/W·B"}),
+    "bytes_reduce_scatter_sends_own_chunk": ("02.ring_bytes", [('"reduce_scatter": world_size - 1',
+                                                                '"reduce_scatter": world_size')],
+                                             {"reduce_scatter: (W−1)/W·B of its input"}),
+    "bytes_all_gather_B_taken_as_the_shard": ("02.ring_bytes", [('"all_gather": world_size - 1}',
+                                                                 '"all_gather": world_size * (world_size - 1)}')],
+                                              {"all_gather: (W−1)/W·B of its output"}),
+    "bytes_whole_tensor_every_step": ("02.ring_bytes", [("chunk = nbytes / world_size", "chunk = nbytes")],
+                                      {"all_reduce: 2(W−1)/W·B", "reduce_scatter: (W−1)/W·B of its input",
+                                       "all_gather: (W−1)/W·B of its output"}),
+    "time_all_reduce_half_the_steps": ("02.alpha_beta", [("steps = 2 * (world_size - 1) if op == \"all_reduce\" "
+                                                          "else world_size - 1", "steps = world_size - 1")],
+                                       {"ring all-reduce: 2(W−1)·α + 2(W−1)/W·B / bandwidth"}),
+    "time_whole_message_every_step": ("02.alpha_beta", [("bytes_sent_per_rank(op, nbytes, world_size) / bandwidth",
+                                                         "steps * nbytes / bandwidth")],
+                                      {"ring all-reduce: 2(W−1)·α + 2(W−1)/W·B / bandwidth",
+                                       "ring reduce-scatter and all-gather: (W−1)·α + (W−1)/W·B / bandwidth"}),
+    "time_tree_log_without_ceil": ("02.alpha_beta", [("2 * math.ceil(math.log2(world_size))",
+                                                      "2 * math.log2(world_size)")],
+                                   {"tree all-reduce: 2⌈log₂W⌉ steps, each moving the whole message"}),
+    "time_tree_reduce_only": ("02.alpha_beta", [("steps = 2 * math.ceil(", "steps = math.ceil(")],
+                              {"tree all-reduce: 2⌈log₂W⌉ steps, each moving the whole message"}),
+    "matmul_partial_sums_never_added": ("02.sharded_matmul", [(PSUM_SCATTER, "return partial_c")], {MM_VALUES}),
+    "matmul_psum_leaves_c_replicated": ("02.sharded_matmul", [(PSUM_SCATTER, 'return jax.lax.psum(partial_c, "x")'),
+                                                              (OUT_ROWS, "out_specs=P()")], {MM_ROWS, MM_ONE_RS}),
+    "matmul_psum_then_keeps_its_rows": ("02.sharded_matmul", [(PSUM_SCATTER, (
+        'rows = partial_c.shape[0] // mesh.shape["x"]\n'
+        '        total = jax.lax.psum(partial_c, "x")\n'
+        '        return jax.lax.dynamic_slice_in_dim(total, jax.lax.axis_index("x") * rows, rows)'))], {MM_ONE_RS}),
+    "matmul_scattered_by_columns": ("02.sharded_matmul", [("scatter_dimension=0", "scatter_dimension=1"),
+                                                          (OUT_ROWS, 'out_specs=P(None, "x")')], {MM_ROWS}),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_fails_its_check(name):
+    exercise_id, replace, must_fail = MUTANTS[name]
+    result = _grade(exercise_id, replace, only=must_fail)
+    failed = {c.name for c in result.checks if c.status == "failed"}
+    assert must_fail == failed, f"{name}: expected {must_fail} to fail, failed: {failed}"
+    assert result.points == 0 and not result.reason, result
+    for check in result.checks:  # each failure says what came back and what was expected
+        assert "expected" in check.message, check.message
+
+
+def test_every_exercise_has_a_mutant_and_every_check_catches_one():
+    caught = {name for _, _, names in MUTANTS.values() for name in names}
+    for ex in (e for e in checks.load_all().values() if e.chapter == "02"):
+        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+    assert {exercise_id for exercise_id, _, _ in MUTANTS.values()} == set(EXERCISES)
+
+
+def test_answers_memorised_from_the_public_seed_fail_with_a_class_secret():
+    """A learner can see the public inputs; hard-coding the answers to them earns nothing when graded."""
+    ex = checks.get("02.ring_bytes")
+    table = {}
+
+    class Recorder:  # stands in for the student: records the inputs each check asks about, answers right
+        def bytes_sent_per_rank(self, op, nbytes, world_size):
+            table[(op, nbytes, world_size)] = ch02.cost(op, nbytes, world_size).bytes_sent_per_rank
+            return table[(op, nbytes, world_size)]
+
+    for check in ex.checks:
+        check.fn(Recorder(), random.Random(seed(None, ex.id, check.name)))
+    cheat = f"TABLE = {table!r}\n\ndef bytes_sent_per_rank(op, nbytes, world_size):\n" \
+            f"    return TABLE.get((op, nbytes, world_size), -1.0)\n"
+    assert run_exercise(ex, [("cheat", cheat)]).points == ex.points  # the public inputs: all right
+    assert run_exercise(ex, [("cheat", cheat)], secret="class-of-2026").points == 0
+
+
+def test_random_sizes_are_awkward_and_drivers_seed_ranks_as_the_checks_do():
+    rng = random.Random(0)
+    for world in (2, 3, 4):
+        shapes = [ch02._random_shape(rng, world, uneven=True) for _ in range(50)]
+        assert all(r * c % world and r * c >= world for r, c in shapes)
+        shapes = [ch02._random_shape(rng, world, uneven=False) for _ in range(50)]
+        assert all(r * c % world == 0 and r * c >= world for r, c in shapes)
+    for exercise_id in ("02.ring_all_reduce", "02.reduce_scatter"):
+        (_, source), = answer_parts(SOLUTIONS, exercise_id)
+        assert f"manual_seed(seed + {ch02.SEED_STRIDE} * rank)" in source, exercise_id

@@ -1,0 +1,409 @@
+"""Chapter 04, tensor and sequence parallelism. The student's layers run on real gloo ranks; one process checks.
+
+Each multi-rank exercise cell ends with a given driver (`run_mlp`, `run_cross_entropy`, `run_sp_block`): on
+every rank it draws the full inputs and weights from a seed, keeps this rank's shards, runs the student's code
+inside `count_collectives` and reports plain lists — the output, the gradients of the input and of the weight
+shards, the collectives' calls and bytes. The checks here draw the same tensors in the same order, compute the
+whole layer in one process in float64, and compare every rank's values with the slice of the single-process
+result that the rank must hold (the rules of `lab.parallel.tp` and `lab.parallel.tp_comms`). Shapes are random:
+odd batch sizes and widths, and the world size divides only what tensor parallelism splits (the output features,
+the vocabulary, the sequence).
+
+The sharded-matmul exercise is compared with `lab.widgets.sharding.matmul_plan` on random shardings.
+
+torch and `lab.widgets.sharding` (which brings ipywidgets) are imported inside the functions: `lab.check` of
+other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import random
+
+from lab.grading.checks import CheckFailed, exercise
+
+RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
+SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+
+
+# --- comparing what the ranks report -------------------------------------------------------------------------
+
+def _preview(values: list) -> str:
+    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
+    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
+
+
+def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-4) -> None:
+    """A list of floats equal to `expected` within tol·(1 + |expected|) each (NaN and inf never pass)."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        size = f"{len(got)} values" if isinstance(got, list) else type(got).__name__
+        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if not isinstance(g, (int, float)) or isinstance(g, bool) or not abs(g - e) <= tol * (1 + abs(e)):
+            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
+                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
+
+
+def _per_rank(results, world: int, what: str) -> list[dict]:
+    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
+        raise CheckFailed(f"{what} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
+    return results
+
+
+def _calls(counts) -> dict[str, list[int]]:
+    """{op: [calls, bytes]} as the drivers report it, without the ops that were not called."""
+    counts = counts if isinstance(counts, dict) else {}
+    return {op: v for op, v in counts.items() if isinstance(v, list) and len(v) == 2 and v[0]}
+
+
+def _chunk(t, world: int, dim: int, rank: int) -> list[float]:
+    return t.chunk(world, dim)[rank].flatten().tolist()
+
+
+def _generator(seed: int):
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+# --- 04.column_row_linear ------------------------------------------------------------------------------------
+
+COLUMN_ROW = exercise("04.column_row_linear", entry=("run_mlp",), **RANKS)
+
+
+def mlp_inputs(shape: list[int], d_model: int, d_ff: int, seed: int) -> dict:
+    """x, w1, w2 and the probe, drawn in the order the driver `run_mlp` draws them."""
+    import torch
+
+    g = _generator(seed)
+    x = torch.randn(*shape, d_model, generator=g)
+    w1 = torch.randn(d_ff, d_model, generator=g) / d_model**0.5
+    w2 = torch.randn(d_model, d_ff, generator=g) / d_ff**0.5
+    probe = torch.randn(*shape, d_model, generator=g)
+    return {"x": x, "w1": w1, "w2": w2, "probe": probe}
+
+
+def mlp_reference(shape: list[int], d_model: int, d_ff: int, seed: int) -> dict:
+    """One process, float64: y = relu(x W1ᵀ) W2ᵀ, loss = Σ y·probe, and the gradients."""
+    import torch
+
+    t = {k: v.double().requires_grad_(k != "probe") for k, v in mlp_inputs(shape, d_model, d_ff, seed).items()}
+    y = torch.relu(t["x"] @ t["w1"].T) @ t["w2"].T
+    (y * t["probe"]).sum().backward()
+    return {"y": y.detach(), "x_grad": t["x"].grad, "w1_grad": t["w1"].grad, "w2_grad": t["w2"].grad}
+
+
+def _mlp(student, rng: random.Random, world: int) -> tuple[list, dict]:
+    shape = [rng.randrange(1, 4), rng.randrange(1, 8)]
+    d_model, d_ff, seed = rng.randrange(3, 24), world * rng.randrange(1, 9), rng.randrange(10**6)
+    call = f"run_mlp(shape={shape}, d_model={d_model}, d_ff={d_ff}, seed={seed}) on {world} ranks"
+    results = _per_rank(student.ranks("run_mlp", world, shape, d_model, d_ff, seed), world, call)
+    return results, {"call": call, "ref": mlp_reference(shape, d_model, d_ff, seed), "world": world,
+                     "bytes": 4 * shape[0] * shape[1] * d_model}
+
+
+@COLUMN_ROW.check(points=1, hint="the row-parallel layer's local product is a partial sum of y over the ranks' "
+                                 "slices of F: g all-reduces it in forward (and f is the identity in forward)")
+def mlp_output(student, rng):
+    """forward: every rank's y equals the single-process MLP (2 ranks)"""
+    results, run = _mlp(student, rng, 2)
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("y"), run["ref"]["y"].flatten().tolist(), f"{run['call']}: rank {rank}'s y")
+
+
+@COLUMN_ROW.check(points=2, hint="each rank's column layer sends x's gradient back through its own slice of W1 "
+                                 "only: a partial sum; f's backward all-reduces it, so every rank gets the whole")
+def mlp_input_grad(student, rng):
+    """backward: every rank's x.grad equals the single-process one (3 and 4 ranks)"""
+    for world in (3, 4):
+        results, run = _mlp(student, rng, world)
+        for rank, got in enumerate(results):
+            expect_allclose(got.get("x_grad"), run["ref"]["x_grad"].flatten().tolist(),
+                            f"{run['call']}: rank {rank}'s x.grad")
+
+
+@COLUMN_ROW.check(points=1, hint="g's backward is the identity: the gradient of y is already the same on every "
+                                 "rank, and all-reducing it would multiply the weight gradients by tp")
+def mlp_weight_grads(student, rng):
+    """backward: each rank's weight gradients are its slices of the single-process ones"""
+    world = rng.choice([2, 3])
+    results, run = _mlp(student, rng, world)
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("w1_grad"), _chunk(run["ref"]["w1_grad"], world, 0, rank),
+                        f"{run['call']}: rank {rank}'s gradient of its W1 rows (column-parallel)")
+        expect_allclose(got.get("w2_grad"), _chunk(run["ref"]["w2_grad"], world, 1, rank),
+                        f"{run['call']}: rank {rank}'s gradient of its W2 columns (row-parallel)")
+
+
+@COLUMN_ROW.check(points=1, hint="one dist.all_reduce in g's forward and one in f's backward, each of the whole "
+                                 "activation: no all_gather, no extra copies over the wire")
+def mlp_collectives(student, rng):
+    """one all-reduce of b·s·d values forward (g) and one backward (f)"""
+    results, run = _mlp(student, rng, rng.choice([2, 3]))
+    expected = {"all_reduce": [1, run["bytes"]]}
+    for rank, got in enumerate(results):
+        for phase in ("forward", "backward"):
+            counts = _calls(got.get(phase))
+            if counts != expected:
+                raise CheckFailed(f"{run['call']}: rank {rank}'s collectives in {phase} returned {counts!r}, "
+                                  f"expected {expected!r} ([calls, bytes])")
+
+
+# --- 04.vocab_parallel_ce ------------------------------------------------------------------------------------
+
+CROSS_ENTROPY = exercise("04.vocab_parallel_ce", entry=("run_cross_entropy",), **RANKS)
+
+
+def ce_reference(shape: list[int], vocab: int, seed: int, scale: float) -> dict:
+    """Logits and targets drawn as the driver `run_cross_entropy` draws them; the full softmax's loss and grad."""
+    import torch
+    import torch.nn.functional as F
+
+    g = _generator(seed)
+    logits = (torch.randn(*shape, vocab, generator=g) * scale).double().requires_grad_()
+    targets = torch.randint(vocab, shape, generator=g)
+    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+    loss.backward()
+    return {"loss": loss.item(), "grad": logits.grad}
+
+
+def _cross_entropy(student, rng: random.Random, world: int, scale: float) -> tuple[list, dict]:
+    shape, seed = [rng.randrange(1, 4), rng.randrange(1, 9)], rng.randrange(10**6)
+    vocab = world * rng.randrange(2, 12)
+    call = f"run_cross_entropy(shape={shape}, vocab={vocab}, seed={seed}, scale={scale!r}) on {world} ranks"
+    results = _per_rank(student.ranks("run_cross_entropy", world, shape, vocab, seed, scale), world, call)
+    return results, {"call": call, "ref": ce_reference(shape, vocab, seed, scale), "world": world,
+                     "tokens": shape[0] * shape[1], "local_bytes": 4 * shape[0] * shape[1] * vocab // world}
+
+
+def _expect_loss(results: list, run: dict) -> None:
+    for rank, got in enumerate(results):
+        expect_allclose([got.get("loss")], [run["ref"]["loss"]], f"{run['call']}: rank {rank}'s loss", tol=1e-5)
+
+
+@CROSS_ENTROPY.check(points=2, hint="log Σ_v exp(z_v) runs over the whole vocabulary: all-reduce the max (op MAX) "
+                                    "and the sum of exponentials; the target's logit lives on one rank only, so mask "
+                                    "it to 0 elsewhere and all-reduce it too")
+def ce_loss(student, rng):
+    """the loss equals the full softmax's cross-entropy (2 and 3 ranks)"""
+    for world in (2, 3):
+        results, run = _cross_entropy(student, rng, world, rng.uniform(1.0, 4.0))
+        _expect_loss(results, run)
+
+
+@CROSS_ENTROPY.check(points=1, hint="the gradient is (softmax − one_hot(target)) / n_tokens: every rank keeps its "
+                                    "slice of the softmax, and only the rank that owns the target subtracts the 1")
+def ce_grad(student, rng):
+    """each rank's logits gradient is its vocabulary slice of the full one (3 and 4 ranks)"""
+    for world in (3, 4):
+        results, run = _cross_entropy(student, rng, world, rng.uniform(1.0, 4.0))
+        for rank, got in enumerate(results):
+            expect_allclose(got.get("grad"), _chunk(run["ref"]["grad"], world, -1, rank),
+                            f"{run['call']}: rank {rank}'s gradient of its logits shard", tol=1e-5)
+
+
+@CROSS_ENTROPY.check(points=1, hint="exp(z) overflows float32 above z ≈ 88: subtract each token's max over the "
+                                    "whole vocabulary (all-reduced with ReduceOp.MAX) before exponentiating")
+def ce_large_logits(student, rng):
+    """logits in the hundreds: no overflow (the global max is subtracted first)"""
+    results, run = _cross_entropy(student, rng, rng.choice([2, 4]), rng.uniform(150.0, 300.0))
+    _expect_loss(results, run)
+
+
+@CROSS_ENTROPY.check(points=1, hint="never gather the logits: per token, only the max, the sum of exponentials "
+                                    "and the target's logit cross the wire (three all-reduces of n_tokens values)")
+def ce_communication(student, rng):
+    """only all-reduces of a few numbers per token: the logits are never gathered"""
+    results, run = _cross_entropy(student, rng, rng.choice([2, 3]), 2.0)
+    budget = 3 * 4 * run["tokens"]
+    for rank, got in enumerate(results):
+        counts = _calls(got.get("collectives"))
+        others = {op: v for op, v in counts.items() if op != "all_reduce"}
+        sent = counts.get("all_reduce", [0, 0])[1]
+        if others or sent > budget:
+            raise CheckFailed(f"{run['call']}: rank {rank}'s collectives returned {counts!r} ([calls, bytes]), "
+                              f"expected all_reduce only, at most {budget} bytes (3 float32 per token; its logits "
+                              f"shard alone is {run['local_bytes']} bytes)")
+
+
+# --- 04.matmul_collective ------------------------------------------------------------------------------------
+
+MATMUL = exercise("04.matmul_collective", entry=("plan_matmul",))
+
+
+def _spec(rng: random.Random, axes: list[str]) -> list:
+    """One operand's sharding: each dimension whole (None) or split over a mesh axis, no axis twice."""
+    first = rng.choice([None, *axes])
+    second = rng.choice([None, *[a for a in axes if a != first]])
+    return [first, second]
+
+
+def _normal(text) -> str:
+    return " ".join(str(text).split()).lower()
+
+
+def matmul_plan(a: tuple, b: tuple, reduce_scatter: bool = False):
+    from lab.widgets.sharding import matmul_plan as plan
+
+    return plan(a, b, reduce_scatter=reduce_scatter)
+
+
+def _expect_plan(student, a: list, b: list, reduce_scatter: bool) -> None:
+    plan = matmul_plan(tuple(a), tuple(b), reduce_scatter=reduce_scatter)
+    expected = {"case": plan.case, "collectives": list(plan.collectives)}
+    call = f"plan_matmul(a={a!r}, b={b!r}, reduce_scatter={reduce_scatter})"
+    got = student.plan_matmul(a, b, reduce_scatter)
+    ok = isinstance(got, dict) and got.get("case") == plan.case and isinstance(got.get("collectives"), list) \
+        and [_normal(c) for c in got["collectives"]] == [_normal(c) for c in plan.collectives]
+    if not ok:
+        raise CheckFailed(f"{call} returned {got!r}, expected {expected!r}")
+
+
+def _random_plans(student, rng: random.Random, cases: set[int], n: int, axes: list[str],
+                  must: tuple[tuple[list, list], ...] = ()) -> None:
+    for a, b in must:
+        _expect_plan(student, a, b, rng.random() < 0.5)
+    found = 0
+    while found < n:
+        a, b = _spec(rng, axes), _spec(rng, axes)
+        if a[1] is not None and a[1] == b[1] and (a[0] == a[1] or b[1] == b[0]):
+            continue  # not a valid pair of shardings
+        if matmul_plan(tuple(a), tuple(b)).case in cases:
+            _expect_plan(student, a, b, rng.random() < 0.5)
+            found += 1
+
+
+@MATMUL.check(points=1, hint="only the contracting dimension J decides: whole in both operands, no communication; "
+                             "split in one (or in both over different axes), all-gather each split operand along J")
+def cases_one_and_two(student, rng):
+    """cases 1 and 2: is the contracting dimension split in one operand, in none?"""
+    x, y = rng.sample(["X", "Y", "Z"], 2)
+    _random_plans(student, rng, {1, 2}, 6, [x, y], must=(([None, x], [y, None]), ([x, None], [None, y])))
+
+
+@MATMUL.check(points=1, hint="J split over the same axis in both: multiply locally, the results are partial sums of "
+                             "all of C; all-reduce them, or with reduce_scatter=True and K whole reduce-scatter "
+                             "along K")
+def case_three(student, rng):
+    """case 3: J split over the same axis in both operands (all-reduce, or reduce-scatter along K)"""
+    x, y = rng.sample(["X", "Y", "Z"], 2)
+    for reduce_scatter in (False, True, True):
+        _expect_plan(student, [rng.choice([None, y]), x], [x, None], reduce_scatter)
+    _expect_plan(student, [None, x], [x, y], True)  # K already split: nothing left to scatter along
+
+
+@MATMUL.check(points=1, hint="C[I_X, K_X] would put one mesh axis on two dimensions: the devices hold only "
+                             "matching diagonal blocks; all-gather A along I first (after any gathers along J)")
+def case_four(student, rng):
+    """case 4: I and K split over the same axis"""
+    x, y = rng.sample(["X", "Y", "Z"], 2)
+    _expect_plan(student, [x, None], [None, x], rng.random() < 0.5)
+    _expect_plan(student, [x, y], [None, x], rng.random() < 0.5)  # J gathered first, then I
+    _random_plans(student, rng, {4}, 2, [x, y])
+
+
+@MATMUL.check(points=1, hidden=True, hint="check the contracting dimension first (case 3), then gather along J, "
+                                          "then look at I and K")
+def any_case_three_axes(student, rng):
+    """any shardings over a three-axis mesh"""
+    for case in rng.sample([1, 2, 3, 4], 4):
+        _random_plans(student, rng, {case}, 3, ["X", "Y", "Z"])
+
+
+# --- 04.sequence_parallel ------------------------------------------------------------------------------------
+
+SEQUENCE = exercise("04.sequence_parallel", entry=("run_sp_block",), **RANKS)
+EPS = 1e-6
+
+
+def sp_reference(shape: list[int], d_model: int, d_ff: int, seed: int, world: int) -> dict:
+    """The block out = x + relu(rms_norm(x) W1ᵀ) W2ᵀ in one process (float64), with its inputs drawn as the
+    driver `run_sp_block` draws them, the gradients, and the norm weight's gradient from each rank's tokens."""
+    import torch
+
+    g = _generator(seed)
+    x = torch.randn(*shape, d_model, generator=g).double().requires_grad_()
+    norm = (1 + 0.1 * torch.randn(d_model, generator=g)).double().requires_grad_()
+    w1 = (torch.randn(d_ff, d_model, generator=g) / d_model**0.5).double().requires_grad_()
+    w2 = (torch.randn(d_model, d_ff, generator=g) / d_ff**0.5).double().requires_grad_()
+    probe = torch.randn(*shape, d_model, generator=g).double()
+    x_hat = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)
+    normed = x_hat * norm
+    out = x + torch.relu(normed @ w1.T) @ w2.T
+    (grad_normed,) = torch.autograd.grad((out * probe).sum(), normed, retain_graph=True)
+    (out * probe).sum().backward()
+    per_token = (grad_normed * x_hat).detach()  # each token's share of the norm weight's gradient
+    local_norm = [block.sum((0, 1)).tolist() for block in per_token.chunk(world, 1)]
+    return {"out": out.detach(), "x_grad": x.grad, "w1_grad": w1.grad, "w2_grad": w2.grad, "norm_grad": norm.grad,
+            "local_norm_grad": local_norm}
+
+
+def _sp(student, rng: random.Random, world: int) -> tuple[list, dict]:
+    shape = [world * rng.randrange(1, 3), world * rng.randrange(1, 4)]  # batch too: a scatter along it must not fit
+    d_model, d_ff, seed = rng.randrange(3, 20), world * rng.randrange(1, 7), rng.randrange(10**6)
+    call = f"run_sp_block(shape={shape}, d_model={d_model}, d_ff={d_ff}, seed={seed}) on {world} ranks"
+    results = _per_rank(student.ranks("run_sp_block", world, shape, d_model, d_ff, seed), world, call)
+    return results, {"call": call, "ref": sp_reference(shape, d_model, d_ff, seed, world), "world": world,
+                     "shard_bytes": 4 * shape[0] * shape[1] * d_model // world}
+
+
+@SEQUENCE.check(points=2, hint="the reduce-scatter must leave rank r with the sum of every rank's tokens "
+                               "r·T/tp to (r+1)·T/tp: move the sequence dimension first (x.movedim(1, 0)) so "
+                               "that each rank's block is contiguous, and move it back afterwards")
+def sp_output(student, rng):
+    """forward: each rank holds its sequence block of x + MLP(norm(x)) (2 ranks)"""
+    results, run = _sp(student, rng, 2)
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("out"), _chunk(run["ref"]["out"], 2, 1, rank),
+                        f"{run['call']}: rank {rank}'s output (its block of the sequence)")
+
+
+@SEQUENCE.check(points=2, hint="the conjugate of an all-gather is a reduce-scatter: each rank's column layer "
+                               "sends back a partial gradient for every token, which must be summed over ranks "
+                               "and split along the sequence again")
+def sp_grads(student, rng):
+    """backward: input, weight and norm gradients equal one process (3 and 4 ranks)"""
+    for world in (3, 4):
+        results, run = _sp(student, rng, world)
+        ref = run["ref"]
+        for rank, got in enumerate(results):
+            where = f"{run['call']}: rank {rank}'s"
+            expect_allclose(got.get("x_grad"), _chunk(ref["x_grad"], world, 1, rank), f"{where} gradient of its x")
+            expect_allclose(got.get("w1_grad"), _chunk(ref["w1_grad"], world, 0, rank), f"{where} W1 rows' gradient")
+            expect_allclose(got.get("w2_grad"), _chunk(ref["w2_grad"], world, 1, rank),
+                            f"{where} W2 columns' gradient")
+            expect_allclose(got.get("norm_grad"), ref["norm_grad"].tolist(), f"{where} norm weight's gradient")
+
+
+@SEQUENCE.check(points=1, hint="the norm works token by token, so it runs on the sequence shard: x_shard → norm → "
+                               "all-gather → column → row → reduce-scatter → + x_shard")
+def sp_norm_on_shard(student, rng):
+    """the norm runs on the rank's own tokens, before the all-gather"""
+    world = rng.choice([2, 3])
+    results, run = _sp(student, rng, world)
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("local_norm_grad"), run["ref"]["local_norm_grad"][rank],
+                        f"{run['call']}: rank {rank}'s norm weight gradient before the all-reduce (its tokens only)")
+
+
+@SEQUENCE.check(points=1, hint="an all-reduce moves the same bytes as a reduce-scatter plus an all-gather but "
+                               "leaves the whole activation on every rank: use dist.all_gather_into_tensor and "
+                               "dist.reduce_scatter_tensor, one of each per pass")
+def sp_collectives(student, rng):
+    """one all-gather and one reduce-scatter forward, the same backward, no all-reduce"""
+    results, run = _sp(student, rng, rng.choice([2, 3]))
+    world, shard = run["world"], run["shard_bytes"]
+    for rank, got in enumerate(results):
+        for phase in ("forward", "backward"):
+            counts = _calls(got.get(phase))
+            gathered = sum(counts.get(op, [0, 0])[0] for op in GATHERS)
+            scattered = sum(counts.get(op, [0, 0])[0] for op in SCATTERS)
+            gather_bytes = sum(counts.get(op, [0, 0])[1] for op in GATHERS)
+            scatter_bytes = sum(counts.get(op, [0, 0])[1] for op in SCATTERS)
+            others = {op: v for op, v in counts.items() if op not in GATHERS + SCATTERS}
+            got_summary = [gathered, gather_bytes, scattered, scatter_bytes]
+            expected = [1, shard, 1, world * shard]
+            if others or got_summary != expected:
+                raise CheckFailed(f"{run['call']}: rank {rank}'s collectives in {phase} returned {counts!r}, "
+                                  f"expected [all-gather calls, bytes, reduce-scatter calls, bytes] = {expected} "
+                                  f"and nothing else")

@@ -1,0 +1,228 @@
+"""Chapter 04's checks: the solutions pass with any secret, the released stubs score nothing, and every
+plausible-but-wrong answer (mutant) fails the checks named for it.
+
+Three exercises run the student's layers on real gloo ranks (tp 2, 3 and 4) inside the sandbox and compare
+outputs and gradients with one process. A mutant is the solution cell with one classic mistake — f's backward
+without its all-reduce, a softmax over the local vocabulary shard only, a reduce-scatter along the batch instead
+of the sequence, a norm run after the all-gather — and only the checks that must catch it are run, to keep this
+file fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from lab.grading import checks
+from lab.grading.checks import ch04
+from lab.grading.notebook import answer_parts, read
+from lab.grading.release import release_notebook
+from lab.grading.runner import run_exercise
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = read(REPO / "solutions" / "04_tensor_sequence_parallel.ipynb")
+EXERCISES = ("04.matmul_collective", "04.column_row_linear", "04.vocab_parallel_ce", "04.sequence_parallel")
+
+
+def _grade(exercise_id: str, replace: list[tuple[str, str]] = (), secret: str | None = None,
+           only: set[str] | None = None, notebook=SOLUTIONS):
+    """Grade `exercise_id`'s cell of `notebook`, with each (old, new) of `replace` applied to it, running only the
+    checks named in `only` (all when None)."""
+    ex = checks.get(exercise_id)
+    if only is not None:
+        ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+    (label, source), = answer_parts(notebook, exercise_id)
+    for old, new in replace:
+        assert source.count(old) == 1, f"mutant does not apply once: {old!r} in the {exercise_id} solution"
+        source = source.replace(old, new)
+    return run_exercise(ex, [(label, source)], secret=secret, wall_s=60)
+
+
+@pytest.mark.parametrize("secret", [None, "class-of-2026"])
+def test_solutions_score_full_marks(secret):
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, secret=secret)
+        assert result.points == result.max_points == checks.get(exercise_id).points, result
+
+
+def test_released_stubs_score_nothing_and_say_not_attempted():
+    released = release_notebook(SOLUTIONS, "04_tensor_sequence_parallel.ipynb")
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, notebook=released)
+        assert result.points == 0 and result.status == "not attempted", result
+
+
+CASE_THREE = ('''    if aj is not None and aj == bj:  # case 3: both contracting dims split over the same axis
+        if reduce_scatter and bk is None:
+            return {"case": 3, "collectives": [f"reduce-scatter C over {aj} along K"]}
+        return {"case": 3, "collectives": [f"all-reduce C over {aj}"]}
+''')
+CASE_FOUR = ('''    if ai is not None and ai == bk:  # C[I_X, K_X] is impossible: gather A's rows
+        case = 4 if case == 1 else case
+        collectives.append(f"all-gather A over {ai} along I")
+''')
+LOCAL_SOFTMAX = ("        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)\n",
+                 "        dist.all_reduce(sum_exp, group=group)\n")
+GATHERED_LOGITS = ("        shards = [torch.empty_like(exp) for _ in range(dist.get_world_size(group))]\n"
+                   "        dist.all_gather(shards, exp.contiguous(), group=group)\n"
+                   "        sum_exp = torch.cat(shards, -1).sum(-1)\n")
+
+MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
+    "plan_case_three_gathers_instead": (
+        "04.matmul_collective", [(CASE_THREE, "")],
+        {"case 3: J split over the same axis in both operands (all-reduce, or reduce-scatter along K)",
+         "any shardings over a three-axis mesh"}),
+    "plan_reduce_scatter_ignored": (
+        "04.matmul_collective", [("if reduce_scatter and bk is None:", "if False:")],
+        {"case 3: J split over the same axis in both operands (all-reduce, or reduce-scatter along K)"}),
+    "plan_only_one_operand_gathered": (
+        "04.matmul_collective", [("    if bj is not None:\n", "    elif bj is not None:\n")],
+        {"cases 1 and 2: is the contracting dimension split in one operand, in none?"}),
+    "plan_case_four_forgotten": (
+        "04.matmul_collective", [(CASE_FOUR, "")],
+        {"case 4: I and K split over the same axis", "any shardings over a three-axis mesh"}),
+    "f_backward_without_all_reduce": (  # the issue's mutant: the column layer's input gradient stays partial
+        "04.column_row_linear", [("        grad = grad.clone()\n        dist.all_reduce(grad, group=ctx.group)\n", "")],
+        {"backward: every rank's x.grad equals the single-process one (3 and 4 ranks)"}),
+    "g_forgotten_in_forward": (
+        "04.column_row_linear", [("        dist.all_reduce(x, group=group)\n", "")],
+        {"forward: every rank's y equals the single-process MLP (2 ranks)"}),
+    "g_backward_all_reduces_too": (
+        "04.column_row_linear", [("        return grad, None  # the gradient of y is the same on every rank already\n",
+                                  "        grad = grad.clone()\n        dist.all_reduce(grad)\n"
+                                  "        return grad, None\n")],
+        {"backward: each rank's weight gradients are its slices of the single-process ones"}),
+    "g_as_all_gather_and_sum": (
+        "04.column_row_linear", [("        dist.all_reduce(x, group=group)\n        return x\n",
+                                  "        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]\n"
+                                  "        dist.all_gather(parts, x, group=group)\n"
+                                  "        return torch.stack(parts).sum(0)\n")],
+        {"one all-reduce of b·s·d values forward (g) and one backward (f)"}),
+    "ce_softmax_over_local_shard_only": (  # the issue's mutant: max and sum of exponentials never all-reduced
+        "04.vocab_parallel_ce", [(line, "") for line in LOCAL_SOFTMAX],
+        {"the loss equals the full softmax's cross-entropy (2 and 3 ranks)"}),
+    "ce_target_logit_not_masked": (
+        "04.vocab_parallel_ce", [("shifted.gather(-1, index[..., None])[..., 0] * mine",
+                                  "shifted.gather(-1, index[..., None])[..., 0]")],
+        {"the loss equals the full softmax's cross-entropy (2 and 3 ranks)"}),
+    "ce_one_hot_subtracted_on_every_rank": (
+        "04.vocab_parallel_ce", [("-mine[..., None].to(grad.dtype)", "-torch.ones_like(index[..., None], "
+                                                                      "dtype=grad.dtype)")],
+        {"each rank's logits gradient is its vocabulary slice of the full one (3 and 4 ranks)"}),
+    "ce_max_not_subtracted": (
+        "04.vocab_parallel_ce", [("shifted = logits - global_max[..., None]", "shifted = logits")],
+        {"logits in the hundreds: no overflow (the global max is subtracted first)"}),
+    "ce_logits_gathered": (
+        "04.vocab_parallel_ce", [("        sum_exp = exp.sum(dim=-1)\n        dist.all_reduce(sum_exp, group=group)\n",
+                                  GATHERED_LOGITS)],
+        {"only all-reduces of a few numbers per token: the logits are never gathered"}),
+    "sp_reduce_scatter_on_the_wrong_dimension": (  # the issue's mutant: blocks of the batch, not of the sequence
+        "04.sequence_parallel", [("dist.reduce_scatter_tensor(out, full, group=group)",
+                                  "dist.reduce_scatter_tensor(out, x.contiguous(), group=group)")],
+        {"forward: each rank holds its sequence block of x + MLP(norm(x)) (2 ranks)"}),
+    "sp_gather_backward_keeps_its_slice": (  # the gradient's partial sums are never summed over ranks
+        "04.sequence_parallel", [("        return reduce_scatter_sequence(grad, ctx.group), None\n",
+                                  "        return grad.chunk(dist.get_world_size(ctx.group), 1)"
+                                  "[dist.get_rank(ctx.group)], None\n")],
+        {"backward: input, weight and norm gradients equal one process (3 and 4 ranks)"}),
+    "sp_norm_after_the_all_gather": (
+        "04.sequence_parallel", [("h = GatherSequence.apply(rms_norm(x, norm_weight), group)",
+                                  "h = rms_norm(GatherSequence.apply(x, group), norm_weight)")],
+        {"the norm runs on the rank's own tokens, before the all-gather"}),
+    "sp_exit_with_all_reduce_and_slice": (
+        "04.sequence_parallel", [("        return reduce_scatter_sequence(x, group)\n",
+                                  "        x = x.clone()\n        dist.all_reduce(x, group=group)\n"
+                                  "        return x.chunk(dist.get_world_size(group), 1)[dist.get_rank(group)]\n")],
+        {"one all-gather and one reduce-scatter forward, the same backward, no all-reduce"}),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_fails_its_check(name):
+    exercise_id, replace, must_fail = MUTANTS[name]
+    result = _grade(exercise_id, replace, only=must_fail)
+    failed = {c.name: c.message for c in result.checks if c.status == "failed"}
+    assert must_fail <= set(failed), f"{name}: expected {must_fail} to fail, failed: {failed}"
+    for message in failed.values():  # says what came back and what was due
+        assert "returned" in message and "expected" in message, message
+
+
+def test_every_exercise_has_a_mutant_and_every_check_catches_one():
+    caught = {name for _, _, names in MUTANTS.values() for name in names}
+    for ex in (e for e in checks.load_all().values() if e.chapter == "04"):
+        assert ex.id in {exercise_id for exercise_id, _, _ in MUTANTS.values()}, f"{ex.id}: no mutant"
+        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+
+
+def _lab_tp(shape, d_model, d_ff, vocab, seed, scale):
+    """The MLP of `run_mlp` with `lab.parallel.tp`'s layers, the loss with its vocab-parallel cross-entropy, and
+    the block of `run_sp_block` with `lab.parallel.tp_comms`' sequence operators, on this rank."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lab.parallel.tp import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+    from lab.parallel.tp_comms import copy_to_tp, gather_sequence, scatter_sequence
+
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    t = ch04.mlp_inputs(shape, d_model, d_ff, seed)
+    first, second = nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_ff, d_model, bias=False)
+    first.weight.data, second.weight.data = t["w1"], t["w2"]
+    column, row = ColumnParallelLinear(first, group), RowParallelLinear(second, group, sequence_parallel=False)
+    x = t["x"].requires_grad_()
+    y = row(torch.relu(column(copy_to_tp(x, group))))
+    (y * t["probe"]).sum().backward()
+    out = {"y": y.detach(), "x_grad": x.grad, "w1_grad": column.weight.grad}
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, vocab, generator=g) * scale
+    targets = torch.randint(vocab, shape, generator=g)
+    local = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets, group)
+    loss.backward()
+    out.update(loss=loss.item(), ce_grad=local.grad)
+
+    sp_shape = [shape[0], world * shape[1]]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*sp_shape, d_model, generator=g)
+    norm = 1 + 0.1 * torch.randn(d_model, generator=g)
+    w1 = (torch.randn(d_ff, d_model, generator=g) / d_model**0.5).chunk(world, 0)[rank]
+    w2 = (torch.randn(d_model, d_ff, generator=g) / d_ff**0.5).chunk(world, 1)[rank]
+    x = x.chunk(world, 1)[rank]
+    normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + ch04.EPS) * norm
+    h = torch.relu(gather_sequence(normed, group) @ w1.T)
+    out["sp_out"] = x + scatter_sequence(h @ w2.T, group)
+    return out
+
+
+def test_the_references_agree_with_lab_parallel():
+    """The checks' single-process references are what `lab.parallel.tp`'s layers compute on real ranks."""
+    import torch
+
+    from lab.dist import run
+
+    shape, d_model, d_ff, vocab, seed, world = [2, 3], 5, 6, 9, 11, 3
+    mlp, ce = ch04.mlp_reference(shape, d_model, d_ff, seed), ch04.ce_reference(shape, vocab, seed, 2.0)
+    sp = ch04.sp_reference([shape[0], world * shape[1]], d_model, d_ff, seed, world)
+    for rank, got in enumerate(run(_lab_tp, world, shape, d_model, d_ff, vocab, seed, 2.0)):
+        close = {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(got["y"].double(), mlp["y"], **close)
+        torch.testing.assert_close(got["x_grad"].double(), mlp["x_grad"], **close)
+        torch.testing.assert_close(got["w1_grad"].double(), mlp["w1_grad"].chunk(world, 0)[rank], **close)
+        assert got["loss"] == pytest.approx(ce["loss"], rel=1e-5)
+        torch.testing.assert_close(got["ce_grad"].double(), ce["grad"].chunk(world, -1)[rank], **close)
+        torch.testing.assert_close(got["sp_out"].double(), sp["out"].chunk(world, 1)[rank], **close)
+
+
+def test_the_plans_cover_every_case():
+    import random
+
+    from lab.widgets.sharding import matmul_plan
+
+    rng = random.Random(0)
+    cases = {matmul_plan(tuple(a), tuple(b)).case for a, b in
+             ((ch04._spec(rng, ["X", "Y"]), ch04._spec(rng, ["X", "Y"])) for _ in range(200))
+             if not (a[1] is not None and a[1] == b[1] and (a[0] == a[1] or b[1] == b[0]))}
+    assert cases == {1, 2, 3, 4}

@@ -26,6 +26,7 @@ ATTENTION_KINDS = ("gqa", "mla")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
 RECOMPUTE_MODES = ("none", "selective", "full")
 DP_MODES = ("naive", "overlapped", "bucketed")
+CP_IMPLS = ("ring", "zigzag", "ulysses")  # ring attention on contiguous or zig-zag chunks; Ulysses all-to-all
 
 
 def _require(ok: bool, message: str) -> None:
@@ -138,6 +139,7 @@ class ParallelConfig:
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    cp_impl: str = "zigzag"
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
@@ -164,6 +166,7 @@ class ParallelConfig:
         _require(isinstance(self.bucket_mb, int | float) and self.bucket_mb > 0,
                  f"bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB per gradient bucket)")
         _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _one_of("cp_impl", self.cp_impl, CP_IMPLS)
         _one_of("recompute", self.recompute, RECOMPUTE_MODES)
         _require(not self.sp or self.tp > 1, f"sp=True needs tp > 1 (got tp={self.tp})")
         _require((self.dp * self.cp) % self.ep == 0,
@@ -178,6 +181,10 @@ class ParallelConfig:
                      f"of it (KV heads replicated)")
         _require(model.d_ff % self.tp == 0, f"tp={self.tp} must divide d_ff={model.d_ff}")
         _require(model.vocab_size % self.tp == 0, f"tp={self.tp} must divide vocab_size={model.vocab_size}")
+        if self.cp > 1 and self.cp_impl == "ulysses":
+            _require((model.n_heads // self.tp) % self.cp == 0,
+                     f"cp={self.cp} must divide the heads per tensor-parallel rank, n_heads/tp = "
+                     f"{model.n_heads}/{self.tp} = {model.n_heads // self.tp}, for cp_impl='ulysses'")
         stages = self.pp * self.pp_virtual_stages
         _require(model.n_layers % stages == 0,
                  f"pp*pp_virtual_stages = {self.pp}*{self.pp_virtual_stages} = {stages} "
@@ -234,10 +241,14 @@ class Config:
         self.parallel.check_model(self.model)
         _require(self.train.seq_len <= self.model.max_seq_len,
                  f"seq_len={self.train.seq_len} must be <= max_seq_len={self.model.max_seq_len}")
-        _require(self.train.seq_len % self.parallel.cp == 0,
-                 f"cp={self.parallel.cp} must divide seq_len={self.train.seq_len}")
-        _require(self.parallel.tp == 1 or not self.parallel.sp or self.train.seq_len % self.parallel.tp == 0,
-                 f"tp={self.parallel.tp} must divide seq_len={self.train.seq_len} with sp=True")
+        chunks = 2 * self.parallel.cp if self.parallel.cp_impl == "zigzag" else self.parallel.cp
+        _require(self.train.seq_len % chunks == 0,
+                 f"seq_len={self.train.seq_len} must be divisible by "
+                 + (f"2*cp = {chunks} for cp_impl='zigzag'" if self.parallel.cp_impl == "zigzag" else f"cp={chunks}"))
+        local = self.train.seq_len // self.parallel.cp  # the tokens of a context-parallel rank
+        _require(self.parallel.tp == 1 or not self.parallel.sp or local % self.parallel.tp == 0,
+                 f"tp={self.parallel.tp} must divide seq_len={self.train.seq_len} with sp=True" if self.parallel.cp == 1
+                 else f"tp={self.parallel.tp} must divide seq_len/cp = {local} with sp=True")
         shards = self.parallel.dp * self.parallel.grad_accum
         _require(self.train.global_batch % shards == 0,
                  f"dp*grad_accum = {self.parallel.dp}*{self.parallel.grad_accum} = {shards} "

@@ -68,6 +68,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.recompute_core = False
+        self.core = causal_attention  # softmax(qkᵀ)v; context parallelism swaps in a distributed version
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -76,9 +77,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.recompute_core:  # selective recompute: keep q, k, v; redo softmax(qkᵀ)v in backward
-            out = checkpoint(causal_attention, q, k, v, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
-            out = causal_attention(q, k, v)
+            out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -105,6 +106,7 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.d_model, bias=False)
         self.recompute_core = False
+        self.core = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -119,9 +121,9 @@ class LatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope), dim=-1)
         scale = 1.0 / math.sqrt(self.nope_dim + self.rope_dim)
         if self.recompute_core:
-            out = checkpoint(causal_attention, q, k, v, scale, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, scale, use_reentrant=False)
         else:
-            out = causal_attention(q, k, v, scale)
+            out = self.core(q, k, v, scale)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -25,16 +25,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lab import dist as lab_dist
-from lab.config import DP_MODES, PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
+from lab.config import CP_IMPLS, DP_MODES, PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
 from lab.data import SyntheticTokens, shard_rows
 from lab.dist import Mesh
 from lab.model import build_model, materialize, num_params, set_recompute
+from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
 from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
 from lab.parallel.zero import make_data_parallel
 
 # Parallel features that later chapters implement; until then their flags fail loudly, never silently.
 _NOT_YET = {
-    "cp": ("context parallelism", "05", lambda p: p.cp > 1),
     "pp": ("pipeline parallelism", "06", lambda p: p.pp > 1),
     "ep": ("expert parallelism", "07", lambda p: p.ep > 1),
 }
@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--dp-mode", choices=DP_MODES, help="how plain data parallelism averages gradients "
                                                           "(default bucketed)")
     group.add_argument("--bucket-mb", type=float, help="MiB per gradient bucket for --dp-mode bucketed")
+    group.add_argument("--cp-impl", choices=CP_IMPLS, help="context parallelism: ring attention on contiguous "
+                                                          "or zig-zag chunks, or Ulysses (default zigzag)")
     group.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     group.add_argument("--recompute", choices=RECOMPUTE_MODES)
     return p
@@ -88,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
         ("parallel", "dp", args.dp), ("parallel", "tp", args.tp), ("parallel", "cp", args.cp),
         ("parallel", "pp", args.pp), ("parallel", "ep", args.ep), ("parallel", "grad_accum", args.grad_accum),
         ("parallel", "zero", args.zero), ("parallel", "sp", args.sp), ("parallel", "dp_mode", args.dp_mode),
-        ("parallel", "bucket_mb", args.bucket_mb),
+        ("parallel", "bucket_mb", args.bucket_mb), ("parallel", "cp_impl", args.cp_impl),
         ("parallel", "pp_schedule", args.pp_schedule), ("parallel", "recompute", args.recompute),
     ):
         if value is not None:
@@ -136,14 +138,20 @@ def _lr_factor(step: int, config: Config) -> float:
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
     """The training loop run by every rank (or by the only process). Returns the per-step log."""
     parallel, train = config.parallel, config.train
-    mesh = Mesh(dp=parallel.dp, tp=parallel.tp) if dist.is_initialized() else None
-    rank, dp_rank = (mesh.rank, mesh.dp_rank) if mesh else (0, 0)
-    dp_group, tp_group = (mesh.dp_group, mesh.tp_group) if mesh else (None, None)
+    mesh = Mesh(dp=parallel.dp, cp=parallel.cp, tp=parallel.tp) if dist.is_initialized() else None
+    rank, dp_rank, cp_rank = (mesh.rank, mesh.dp_rank, mesh.cp_rank) if mesh else (0, 0, 0)
+    tp_group = mesh.tp_group if mesh else None
+    # Each CP rank saw other tokens of the same sequences: gradients and the loss are averaged over dp x cp.
+    dp_group = (mesh.dp_cp_group if parallel.cp > 1 else mesh.dp_group) if mesh else None
+    layout = layout_of(parallel.cp_impl)
     device = _device(config)
+    positions = sequence_positions(train.seq_len, cp_rank, parallel.cp, layout).to(device) if parallel.cp > 1 else None
 
     model = materialize(build_model(config.model), device, seed=train.seed)
     if parallel.tp > 1:
         apply_tensor_parallel(model, tp_group, sequence_parallel=parallel.sp)
+    if parallel.cp > 1:
+        apply_context_parallel(model, mesh.cp_group, parallel.cp_impl)
     set_recompute(model, parallel.recompute)
     # Plain DP (naive, overlapped or bucketed) or ZeRO: one object owns gradient averaging, clipping and AdamW.
     engine = make_data_parallel(model, dp_group, train, zero=parallel.zero, dp_mode=parallel.dp_mode,
@@ -161,13 +169,15 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             inputs, targets = (shard_rows(t, dp_rank, parallel.dp) for t in data.next_batch())
+            if parallel.cp > 1:
+                inputs, targets = (shard_sequence(t, cp_rank, parallel.cp, layout) for t in (inputs, targets))
             loss = torch.zeros((), device=device)
             micro_batches = list(zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum),
                                      strict=True))
             for i, (micro_in, micro_tgt) in enumerate(micro_batches):
                 # no gradient communication until the last micro-batch's backward
                 with engine.backward_context(last_micro_batch=i == len(micro_batches) - 1):
-                    logits = model(micro_in.to(device))
+                    logits = model(micro_in.to(device), positions)
                     if parallel.tp > 1:
                         micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt.to(device), tp_group)
                     else:
@@ -177,9 +187,9 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             engine.finish()  # every rank now holds the averaged gradients (ZeRO: of its shard)
             if parallel.tp > 1:
                 sync_tensor_parallel_grads(model, tp_group)
-            if parallel.dp > 1:
+            if parallel.dp * parallel.cp > 1:
                 dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dp_group)
-                loss /= parallel.dp
+                loss /= parallel.dp * parallel.cp
             norm = engine.clip_grad_norm(train.grad_clip)
             lr = scheduler.get_last_lr()[0]
             engine.step()
@@ -230,8 +240,8 @@ def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> 
     p = config.parallel
     floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
     layout = ", ".join([f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "grad_accum")
-                        if getattr(p, k) != 1] + (["sp"] if p.sp else []) + ([f"zero={p.zero}"] if p.zero else [])
-                       ) or "single process"
+                        if getattr(p, k) != 1] + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
+                       + (["sp"] if p.sp else []) + ([f"zero={p.zero}"] if p.zero else [])) or "single process"
     tokens = config.train.global_batch * config.train.seq_len * len(logs)
     return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters) for "
             f"{len(logs)} steps on {nproc} rank(s) [{layout}]: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "

@@ -62,6 +62,10 @@ def test_cli_lowers_the_loss_and_dp2_matches_single_process(tmp_path):
     (["parallel.dp=4", "parallel.zero=2"], 4),
     (["parallel.dp=2", "parallel.zero=3", "parallel.grad_accum=2", "parallel.recompute='full'"], 2),
     (["parallel.dp=4", "parallel.zero=3"], 4),
+    (["parallel.cp=2"], 2),
+    (["parallel.cp=4", "parallel.cp_impl='ring'"], 4),
+    (["parallel.dp=2", "parallel.cp=2", "parallel.cp_impl='ulysses'", "parallel.grad_accum=2"], 4),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.recompute='selective'"], 4),
 ])
 def test_layouts_match_single_process(overrides, nproc):
     base = [log.loss for log in run(load_config("configs/tiny.toml", ["train.steps=6"]), verbose=False)]
@@ -102,6 +106,9 @@ def test_torchrun_joins_the_launched_group(tmp_path):
     (["--zero", "1"], "zero=1 needs dp > 1: it shards over the data-parallel ranks (got dp=1)"),
     (["--zero", "2", "--dp", "2", "--tp", "2"], "zero=2 with tp=2: lab's ZeRO shards a model that is not tensor"),
     (["--bucket-mb", "0"], "bucket_mb=0.0 must be a number > 0"),
+    (["--cp", "3"], "seq_len=32 must be divisible by 2*cp = 6 for cp_impl='zigzag'"),
+    (["--cp", "8", "--cp-impl", "ulysses"], "cp=8 must divide the heads per tensor-parallel rank, n_heads/tp = 4/1"),
+    (["--cp-impl", "stripes"], "argument --cp-impl: invalid choice: 'stripes'"),
     (["--dp-mode", "ring"], "argument --dp-mode: invalid choice: 'ring'"),
     (["--pp-schedule", "gpipe"], "argument --pp-schedule: invalid choice: 'gpipe'"),
 ])

@@ -207,8 +207,6 @@ def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, preci
     if activation_model == "exact":
         require(not cfg.is_moe and cfg.attention == "gqa",
                 f"activation_model='exact' covers dense GQA models; {cfg.name} is not (use 'korthikanti')")
-        require(cp == 1, f"activation_model='exact' models ranks that hold the whole sequence: cp={cp} must be 1 "
-                         "(use 'korthikanti')")
         require(precision == "fp32", f"activation_model='exact' counts lab.model in fp32; precision={precision!r}"
                                      " must be 'fp32'")
 
@@ -223,7 +221,10 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
     logits_micro_batches = parallel.grad_accum if parallel.pp > 1 and parallel.pp_schedule == "afab" else 1
     if activation_model == "exact":
         rope = 4 * s * cfg.head_dim  # cos and sin, (s, head_dim/2) each, shared by all layers
-        layers = layer_multiple * n_layers * _exact_layer(cfg, s, b, recompute, flash, tp, sp) + micro_batches * rope
+        # Context parallelism runs ring attention (lab.parallel.ring_attention), which keeps what a flash
+        # kernel keeps — q, k, v, the output and its log-sum-exp — for this rank's s = seq/cp queries.
+        layer = _exact_layer(cfg, s, b, recompute, flash or cp > 1, tp, sp)
+        layers = layer_multiple * n_layers * layer + micro_batches * rope
         # the int64 token ids the embedding's backward indexes with (TP: and the mask of ids outside its shard)
         embedding = 8 * s * b + (s * b if tp > 1 else 0)
         d, vocab = cfg.d_model, cfg.vocab_size // tp

@@ -1,0 +1,157 @@
+"""Context parallelism: split the sequence across ranks for the whole model, not only around norms.
+
+Norms, the MLP, RoPE and the loss work token by token, so a rank holding T/cp tokens needs nothing from
+the others for them: only attention mixes tokens. Two ways to make attention see the whole sequence:
+
+- **Ring attention** (`lab.parallel.ring_attention`): queries stay, K/V blocks travel around the ring,
+  partial results merged by log-sum-exp. Its layouts:
+  - "contiguous" (impl "ring"): rank r holds chunk r of cp. Under a causal mask rank 0's queries see one
+    block and rank cp-1's see cp: the last rank does ~2x the average work while the others wait.
+  - "zigzag" (impl "zigzag"): the sequence is cut into 2·cp chunks and rank r holds chunks r and
+    2·cp-1-r, an early and a late one, so every rank scores the same number of query-key pairs.
+- **Ulysses** (impl "ulysses"): an all-to-all turns "all heads, T/cp tokens" into "heads/cp, all tokens",
+  each rank runs ordinary attention on its heads, and a second all-to-all turns it back. Needs cp to
+  divide the number of heads; moves 4 tensors of activations per layer instead of K/V around a ring.
+
+Gradients of the (replicated) weights differ per CP rank, since each saw other tokens: they are averaged
+over the dp x cp ranks, like data parallelism (`Mesh.dp_cp_group`).
+
+    apply_context_parallel(model, mesh.cp_group, "zigzag")
+    tokens, targets = (shard_sequence(t, mesh.cp_rank, cp, "zigzag") for t in (tokens, targets))
+    logits = model(tokens, positions=sequence_positions(T, mesh.cp_rank, cp, "zigzag"))
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from lab.collectives.p2p import group_info
+from lab.config import CP_IMPLS
+from lab.model import Transformer, causal_attention
+from lab.parallel.ring_attention import block_kind, block_work, ring_attention
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def layout_of(impl: str) -> str:
+    """The sequence layout an implementation needs: zig-zag for "zigzag", contiguous chunks otherwise
+    (Ulysses's all-to-all reassembles the sequence in rank order)."""
+    if impl not in CP_IMPLS:
+        raise ValueError(f"cp_impl={impl!r} must be one of {', '.join(map(repr, CP_IMPLS))}")
+    return "zigzag" if impl == "zigzag" else "contiguous"
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {', '.join(map(repr, LAYOUTS))}")
+
+
+def num_chunks(cp: int, layout: str) -> int:
+    """How many equal chunks the sequence is cut into: cp (contiguous) or 2·cp (zig-zag)."""
+    _check_layout(layout)
+    return cp if layout == "contiguous" else 2 * cp
+
+
+def chunk_ids(rank: int, cp: int, layout: str) -> list[int]:
+    """The global chunks rank `rank` holds, in the order it lays them out: [r] or [r, 2·cp-1-r]."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} must be in [0, {cp})")
+    return [rank] if num_chunks(cp, layout) == cp else [rank, 2 * cp - 1 - rank]
+
+
+def check_sequence(seq_len: int, cp: int, layout: str) -> None:
+    """One clear error when the sequence cannot be cut into this layout's equal chunks."""
+    n = num_chunks(cp, layout)
+    if seq_len % n:
+        rule = f"2*cp = {n}" if layout == "zigzag" else f"cp = {n}"
+        raise ValueError(f"seq_len={seq_len} must be divisible by {rule} for the {layout} layout")
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, layout: str, dim: int = 1) -> torch.Tensor:
+    """This rank's part of `x` along `dim` (the sequence): its chunks, concatenated."""
+    check_sequence(x.shape[dim], cp, layout)
+    parts = x.chunk(num_chunks(cp, layout), dim=dim)
+    return torch.cat([parts[i] for i in chunk_ids(rank, cp, layout)], dim=dim)
+
+
+def sequence_positions(seq_len: int, rank: int, cp: int, layout: str) -> torch.Tensor:
+    """The global positions of this rank's tokens (what RoPE must rotate by)."""
+    return shard_sequence(torch.arange(seq_len), rank, cp, layout, dim=0)
+
+
+def unshard_sequence(parts: list[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_sequence`: the full tensor from every rank's part (in rank order)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * num_chunks(cp, layout)
+    for rank, part in enumerate(parts):
+        ids = chunk_ids(rank, cp, layout)
+        for i, piece in zip(ids, part.chunk(len(ids), dim=dim), strict=True):
+            chunks[i] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+def attention_work(seq_len: int, cp: int, layout: str, causal: bool = True) -> list[int]:
+    """Query-key pairs each rank scores in ring attention (the schedule's work, without running it)."""
+    check_sequence(seq_len, cp, layout)
+    chunk = seq_len // num_chunks(cp, layout)
+    every = [c for r in range(cp) for c in chunk_ids(r, cp, layout)]
+    return [sum(block_work(block_kind(q, k, causal), chunk, chunk) for q in chunk_ids(r, cp, layout) for k in every)
+            for r in range(cp)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split dim `scatter` into world pieces, send piece j to rank j, concatenate what arrives along
+    dim `gather`. Its gradient is the same exchange the other way round."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.scatter, ctx.gather, ctx.group = scatter, gather, group
+        world = dist.get_world_size(group)
+        send = torch.stack(x.chunk(world, dim=scatter)).contiguous()  # piece j for rank j
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        return torch.cat(received.unbind(0), dim=gather)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.gather, ctx.scatter, ctx.group), None, None, None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention for q, k, v (B, heads, T/cp, D) holding contiguous chunks of the sequence: all-to-all
+    to (B, heads/cp, T, D), ordinary attention, all-to-all back."""
+    _, cp, _ = group_info(group)
+    n_heads = q.shape[1]
+    if n_heads % cp:
+        raise ValueError(f"ulysses needs cp={cp} to divide the attention heads on this rank ({n_heads})")
+    if k.shape[1] % cp:  # too few KV heads to split: give every query head its own copy first
+        k, v = (x.repeat_interleave(n_heads // x.shape[1], dim=1) for x in (k, v))
+    q, k, v = (_AllToAll.apply(x, 1, 2, group) for x in (q, k, v))
+    return _AllToAll.apply(causal_attention(q, k, v, scale), 2, 1, group)
+
+
+def _ring_core(q, k, v, scale=None, *, group, chunks):
+    return ring_attention(q, k, v, group, chunks, causal=True, scale=scale)
+
+
+def _ulysses_core(q, k, v, scale=None, *, group):
+    return ulysses_attention(q, k, v, group, scale)
+
+
+def apply_context_parallel(model: Transformer, group: dist.ProcessGroup | None, impl: str = "zigzag") -> Transformer:
+    """Replace every attention core of `model` by its context-parallel version (in place). The caller feeds
+    each rank its `shard_sequence` of the tokens and the matching `sequence_positions`."""
+    layout = layout_of(impl)
+    _, cp, _ = group_info(group)
+    if impl == "ulysses":
+        core = partial(_ulysses_core, group=group)
+    else:
+        chunks = [chunk_ids(r, cp, layout) for r in range(cp)]
+        core = partial(_ring_core, group=group, chunks=chunks)
+    for block in model.layers.values():
+        block.attn.core = core
+    return model

@@ -50,7 +50,8 @@ def html_report(results: Sequence[ExerciseResult], title: str, *, hidden_details
                     f'<th style="{_TIGHT};color:{color}">{_ICON[result.status]} {e(result.status)}</th>'
                     f'<th style="{_CELL};font-weight:normal" colspan="2">{e(result.reason)}</th></tr>')
         for check in result.checks:
-            hint = e(check.hint) if check.status != "passed" else ""
+            withheld = check.hidden and not hidden_details  # a hidden check's hint would give its test away
+            hint = e(check.hint) if check.status != "passed" and not withheld else ""
             message, status = e(_message(check, hidden_details)), f"{_ICON[check.status]} {e(check.status)}"
             name = e(check.name) + (" <i>(hidden)</i>" if check.hidden else "")
             rows.append(f'<tr><td style="{_CELL};padding-left:20px">{name}</td>'

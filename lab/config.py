@@ -278,7 +278,7 @@ def _replace_checked(obj: Any, values: dict, section: str) -> Any:
     valid = {f.name for f in fields(obj)}
     clean = {}
     for key, value in values.items():
-        _require(key in valid, f"unknown field {section}.{key}; valid fields: {', '.join(valid)}")
+        _require(key in valid, f"unknown field {section}.{key}; valid fields: {', '.join(sorted(valid))}")
         expected = type(getattr(obj, key))
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):

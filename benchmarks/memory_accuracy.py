@@ -13,6 +13,7 @@ tests/test_measure.py holds the bound |exact - measured| <= 2% on the same grid.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from lab.measure import accuracy_rows  # noqa: E402
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
     torch.set_num_threads(min(2, torch.get_num_threads()))
     start = time.perf_counter()
     rows = accuracy_rows()

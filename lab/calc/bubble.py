@@ -1,0 +1,158 @@
+"""The pipeline bubble, simulated and in closed form.
+
+`simulate` plays a `Schedule` (lab.calc.schedules) as a discrete-event simulation: every rank runs its ops
+in order, each op as soon as the rank is free and its input exists — a forward needs the previous virtual
+stage's forward of the same micro-batch, a backward the next stage's backward (the last stage: its own
+forward), a W its own B — plus `p2p` seconds whenever that input comes from another rank. The time model:
+
+    t_f  forward of one micro-batch through one stage (a rank's layers when not interleaved)
+    t_b  its whole backward (input and weight gradients); usually about 2·t_f
+    t_w  the weight-gradient part of t_b: split schedules run B in t_b - t_w and W in t_w
+
+With v chunks per rank each chunk op takes 1/v of these. Two ways to state the bubble, both reported:
+`bubble_ratio` = idle / useful time per rank (the playbook's r_bubble: (p-1)/(v·m) for AFAB, 1F1B and
+interleaved 1F1B) and `idle_fraction` = idle / makespan ((p-1)/(m+p-1) for AFAB and 1F1B). Idle time counts
+from the step's start to the makespan on every rank. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lab.calc.schedules import B, F, Op, Schedule, W, make_schedule
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    op: Op
+    start: float
+    end: float
+
+
+@dataclass
+class Simulation:
+    schedule: Schedule
+    spans: list[Span]
+    makespan: float
+    busy: list[float]  # per rank
+    peak_activations: list[float]  # per rank: micro-batches' worth of a whole stage held at once
+    p2p_messages: int
+    durations: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> list[float]:
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle over useful time on the busiest rank's pipeline (all ranks do the same work)."""
+        return max(self.idle) / max(self.busy)
+
+    @property
+    def idle_fraction(self) -> float:
+        return sum(self.idle) / (self.makespan * len(self.busy))
+
+    def as_dict(self) -> dict:
+        return {"schedule": self.schedule.name, "pp": self.schedule.pp, "microbatches": self.schedule.microbatches,
+                "chunks": self.schedule.chunks, "bubble_ratio": self.bubble_ratio,
+                "idle_fraction": self.idle_fraction, "makespan": self.makespan, "idle": self.idle,
+                "peak_activations": self.peak_activations, "p2p_messages": self.p2p_messages}
+
+
+def op_durations(tf: float, tb: float, tw: float, chunks: int = 1) -> dict[str, float]:
+    """Seconds of one op of one chunk, F / B / W, for a schedule without W ops ("B" is the whole backward)
+    and for one with them ("Bsplit" = t_b - t_w)."""
+    for name, value in (("tf", tf), ("tb", tb), ("tw", tw)):
+        if not value >= 0:
+            raise ValueError(f"{name}={value!r} must be >= 0")
+    if tw > tb:
+        raise ValueError(f"tw={tw} must be <= tb={tb}: the weight gradients are part of the backward")
+    return {F: tf / chunks, B: tb / chunks, "Bsplit": (tb - tw) / chunks, W: tw / chunks}
+
+
+def _dependency(schedule: Schedule, rank: int, op: Op) -> tuple[Op, int] | None:
+    """(the op this one waits for, the rank running it), or None when it waits for nothing but its rank."""
+    stage, last = schedule.virtual_stage(rank, op.chunk), schedule.virtual_stages - 1
+    if op.kind == F:
+        if stage == 0:
+            return None
+        prev_rank, prev_chunk = schedule.rank_of(stage - 1)
+        return Op(F, op.microbatch, prev_chunk), prev_rank
+    if op.kind == B:
+        if stage == last:
+            return Op(F, op.microbatch, op.chunk), rank
+        next_rank, next_chunk = schedule.rank_of(stage + 1)
+        return Op(B, op.microbatch, next_chunk), next_rank
+    return Op(B, op.microbatch, op.chunk), rank
+
+
+def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1.0, p2p: float = 0.0) -> Simulation:
+    """Play `schedule` with these op costs; raises ValueError if the schedule deadlocks."""
+    if not p2p >= 0:
+        raise ValueError(f"p2p={p2p!r} must be >= 0")
+    costs = op_durations(tf, tb, tw, schedule.chunks)
+    backward = costs["Bsplit"] if schedule.split_backward else costs[B]
+    duration = {F: costs[F], B: backward, W: costs[W]}
+    p = schedule.pp
+    finished: dict[tuple[int, Op], float] = {}
+    free, position = [0.0] * p, [0] * p
+    spans: list[Span] = []
+    messages = 0
+    while any(position[r] < len(schedule.ops[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while position[r] < len(schedule.ops[r]):
+                op = schedule.ops[r][position[r]]
+                dep = _dependency(schedule, r, op)
+                ready = 0.0
+                if dep is not None:
+                    dep_op, dep_rank = dep
+                    if (dep_rank, dep_op) not in finished:
+                        break
+                    ready = finished[(dep_rank, dep_op)] + (p2p if dep_rank != r else 0.0)
+                    messages += dep_rank != r
+                start = max(free[r], ready)
+                end = start + duration[op.kind]
+                finished[(r, op)] = free[r] = end
+                spans.append(Span(r, op, start, end))
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(schedule.ops[r][position[r]]) for r in range(p) if position[r] < len(schedule.ops[r])}
+            raise ValueError(f"schedule {schedule.name!r} deadlocks: ranks wait forever at {stuck}")
+    makespan = max(free)
+    busy = [sum(s.end - s.start for s in spans if s.rank == r) for r in range(p)]
+    return Simulation(schedule, spans, makespan, busy, _peak_activations(schedule, spans), messages, duration)
+
+
+def _peak_activations(schedule: Schedule, spans: list[Span]) -> list[float]:
+    """Most activations a rank holds at once, in micro-batches of a whole stage (a chunk holds 1/v): a
+    forward stores them when it starts, the (input-gradient) backward frees them when it ends."""
+    peaks = []
+    for r in range(schedule.pp):
+        events = sorted((s.end if s.op.kind == B else s.start, s.op.kind != B) for s in spans
+                        if s.rank == r and s.op.kind in (F, B))  # at equal times, frees come first
+        held = peak = 0.0
+        for _, is_forward in events:
+            held += (1 if is_forward else -1) / schedule.chunks
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def bubble_ratio(pp: int, microbatches: int, chunks: int = 1) -> float:
+    """The playbook's closed form, idle / useful: (p - 1) / (v·m), for AFAB, 1F1B and interleaved 1F1B."""
+    return (pp - 1) / (chunks * microbatches)
+
+
+def zb_h1_bubble(pp: int, tf: float, tb: float, tw: float) -> float:
+    """Idle time per rank of ZB-H1: (p - 1)(t_f + t_b - 2·t_w), against 1F1B's (p - 1)(t_f + t_b). Exact in the
+    paper's regime, m >= p and t_w <= t_f (each waiting W fits the gap it fills); `simulate` gives the rest."""
+    return (pp - 1) * (tf + tb - 2 * tw)
+
+
+def explore(schedule: str, pp: int, microbatches: int, chunks: int = 1, tf: float = 1.0, tb: float = 2.0,
+            tw: float = 1.0, p2p: float = 0.0) -> Simulation:
+    """Build a schedule by name and simulate it: what the CLI and the pipeline explorer widget call."""
+    return simulate(make_schedule(schedule, pp, microbatches, chunks), tf, tb, tw, p2p)

@@ -1,0 +1,115 @@
+"""Pipeline schedules and the bubble: the simulator against the closed forms the playbook and the papers give."""
+
+import itertools
+
+import pytest
+
+from lab.calc.bubble import bubble_ratio, explore, simulate, zb_h1_bubble
+from lab.calc.schedules import B, F, Op, W, afab, interleaved, make_schedule, one_f_one_b, zb_h1
+
+
+def test_one_f_one_b_order_reads_like_the_diagram():
+    """Rank r: p - r - 1 warm-up forwards, then F/B in turn, then the cool-down backwards."""
+    table = one_f_one_b(4, 6).table().splitlines()
+    assert table[0] == "rank 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
+    assert table[3] == "rank 3: F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+    assert afab(2, 3).table().splitlines()[1] == "rank 1: F0 F1 F2 B0 B1 B2"
+
+
+@pytest.mark.parametrize("p, m, v", [(p, m, v) for p, m, v in itertools.product((2, 4, 8), (1, 3, 8, 32), (1, 2, 4))
+                                     if v == 1 or m % p == 0])
+def test_every_op_once_and_the_simulator_never_deadlocks(p, m, v):
+    for name in ("afab", "1f1b", "zb-h1") if v == 1 else ("interleaved",):
+        schedule = make_schedule(name, p, m, v)
+        kinds = (F, B, W) if name == "zb-h1" else (F, B)
+        for ops in schedule.ops:
+            assert sorted(ops) == sorted(Op(k, i, c) for k in kinds for i in range(m) for c in range(v))
+        simulate(schedule)
+
+
+@pytest.mark.parametrize("p, m, v", [(4, 8, 1), (8, 8, 1), (8, 32, 1), (8, 32, 4), (8, 16, 8), (4, 4, 2), (2, 6, 3),
+                                     (4, 12, 2)])
+def test_bubble_ratio_equals_the_closed_form(p, m, v):
+    """Playbook §2.6: r_bubble = (p-1)/(v·m) with t_b = 2·t_f — its 'Bubble size for PP=8' figure (0.875 at m=8,
+    0.21875 at m=32, 0.0547 at m=32 v=4) — and idle/total = (p-1)/(m+p-1) without interleaving."""
+    names = ("afab", "1f1b") if v == 1 else ("interleaved",)
+    for name in names:
+        sim = explore(name, p, m, v, tf=1, tb=2)
+        assert sim.bubble_ratio == pytest.approx(bubble_ratio(p, m, v))
+        if v == 1:
+            assert sim.idle_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble_ratio(8, 32, 4) == pytest.approx(0.0547, abs=1e-4)
+
+
+def test_afab_step_time_exercise():
+    """Playbook exercise: t_f = 1, t_b = 2, p = 4, m = 8 gives (m + p - 1)(t_f + t_b) = 33."""
+    assert explore("afab", 4, 8, tf=1, tb=2).makespan == 33
+    assert explore("1f1b", 4, 8, tf=1, tb=2).makespan == 33
+
+
+def test_in_flight_activations_afab_m_and_one_f_one_b_p_minus_r():
+    assert explore("afab", 4, 8).peak_activations == [8, 8, 8, 8]
+    assert explore("1f1b", 4, 8).peak_activations == [4, 3, 2, 1]
+    assert explore("1f1b", 4, 2).peak_activations == [2, 2, 2, 1]
+    assert explore("zb-h1", 4, 8).peak_activations == [4, 3, 2, 1]
+    # Megatron's interleaved warm-up: (p - r - 1)·2 + (v - 1)·p + 1 chunks of 1/v stage each
+    assert explore("interleaved", 4, 8, 2).peak_activations == [5.5, 4.5, 3.5, 2.5]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8), (8, 16), (3, 7)])
+@pytest.mark.parametrize("tf, tb, tw", [(1, 2, 1), (1, 2, 0.5), (2, 3, 1), (1.5, 3, 1.5)])
+def test_zb_h1_bubble_is_the_papers(p, m, tf, tb, tw):
+    """Qi et al. 2023: ZB-H1 idles (p-1)(t_f + t_b - 2·t_w) — a third of 1F1B's (p-1)(t_f + t_b) when
+    t_f = t_b - t_w = t_w — in their regime m >= p, t_w <= t_f."""
+    zb, base = explore("zb-h1", p, m, tf=tf, tb=tb, tw=tw), explore("1f1b", p, m, tf=tf, tb=tb, tw=tw)
+    assert zb.idle == pytest.approx([zb_h1_bubble(p, tf, tb, tw)] * p)
+    assert base.idle == pytest.approx([(p - 1) * (tf + tb)] * p)
+    if (tf, tb, tw) == (1, 2, 1):
+        assert max(zb.idle) == pytest.approx(max(base.idle) / 3)
+
+
+def test_zb_h1_never_holds_more_than_p_micro_batches():
+    """Rank r: at most p - r forwards awaiting B plus at most r W's waiting: 1F1B's first-stage peak."""
+    for p, m in [(4, 8), (8, 16), (3, 3)]:
+        for ops in zb_h1(p, m).ops:
+            held = peak = 0
+            for op in ops:
+                held += {F: 1, B: 0, W: -1}[op.kind]
+                peak = max(peak, held)
+            assert peak <= p
+            assert all(ops.index(Op(W, i)) > ops.index(Op(B, i)) for i in range(m))
+
+
+def test_p2p_latency_adds_to_the_critical_path():
+    """AFAB: every forward and backward pipelines behind the first, so the latency of the p-1 hops down and
+    the p-1 hops back is paid once: (m + p - 1)(t_f + t_b) + 2(p - 1)·latency. 1F1B alternates and pays more."""
+    base, slow = explore("afab", 4, 8), explore("afab", 4, 8, p2p=0.5)
+    assert slow.makespan == pytest.approx(base.makespan + 2 * 3 * 0.5)
+    assert explore("1f1b", 4, 8, p2p=0.5).makespan > slow.makespan
+    assert slow.p2p_messages == 2 * 3 * 8
+    assert explore("interleaved", 4, 8, 2).p2p_messages == 2 * (4 * 2 - 1) * 8  # v times the messages
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: make_schedule("gpipe", 4, 8), "schedule='gpipe' must be one of 'afab', '1f1b', 'interleaved', 'zb-h1'"),
+    (lambda: make_schedule("interleaved", 4, 6, 2), "microbatches=6 must be a multiple of pp=4"),
+    (lambda: make_schedule("interleaved", 4, 8, 1), "chunks=1 must be >= 2 for the interleaved schedule"),
+    (lambda: make_schedule("1f1b", 4, 8, 2), "chunks=2: only the interleaved schedule runs several chunks"),
+    (lambda: make_schedule("1f1b", 0, 8), "pp=0 must be an integer >= 1"),
+    (lambda: explore("1f1b", 4, 8, tf=-1), "tf=-1 must be >= 0"),
+    (lambda: explore("zb-h1", 4, 8, tb=1, tw=2), "tw=2 must be <= tb=1"),
+    (lambda: explore("1f1b", 4, 8, p2p=-0.1), "p2p=-0.1 must be >= 0"),
+])
+def test_bad_input_is_one_clear_line(call, message):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_deadlocking_schedule_is_reported():
+    from lab.calc.schedules import Schedule
+
+    backwards_first = Schedule("broken", 2, 1, 1, ((Op(B, 0), Op(F, 0)), (Op(F, 0), Op(B, 0))))
+    with pytest.raises(ValueError, match="deadlocks: ranks wait forever at"):
+        simulate(backwards_first)
+    assert interleaved(2, 2, 2).virtual_stages == 4

@@ -23,7 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 import tomli_w
 
 ATTENTION_KINDS = ("gqa", "mla")
-PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zero_bubble")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")  # lab.calc.schedules builds them
 RECOMPUTE_MODES = ("none", "selective", "full")
 DP_MODES = ("naive", "overlapped", "bucketed")
 CP_IMPLS = ("ring", "zigzag", "ulysses")  # ring attention on contiguous or zig-zag chunks; Ulysses all-to-all
@@ -249,6 +249,16 @@ class Config:
         _require(self.parallel.tp == 1 or not self.parallel.sp or local % self.parallel.tp == 0,
                  f"tp={self.parallel.tp} must divide seq_len={self.train.seq_len} with sp=True" if self.parallel.cp == 1
                  else f"tp={self.parallel.tp} must divide seq_len/cp = {local} with sp=True")
+        p = self.parallel
+        if p.pp > 1:  # the pipeline's micro-batches are the gradient-accumulation micro-batches
+            if p.pp_schedule == "interleaved":
+                _require(p.pp_virtual_stages >= 2, f"pp_virtual_stages={p.pp_virtual_stages} must be >= 2 for "
+                                                   f"pp_schedule='interleaved' (1 is plain 1f1b)")
+                _require(p.grad_accum % p.pp == 0, f"grad_accum={p.grad_accum} (the micro-batches) must be a "
+                                                   f"multiple of pp={p.pp} for pp_schedule='interleaved'")
+            else:
+                _require(p.pp_virtual_stages == 1, f"pp_virtual_stages={p.pp_virtual_stages}: only "
+                                                   f"pp_schedule='interleaved' runs several chunks per rank")
         shards = self.parallel.dp * self.parallel.grad_accum
         _require(self.train.global_batch % shards == 0,
                  f"dp*grad_accum = {self.parallel.dp}*{self.parallel.grad_accum} = {shards} "

@@ -23,19 +23,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from lab import dist as lab_dist
+from lab.calc.schedules import make_schedule
 from lab.config import CP_IMPLS, DP_MODES, PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
 from lab.data import SyntheticTokens, shard_rows
 from lab.dist import Mesh
 from lab.model import build_model, materialize, num_params, set_recompute
 from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
+from lab.parallel.dp import NaiveDP
+from lab.parallel.pp import Pipeline, build_chunk
 from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
 from lab.parallel.zero import make_data_parallel
 
 # Parallel features that later chapters implement; until then their flags fail loudly, never silently.
 _NOT_YET = {
-    "pp": ("pipeline parallelism", "06", lambda p: p.pp > 1),
     "ep": ("expert parallelism", "07", lambda p: p.ep > 1),
 }
 
@@ -77,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--bucket-mb", type=float, help="MiB per gradient bucket for --dp-mode bucketed")
     group.add_argument("--cp-impl", choices=CP_IMPLS, help="context parallelism: ring attention on contiguous "
                                                           "or zig-zag chunks, or Ulysses (default zigzag)")
-    group.add_argument("--pp-schedule", choices=PP_SCHEDULES)
+    group.add_argument("--pp-schedule", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b); the "
+                                                                   "micro-batches are --grad-accum's")
+    group.add_argument("--pp-chunks", type=int, help="layer chunks per pipeline rank (interleaved schedule)")
     group.add_argument("--recompute", choices=RECOMPUTE_MODES)
     return p
 
@@ -91,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
         ("parallel", "pp", args.pp), ("parallel", "ep", args.ep), ("parallel", "grad_accum", args.grad_accum),
         ("parallel", "zero", args.zero), ("parallel", "sp", args.sp), ("parallel", "dp_mode", args.dp_mode),
         ("parallel", "bucket_mb", args.bucket_mb), ("parallel", "cp_impl", args.cp_impl),
-        ("parallel", "pp_schedule", args.pp_schedule), ("parallel", "recompute", args.recompute),
+        ("parallel", "pp_schedule", args.pp_schedule), ("parallel", "pp_virtual_stages", args.pp_chunks),
+        ("parallel", "recompute", args.recompute),
     ):
         if value is not None:
             overrides.append(f"{section}.{name}={json.dumps(value)}")
@@ -112,6 +118,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     if p.zero and p.tp > 1:
         raise ValueError(f"zero={p.zero} with tp={p.tp}: lab's ZeRO shards a model that is not tensor parallel; "
                          f"use zero=0 with tp > 1")
+    if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.zero):
+        raise ValueError(f"pp={p.pp} with tp={p.tp}, cp={p.cp}, zero={p.zero}: lab.train combines pipeline "
+                         f"parallelism with data parallelism only, for now; use --tp 1 --cp 1 --zero 0 with --pp")
     for flag, (what, chapter, used) in _NOT_YET.items():
         if used(p):
             raise ValueError(f"--{flag}={getattr(p, flag)}: {what} is not implemented yet "
@@ -135,10 +144,30 @@ def _lr_factor(step: int, config: Config) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
+def _build_model(config: Config, mesh: Mesh | None, device: torch.device) -> tuple[nn.Module, Pipeline | None]:
+    """The model with the parallelisms applied (TorchTitan's order: pipeline split, TP, CP, recompute), and
+    the pipeline driving it when pp > 1 (then the model is this rank's chunks)."""
+    parallel, seed = config.parallel, config.train.seed
+    if parallel.pp > 1:
+        schedule = make_schedule(parallel.pp_schedule, parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages)
+        chunks = [build_chunk(config.model, schedule.virtual_stage(mesh.pp_rank, c), schedule.virtual_stages, device,
+                              seed) for c in range(schedule.chunks)]
+        for chunk in chunks:
+            set_recompute(chunk, parallel.recompute)
+        return nn.ModuleList(chunks), Pipeline(chunks, schedule, mesh.pp_group)
+    model = materialize(build_model(config.model), device, seed=seed)
+    if parallel.tp > 1:
+        apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=parallel.sp)
+    if parallel.cp > 1:
+        apply_context_parallel(model, mesh.cp_group, parallel.cp_impl)
+    set_recompute(model, parallel.recompute)
+    return model, None
+
+
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
     """The training loop run by every rank (or by the only process). Returns the per-step log."""
     parallel, train = config.parallel, config.train
-    mesh = Mesh(dp=parallel.dp, cp=parallel.cp, tp=parallel.tp) if dist.is_initialized() else None
+    mesh = Mesh(dp=parallel.dp, pp=parallel.pp, cp=parallel.cp, tp=parallel.tp) if dist.is_initialized() else None
     rank, dp_rank, cp_rank = (mesh.rank, mesh.dp_rank, mesh.cp_rank) if mesh else (0, 0, 0)
     tp_group = mesh.tp_group if mesh else None
     # Each CP rank saw other tokens of the same sequences: gradients and the loss are averaged over dp x cp.
@@ -147,15 +176,14 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     device = _device(config)
     positions = sequence_positions(train.seq_len, cp_rank, parallel.cp, layout).to(device) if parallel.cp > 1 else None
 
-    model = materialize(build_model(config.model), device, seed=train.seed)
-    if parallel.tp > 1:
-        apply_tensor_parallel(model, tp_group, sequence_parallel=parallel.sp)
-    if parallel.cp > 1:
-        apply_context_parallel(model, mesh.cp_group, parallel.cp_impl)
-    set_recompute(model, parallel.recompute)
+    model, pipeline = _build_model(config, mesh, device)
     # Plain DP (naive, overlapped or bucketed) or ZeRO: one object owns gradient averaging, clipping and AdamW.
-    engine = make_data_parallel(model, dp_group, train, zero=parallel.zero, dp_mode=parallel.dp_mode,
-                                bucket_mb=parallel.bucket_mb, tp_group=tp_group if parallel.tp > 1 else None)
+    # A pipeline's backwards are spread over its schedule: it averages over dp once the schedule is done.
+    if pipeline is not None:
+        engine = NaiveDP(model, dp_group, train.lr, train.weight_decay, pp_group=mesh.pp_group)
+    else:
+        engine = make_data_parallel(model, dp_group, train, zero=parallel.zero, dp_mode=parallel.dp_mode,
+                                    bucket_mb=parallel.bucket_mb, tp_group=tp_group if parallel.tp > 1 else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: _lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
                            train.data_branching)
@@ -168,22 +196,15 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            inputs, targets = (shard_rows(t, dp_rank, parallel.dp) for t in data.next_batch())
+            inputs, targets = (shard_rows(t, dp_rank, parallel.dp).to(device) for t in data.next_batch())
             if parallel.cp > 1:
                 inputs, targets = (shard_sequence(t, cp_rank, parallel.cp, layout) for t in (inputs, targets))
-            loss = torch.zeros((), device=device)
-            micro_batches = list(zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum),
-                                     strict=True))
-            for i, (micro_in, micro_tgt) in enumerate(micro_batches):
-                # no gradient communication until the last micro-batch's backward
-                with engine.backward_context(last_micro_batch=i == len(micro_batches) - 1):
-                    logits = model(micro_in.to(device), positions)
-                    if parallel.tp > 1:
-                        micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt.to(device), tp_group)
-                    else:
-                        micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.to(device).flatten())
-                    (micro_loss / parallel.grad_accum).backward()
-                loss += micro_loss.detach() / parallel.grad_accum
+            if pipeline is not None:
+                loss = pipeline.step(inputs, targets)
+                loss = torch.zeros((), device=device) if loss is None else loss
+                dist.all_reduce(loss, group=mesh.pp_group)  # the last stage's loss, to every stage
+            else:
+                loss = _accumulate_gradients(model, engine, inputs, targets, positions, parallel, tp_group)
             engine.finish()  # every rank now holds the averaged gradients (ZeRO: of its shard)
             if parallel.tp > 1:
                 sync_tensor_parallel_grads(model, tp_group)
@@ -208,6 +229,24 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         if log_file:
             log_file.close()
     return logs
+
+
+def _accumulate_gradients(model: nn.Module, engine, inputs: torch.Tensor, targets: torch.Tensor,
+                          positions: torch.Tensor | None, parallel, tp_group) -> torch.Tensor:
+    """Forward and backward of every micro-batch in turn (gradient accumulation); returns the mean loss."""
+    loss = torch.zeros((), device=inputs.device)
+    micro_batches = list(zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum), strict=True))
+    for i, (micro_in, micro_tgt) in enumerate(micro_batches):
+        # no gradient communication until the last micro-batch's backward
+        with engine.backward_context(last_micro_batch=i == len(micro_batches) - 1):
+            logits = model(micro_in, positions)
+            if parallel.tp > 1:
+                micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt, tp_group)
+            else:
+                micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.flatten())
+            (micro_loss / parallel.grad_accum).backward()
+        loss += micro_loss.detach() / parallel.grad_accum
+    return loss
 
 
 def _progress(total: int, enabled: bool):
@@ -241,6 +280,8 @@ def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> 
     floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
     layout = ", ".join([f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "grad_accum")
                         if getattr(p, k) != 1] + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
+                       + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])
+                       + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])
                        + (["sp"] if p.sp else []) + ([f"zero={p.zero}"] if p.zero else [])) or "single process"
     tokens = config.train.global_batch * config.train.seq_len * len(logs)
     return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters) for "

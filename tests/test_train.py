@@ -66,6 +66,12 @@ def test_cli_lowers_the_loss_and_dp2_matches_single_process(tmp_path):
     (["parallel.cp=4", "parallel.cp_impl='ring'"], 4),
     (["parallel.dp=2", "parallel.cp=2", "parallel.cp_impl='ulysses'", "parallel.grad_accum=2"], 4),
     (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.recompute='selective'"], 4),
+    (["parallel.pp=2", "parallel.grad_accum=4"], 2),
+    (["parallel.pp=4", "parallel.grad_accum=2", "parallel.pp_schedule='afab'"], 4),
+    (["parallel.pp=2", "parallel.grad_accum=4", "parallel.pp_schedule='interleaved'", "parallel.pp_virtual_stages=2",
+      "parallel.recompute='full'"], 2),
+    (["parallel.pp=4", "parallel.grad_accum=4", "parallel.pp_schedule='zb-h1'"], 4),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.grad_accum=2", "parallel.pp_schedule='zb-h1'"], 4),
 ])
 def test_layouts_match_single_process(overrides, nproc):
     base = [log.loss for log in run(load_config("configs/tiny.toml", ["train.steps=6"]), verbose=False)]
@@ -101,7 +107,14 @@ def test_torchrun_joins_the_launched_group(tmp_path):
     (["--nproc", "3", "--dp", "2"], "--nproc=3 must equal dp*tp*cp*pp = 2*1*1*1 = 2"),
     (["--set", "model.preset='gpt-17'"], "unknown model preset 'gpt-17'"),
     (["--config", "configs/nope.toml"], "config file 'configs/nope.toml' does not exist"),
-    (["--pp", "2", "--nproc", "2"], "--pp=2: pipeline parallelism is not implemented yet (chapter 06)"),
+    (["--config", "configs/tiny-moe.toml", "--ep", "2", "--dp", "2"],
+     "--ep=2: expert parallelism is not implemented yet (chapter 07)"),
+    (["--pp", "3", "--nproc", "3"], "pp*pp_virtual_stages = 3*1 = 3 must divide n_layers=8"),
+    (["--pp", "4", "--grad-accum", "2", "--pp-schedule", "interleaved", "--pp-chunks", "2"],
+     "grad_accum=2 (the micro-batches) must be a multiple of pp=4 for pp_schedule='interleaved'"),
+    (["--pp", "2", "--pp-schedule", "interleaved"], "pp_virtual_stages=1 must be >= 2 for pp_schedule='interleaved'"),
+    (["--pp", "2", "--pp-chunks", "2"], "pp_virtual_stages=2: only pp_schedule='interleaved' runs several chunks"),
+    (["--pp", "2", "--tp", "2"], "pp=2 with tp=2, cp=1, zero=0: lab.train combines pipeline parallelism with data"),
     (["--sp"], "sp=True needs tp > 1 (got tp=1)"),
     (["--zero", "1"], "zero=1 needs dp > 1: it shards over the data-parallel ranks (got dp=1)"),
     (["--zero", "2", "--dp", "2", "--tp", "2"], "zero=2 with tp=2: lab's ZeRO shards a model that is not tensor"),

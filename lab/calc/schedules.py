@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lab.config import PP_SCHEDULES as SCHEDULES
+
 F, B, W = "F", "B", "W"
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True, order=True)

@@ -102,13 +102,14 @@ class NaiveDP(DataParallel):
 
     Also the base of the other two variants: an AdamW over the full (replicated) parameters, and gradient
     clipping without data-parallel communication, since after `finish()` every rank holds the full average.
-    `tp_group` only matters for a model that is also tensor parallel: the norm then sums TP shards over it.
+    `tp_group` only matters for a model that is also tensor parallel: the norm then sums TP shards over it;
+    `pp_group` for a pipeline stage's layers: the norm adds up the stages' over it.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(model, group)
-        self.tp_group = tp_group
+        self.tp_group, self.pp_group = tp_group, pp_group
         self.optimizer = adamw([p for p in self.params if p.dim() >= 2], [p for p in self.params if p.dim() < 2],
                                lr, weight_decay)
 
@@ -119,7 +120,7 @@ class NaiveDP(DataParallel):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so that their global norm is at most `max_norm` (0: no clipping); return the norm."""
-        norm = grad_norm(self.model, self.tp_group)
+        norm = grad_norm(self.model, self.tp_group, self.pp_group)
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s arithmetic
             for param in self.params:

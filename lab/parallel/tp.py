@@ -210,8 +210,10 @@ def sync_tensor_parallel_grads(model: nn.Module, group: dist.ProcessGroup) -> No
                 dist.all_reduce(param.grad, group=group)
 
 
-def grad_norm(model: nn.Module, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The global gradient norm of a tensor-parallel model: shards summed over ranks, replicas counted once."""
+def grad_norm(model: nn.Module, tp_group: dist.ProcessGroup | None,
+              pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global gradient norm of a tensor-parallel model: shards summed over ranks, replicas counted once.
+    Pipeline stages hold disjoint layers: their squared norms add up over `pp_group`."""
     device = next(model.parameters()).device
     sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     for param in model.parameters():
@@ -224,7 +226,10 @@ def grad_norm(model: nn.Module, tp_group: dist.ProcessGroup | None) -> torch.Ten
             replicated += square
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
-    return (sharded + replicated).sqrt()
+    total = sharded + replicated
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
 def torch_tp_plan(model: Transformer) -> dict:

@@ -1,0 +1,232 @@
+"""Pipeline parallelism, executed: each rank holds a slice of the layers and runs a schedule's ops in order.
+
+The model is cut into pp·v equal chunks of consecutive layers (`build_chunk`); virtual stage s runs on rank
+s mod pp (Megatron's round-robin, so v > 1 is the interleaved layout). The first stage also owns the token
+embedding, the last the final norm, the output layer and the loss. Every rank then walks its list of ops
+from a `lab.calc.schedules.Schedule` — the very objects the bubble simulator plays:
+
+    F(mb, c)  receive the activations of micro-batch mb from the previous stage (the first stage embeds its
+              tokens instead), run chunk c, send the output on (the last stage computes the loss instead)
+    B(mb, c)  receive the gradient of that output from the next stage (the last: backward from the loss),
+              backpropagate through chunk c, send the input's gradient back
+    W(mb, c)  zero-bubble schedules only: B computed just the gradients the previous stage waits for; W now
+              computes the weight gradients from what B left behind
+
+Activations are (micro-batch, seq, d_model) on every boundary, so shapes are agreed in advance and a
+receive needs no size message. Sends are asynchronous (isend) and only waited for at the end of the step;
+a receive blocks until its data is there. A rank therefore waits exactly where the simulator says it idles,
+and never deadlocks on a schedule the simulator can play. Each message has a tag made of its micro-batch,
+virtual stage and direction, so a receive cannot take another op's message (gloo matches on tags; NCCL
+matches in order, which these schedules also keep).
+
+The loss of each micro-batch is divided by m, as in gradient accumulation: after the step every rank holds
+the gradients of the whole batch for its layers, exactly those of a single process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lab.calc.schedules import B, Op, Schedule, W
+from lab.collectives.p2p import group_info
+from lab.config import ModelConfig
+from lab.model import RMSNorm, Transformer, build_model, materialize
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_chunk(cfg: ModelConfig, virtual_stage: int, virtual_stages: int, device: str | torch.device = "cpu",
+                seed: int = 0) -> Transformer:
+    """The part of the model that virtual stage `virtual_stage` of `virtual_stages` runs: its layers (same
+    names as in the whole model, so `materialize` gives them the very same initial weights), the embedding
+    on the first stage, the final norm and output layer on the last."""
+    if cfg.n_layers % virtual_stages:
+        raise ValueError(f"pp*chunks = {virtual_stages} must divide n_layers={cfg.n_layers}")
+    if cfg.tie_embeddings and virtual_stages > 1:
+        raise ValueError(f"{cfg.name} ties its embedding and output weights: pipeline parallelism would need the "
+                         "first and last stages to share a gradient, which lab does not do yet")
+    size = cfg.n_layers // virtual_stages
+    model = build_model(cfg)
+    for name in list(model.layers):
+        if not virtual_stage * size <= int(name) < (virtual_stage + 1) * size:
+            del model.layers[name]
+    if virtual_stage > 0:
+        model.tok_embeddings = None
+    if virtual_stage < virtual_stages - 1:
+        model.norm = model.output = None
+    return materialize(model, device, seed)
+
+
+@torch.no_grad()
+def weight_gradients(module: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """Accumulate `module`'s parameter gradients from its input and the gradient of its output: the W pass
+    of zero-bubble schedules, which autograd would otherwise have done inside the backward."""
+    if isinstance(module, nn.Linear):
+        grad = grad_output.flatten(0, -2).T @ inputs.flatten(0, -2)
+        pairs = [(module.weight, grad)] + ([(module.bias, grad_output.flatten(0, -2).sum(0))] if module.bias is not None
+                                          else [])
+    elif isinstance(module, RMSNorm):
+        x = inputs.float()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)).type_as(inputs)
+        pairs = [(module.weight, (grad_output * normed).flatten(0, -2).sum(0))]
+    elif isinstance(module, nn.Embedding):
+        grad = torch.zeros_like(module.weight).index_add_(0, inputs.flatten(), grad_output.flatten(0, -2))
+        pairs = [(module.weight, grad)]
+    else:
+        raise TypeError(f"no weight-gradient rule for {type(module).__name__}")
+    for param, grad in pairs:
+        param.grad = grad if param.grad is None else param.grad + grad
+
+
+_WEIGHTED = (nn.Linear, RMSNorm, nn.Embedding)  # every parameter of lab.model lives in one of these
+
+
+@dataclass
+class _Stash:
+    """What a micro-batch leaves on a rank between its F and its B (and W)."""
+
+    inputs: torch.Tensor  # received activations (a leaf requiring grad), or token ids on the first stage
+    output: torch.Tensor  # the chunk's output, or the loss on the last stage
+    calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # split only
+    output_grads: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    op: Op
+    start: float
+    end: float
+
+
+class Pipeline:
+    """One rank's share of a pipeline: its chunks, the schedule, and the ranks before and after it.
+
+        pipeline = Pipeline(chunks, schedule, mesh.pp_group)
+        loss = pipeline.step(tokens, targets)   # every micro-batch's forward and backward; the loss on the
+                                                # last stage (None elsewhere); grads in the chunks' .grad
+    """
+
+    def __init__(self, chunks: list[Transformer], schedule: Schedule, group: dist.ProcessGroup | None,
+                 loss_fn: LossFn = _cross_entropy, op_delay: dict[str, float] | None = None) -> None:
+        self.rank, world, self._global = group_info(group)
+        if world != schedule.pp or len(chunks) != schedule.chunks:
+            raise ValueError(f"a {schedule.name} schedule for pp={schedule.pp} with {schedule.chunks} chunk(s) per "
+                             f"rank needs {schedule.pp} ranks holding that many chunks (got {world} ranks, "
+                             f"{len(chunks)} chunks)")
+        self.chunks, self.schedule, self.group, self.loss_fn = chunks, schedule, group, loss_fn
+        self.op_delay = op_delay or {}  # seconds of extra work per op kind, to make stages visible on a CPU
+        self.d_model = chunks[0].cfg.d_model
+        self.timings: list[OpTiming] = []
+        self.peak_in_flight = 0
+        self._recording: list | None = None
+        if schedule.split_backward:
+            for chunk in chunks:
+                for module in chunk.modules():
+                    if isinstance(module, _WEIGHTED):
+                        module.register_forward_hook(self._record_call)
+            if any(chunk.recompute != "none" for chunk in chunks):
+                raise ValueError("zero-bubble schedules split the backward by hand: use recompute='none'")
+
+    def _record_call(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._recording is not None:
+            self._recording.append((module, args[0], output))
+
+    def _stage(self, chunk: int) -> int:
+        return self.schedule.virtual_stage(self.rank, chunk)
+
+    def _peer(self, stage: int) -> int:
+        return self._global(self.schedule.rank_of(stage)[0])
+
+    def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
+        return (microbatch * self.schedule.virtual_stages + stage) * 2 + backward
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Run the schedule on this rank's batch (split into the schedule's micro-batches)."""
+        m = self.schedule.microbatches
+        if tokens.shape[0] % m:
+            raise ValueError(f"batch of {tokens.shape[0]} sequences must be divisible by microbatches={m}")
+        self._tokens, self._targets = tokens.chunk(m), targets.chunk(m)
+        self._stash: dict[tuple[int, int], _Stash] = {}
+        self._sends: list[dist.Work] = []
+        self._loss = torch.zeros((), device=tokens.device)
+        self.timings, self.peak_in_flight = [], 0
+        start = time.perf_counter()
+        for op in self.schedule.ops[self.rank]:
+            began = time.perf_counter() - start
+            {"F": self._forward, B: self._backward, W: self._weights}[op.kind](op)
+            if self.op_delay.get(op.kind):
+                time.sleep(self.op_delay[op.kind] / self.schedule.chunks)
+            self.timings.append(OpTiming(op, began, time.perf_counter() - start))
+        for request in self._sends:
+            request.wait()
+        last = self._stage(self.schedule.chunks - 1) == self.schedule.virtual_stages - 1
+        return self._loss if last else None
+
+    def _receive(self, microbatch: int, stage: int, backward: bool) -> torch.Tensor:
+        """The activation (or gradient) on the boundary between `stage` and its neighbour."""
+        shape = (self._tokens[microbatch].shape[0], self._tokens[microbatch].shape[1], self.d_model)
+        device = self._tokens[microbatch].device
+        buffer = torch.empty(shape, device=device, dtype=torch.get_default_dtype())
+        peer = self._peer(stage + 1 if backward else stage - 1)
+        dist.irecv(buffer, peer, group=self.group, tag=self._tag(microbatch, stage, backward)).wait()
+        return buffer
+
+    def _send(self, tensor: torch.Tensor, microbatch: int, to_stage: int, backward: bool) -> None:
+        self._sends.append(dist.isend(tensor.detach().contiguous(), self._peer(to_stage), group=self.group,
+                                      tag=self._tag(microbatch, to_stage, backward)))
+
+    def _forward(self, op: Op) -> None:
+        stage, last = self._stage(op.chunk), self.schedule.virtual_stages - 1
+        if stage == 0:
+            inputs = self._tokens[op.microbatch]
+        else:
+            inputs = self._receive(op.microbatch, stage, backward=False).requires_grad_()
+        calls: list = []
+        self._recording = calls if self.schedule.split_backward else None
+        try:
+            output = self.chunks[op.chunk](inputs)
+            if stage == last:
+                output = self.loss_fn(output, self._targets[op.microbatch]) / self.schedule.microbatches
+                self._loss += output.detach()
+        finally:
+            self._recording = None
+        if stage < last:
+            self._send(output, op.microbatch, stage + 1, backward=False)
+        self._stash[(op.microbatch, op.chunk)] = _Stash(inputs, output, calls)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._stash))
+
+    def _backward(self, op: Op) -> None:
+        stage, last = self._stage(op.chunk), self.schedule.virtual_stages - 1
+        stash = self._stash[(op.microbatch, op.chunk)]
+        grad = None if stage == last else self._receive(op.microbatch, stage, backward=True)
+        wants_input = stage > 0
+        if self.schedule.split_backward:
+            # Only the gradients other stages wait for, and those at the output of every weighted module;
+            # autograd skips the weight-gradient products (no parameter is asked for). W does those.
+            targets = ([stash.inputs] if wants_input else []) + [out for _, _, out in stash.calls]
+            grads = torch.autograd.grad(stash.output, targets, grad, allow_unused=True)
+            grads = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads, strict=True)]
+            input_grad = grads[0] if wants_input else None
+            stash.output_grads = grads[1:] if wants_input else grads
+        else:
+            torch.autograd.backward(stash.output, grad)
+            input_grad = stash.inputs.grad if wants_input else None
+            del self._stash[(op.microbatch, op.chunk)]
+        if wants_input:
+            self._send(input_grad, op.microbatch, stage - 1, backward=True)
+
+    def _weights(self, op: Op) -> None:
+        stash = self._stash.pop((op.microbatch, op.chunk))
+        for (module, inputs, _), grad_output in zip(stash.calls, stash.output_grads, strict=True):
+            weight_gradients(module, inputs, grad_output)

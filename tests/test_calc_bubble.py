@@ -96,9 +96,9 @@ def test_p2p_latency_adds_to_the_critical_path():
     (lambda: make_schedule("interleaved", 4, 8, 1), "chunks=1 must be >= 2 for the interleaved schedule"),
     (lambda: make_schedule("1f1b", 4, 8, 2), "chunks=2: only the interleaved schedule runs several chunks"),
     (lambda: make_schedule("1f1b", 0, 8), "pp=0 must be an integer >= 1"),
-    (lambda: explore("1f1b", 4, 8, tf=-1), "tf=-1 must be >= 0"),
+    (lambda: explore("1f1b", 4, 8, tf=-1), "tf=-1 must be a finite number >= 0"),
     (lambda: explore("zb-h1", 4, 8, tb=1, tw=2), "tw=2 must be <= tb=1"),
-    (lambda: explore("1f1b", 4, 8, p2p=-0.1), "p2p=-0.1 must be >= 0"),
+    (lambda: explore("1f1b", 4, 8, p2p=-0.1), "p2p=-0.1 must be a finite number >= 0"),
 ])
 def test_bad_input_is_one_clear_line(call, message):
     with pytest.raises(ValueError) as info:

@@ -11,12 +11,14 @@ forward), a W its own B — plus `p2p` seconds whenever that input comes from an
 
 With v chunks per rank each chunk op takes 1/v of these. Two ways to state the bubble, both reported:
 `bubble_ratio` = idle / useful time per rank (the playbook's r_bubble: (p-1)/(v·m) for AFAB, 1F1B and
-interleaved 1F1B) and `idle_fraction` = idle / makespan ((p-1)/(m+p-1) for AFAB and 1F1B). Idle time counts
-from the step's start to the makespan on every rank. Torch-free.
+interleaved 1F1B, whatever t_f and t_b, without latency) and `idle_fraction` = idle / makespan
+((p-1)/(m+p-1) for AFAB and 1F1B). Idle time counts from the step's start to the makespan on every rank.
+Torch-free.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lab.calc.schedules import B, F, Op, Schedule, W, make_schedule
@@ -64,8 +66,10 @@ def op_durations(tf: float, tb: float, tw: float, chunks: int = 1) -> dict[str, 
     """Seconds of one op of one chunk, F / B / W, for a schedule without W ops ("B" is the whole backward)
     and for one with them ("Bsplit" = t_b - t_w)."""
     for name, value in (("tf", tf), ("tb", tb), ("tw", tw)):
-        if not value >= 0:
-            raise ValueError(f"{name}={value!r} must be >= 0")
+        if not (isinstance(value, int | float) and 0 <= value < math.inf):
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    if tf == tb == 0:
+        raise ValueError("tf=0 and tb=0: at least one of the forward and the backward must take time")
     if tw > tb:
         raise ValueError(f"tw={tw} must be <= tb={tb}: the weight gradients are part of the backward")
     return {F: tf / chunks, B: tb / chunks, "Bsplit": (tb - tw) / chunks, W: tw / chunks}
@@ -89,8 +93,8 @@ def _dependency(schedule: Schedule, rank: int, op: Op) -> tuple[Op, int] | None:
 
 def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1.0, p2p: float = 0.0) -> Simulation:
     """Play `schedule` with these op costs; raises ValueError if the schedule deadlocks."""
-    if not p2p >= 0:
-        raise ValueError(f"p2p={p2p!r} must be >= 0")
+    if not (isinstance(p2p, int | float) and 0 <= p2p < math.inf):
+        raise ValueError(f"p2p={p2p!r} must be a finite number >= 0")
     costs = op_durations(tf, tb, tw, schedule.chunks)
     backward = costs["Bsplit"] if schedule.split_backward else costs[B]
     duration = {F: costs[F], B: backward, W: costs[W]}
@@ -148,11 +152,36 @@ def bubble_ratio(pp: int, microbatches: int, chunks: int = 1) -> float:
 
 def zb_h1_bubble(pp: int, tf: float, tb: float, tw: float) -> float:
     """Idle time per rank of ZB-H1: (p - 1)(t_f + t_b - 2·t_w), against 1F1B's (p - 1)(t_f + t_b). Exact in the
-    paper's regime, m >= p and t_w <= t_f (each waiting W fits the gap it fills); `simulate` gives the rest."""
+    paper's regime — m >= p, and each waiting W no longer than the F or the B whose gap it fills (t_w <= t_f,
+    t_w <= t_b - t_w); `simulate` gives the rest."""
     return (pp - 1) * (tf + tb - 2 * tw)
 
 
-def explore(schedule: str, pp: int, microbatches: int, chunks: int = 1, tf: float = 1.0, tb: float = 2.0,
-            tw: float = 1.0, p2p: float = 0.0) -> Simulation:
-    """Build a schedule by name and simulate it: what the CLI and the pipeline explorer widget call."""
-    return simulate(make_schedule(schedule, pp, microbatches, chunks), tf, tb, tw, p2p)
+def closed_form(schedule: str, pp: int, microbatches: int, chunks: int = 1, tf: float = 1.0, tb: float = 2.0,
+                tw: float = 1.0, p2p: float = 0.0) -> dict:
+    """The textbook answer next to the simulated one: {"bubble_ratio", "idle" (per rank), "formula",
+    "exact_when", "exact" (whether these inputs meet it)}. (p-1)/(v·m) holds for any t_f, t_b without latency."""
+    useful = microbatches * (tf + tb)  # per rank, whatever the schedule: every op once
+    if schedule == "zb-h1":
+        idle = zb_h1_bubble(pp, tf, tb, tw)
+        return {"bubble_ratio": idle / useful, "idle": idle, "formula": "idle = (p-1)(tf + tb - 2·tw)",
+                "exact_when": "m >= p, tw <= tf, tw <= tb - tw, p2p = 0",
+                "exact": microbatches >= pp and tw <= tf and 2 * tw <= tb and p2p == 0}
+    ratio = bubble_ratio(pp, microbatches, chunks)
+    return {"bubble_ratio": ratio, "idle": ratio * useful, "formula": "bubble ratio = (p-1)/(v·m)",
+            "exact_when": "p2p = 0", "exact": p2p == 0}
+
+
+MAX_OPS = 65_536  # pp x microbatches x chunks: beyond this the simulator takes seconds
+
+
+def explore(schedule: str, pp: int, microbatches: int, chunks: int | None = None, tf: float = 1.0,
+            tb: float = 2.0, tw: float = 1.0, p2p: float = 0.0) -> Simulation:
+    """Build a schedule by name and simulate it: what the CLI and the pipeline explorer widget call.
+    `chunks=None` means 2 for interleaved, else 1."""
+    chunks = (2 if schedule == "interleaved" else 1) if chunks is None else chunks
+    schedule_ = make_schedule(schedule, pp, microbatches, chunks)
+    if pp * microbatches * chunks > MAX_OPS:
+        raise ValueError(f"pp x microbatches x chunks = {pp * microbatches * chunks:,} must be at most "
+                         f"{MAX_OPS:,} (the simulator plays every op)")
+    return simulate(schedule_, tf, tb, tw, p2p)

@@ -3,6 +3,7 @@
     python -m lab calc params --model llama3-8b
     python -m lab calc memory --model llama3-8b --seq 4096 --dp 8 --zero 1 --tp 2 --sp --recompute selective
     python -m lab calc flops --model llama3-8b --seq 4096 --dp 64 --grad-accum 4 --step-time 5.1 --gpu h100
+    python -m lab calc bubble --schedule interleaved --pp 8 --microbatches 32 --chunks 2 --tf 1 --tb 2
 
 Invalid values print one line naming the field, the value and what is allowed, and exit with status 2.
 """
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
+from lab.calc.bubble import Simulation, closed_form, explore
 from lab.calc.comms import ALGORITHMS as COMM_ALGORITHMS
 from lab.calc.comms import OPS as COMM_OPS
 from lab.calc.comms import collective_time
@@ -21,6 +24,7 @@ from lab.calc.hardware import HARDWARE, get_accelerator
 from lab.calc.memory import ACTIVATION_MODELS, PARAM_CONVENTIONS, PRECISIONS, estimate_memory
 from lab.calc.network import SYSTEMS
 from lab.calc.params import param_breakdown
+from lab.calc.schedules import SCHEDULES
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
 
 
@@ -75,6 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
     comms.add_argument("--hardware", choices=tuple(SYSTEMS), default="h100", help="the cluster design")
     comms.add_argument("--algorithm", choices=COMM_ALGORITHMS, default="ring")
     comms.add_argument("--json", action="store_true")
+
+    bubble = sub.add_parser(
+        "bubble", help="pipeline schedule simulated: bubble, makespan, peak activations, timeline",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Simulate a pipeline schedule op by op (lab.calc.bubble) and compare with the closed form.\n\n"
+                    "Time model, in any unit you like (makespan and idle come out in the same unit):\n"
+                    "  --tf   the forward of one micro-batch through one stage (a rank's layers)\n"
+                    "  --tb   its whole backward: input + weight gradients, usually about 2 x tf\n"
+                    "  --tw   the weight-gradient part of tb (zb-h1 runs B in tb - tw, then W in tw)\n"
+                    "  --p2p  the latency of each send between ranks\n"
+                    "With --chunks v (interleaved) each op of one chunk takes 1/v of these.")
+    bubble.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="default 1f1b")
+    bubble.add_argument("--pp", type=int, default=8, help="pipeline ranks p (default 8)")
+    bubble.add_argument("--microbatches", type=int, default=32, help="micro-batches m per step (default 32)")
+    bubble.add_argument("--chunks", type=int, default=None,
+                        help="chunks of layers per rank v, interleaved only (default: 2 for interleaved, else 1)")
+    bubble.add_argument("--tf", type=float, default=1.0, help="forward time of one micro-batch per stage (default 1)")
+    bubble.add_argument("--tb", type=float, default=2.0, help="whole backward time, input + weight grads (default 2)")
+    bubble.add_argument("--tw", type=float, default=1.0, help="weight-gradient part of --tb (default 1)")
+    bubble.add_argument("--p2p", type=float, default=0.0,
+                        help="latency of one send between ranks, same unit (default 0)")
+    bubble.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     return parser
 
 
@@ -87,6 +113,66 @@ def _comms(args: argparse.Namespace) -> int:
     print(f"{args.op} of {args.bytes:,.0f} bytes on {args.ranks} ranks ({args.algorithm}, {args.hardware}):")
     print(f"  steps {cost.steps}, bytes sent per rank {cost.bytes_sent_per_rank:,.0f}")
     print(f"  time {cost.time_s * 1e3:.3f} ms, algbw {cost.algbw / 1e9:.1f} GB/s, busbw {cost.busbw / 1e9:.1f} GB/s")
+    return 0
+
+
+def _nice_step(x: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 x 10^k that is >= x."""
+    power = 10.0 ** math.floor(math.log10(x))
+    return next(k * power for k in (1, 2, 2.5, 5, 10) if k * power >= x * (1 - 1e-9))
+
+
+def text_timeline(sim: Simulation, width: int = 120) -> tuple[list[str], float]:
+    """A character Gantt chart, one line per rank, and the time one column stands for. A column shows the op
+    running at its middle: F, B or W where an op starts, f, b or w where it continues, '.' where the rank idles."""
+    cell = _nice_step(sim.makespan / width)
+    columns = math.ceil(sim.makespan / cell - 1e-9)
+    lines = []
+    for rank in range(sim.schedule.pp):
+        spans = sorted((s for s in sim.spans if s.rank == rank), key=lambda s: (s.start, s.end))
+        row, i, previous = [], 0, None
+        for column in range(columns):
+            middle = (column + 0.5) * cell
+            while i < len(spans) and spans[i].end <= middle:
+                i += 1
+            span = spans[i] if i < len(spans) and spans[i].start <= middle else None
+            row.append("." if span is None else span.op.kind if span is not previous else span.op.kind.lower())
+            previous = span
+        lines.append(f"rank {rank:>2} |{''.join(row)}|")
+    return lines, cell
+
+
+def _bubble(args: argparse.Namespace) -> int:
+    sim = explore(args.schedule, args.pp, args.microbatches, args.chunks, args.tf, args.tb, args.tw, args.p2p)
+    closed = closed_form(args.schedule, args.pp, args.microbatches, sim.schedule.chunks, args.tf, args.tb, args.tw,
+                         args.p2p)
+    out = {**sim.as_dict(), "tf": args.tf, "tb": args.tb, "tw": args.tw, "p2p": args.p2p, "busy": sim.busy,
+           "bubble_ratio_closed_form": closed["bubble_ratio"], "idle_closed_form": closed["idle"],
+           "closed_form": closed["formula"], "closed_form_exact_when": closed["exact_when"],
+           "closed_form_exact": closed["exact"]}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    p, m, v = sim.schedule.pp, sim.schedule.microbatches, sim.schedule.chunks
+    print(f"{sim.schedule.name}: pp={p}, {m} micro-batches, {v} chunk{'s' if v > 1 else ''} per rank; "
+          f"tf={args.tf:g} tb={args.tb:g} tw={args.tw:g} p2p={args.p2p:g} "
+          f"(times in the unit of --tf/--tb/--tw)")
+    print(f"  bubble ratio (idle / useful)  {sim.bubble_ratio:<10.6g} closed form {closed['bubble_ratio']:.6g}  "
+          f"[{closed['formula']}; exact when {closed['exact_when']}"
+          f"{'' if closed['exact'] else ': not here'}]")
+    print(f"  idle fraction (idle / total)  {sim.idle_fraction:.6g}")
+    print(f"  makespan                      {sim.makespan:.6g} time units")
+    print(f"  idle per rank (most)          {max(sim.idle):<10.6g} closed form {closed['idle']:.6g}")
+    print(f"  p2p messages                  {sim.p2p_messages:,}")
+    print("  rank        busy        idle   peak activations (micro-batches of a whole stage)")
+    for rank in range(p):
+        print(f"  {rank:>4} {sim.busy[rank]:>11.6g} {sim.idle[rank]:>11.6g}   {sim.peak_activations[rank]:g}")
+    lines, cell = text_timeline(sim)
+    backward = "B = input gradient, W = weight gradient" if sim.schedule.split_backward else "B = whole backward"
+    print(f"timeline: 1 column = {cell:g} time unit{'s' if cell != 1 else ''} "
+          f"(F/B/W: an op starts, f/b/w: it continues, '.': idle; {backward})")
+    for line in lines:
+        print(f"  {line}")
     return 0
 
 
@@ -162,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.what == "comms":
             return _comms(args)
+        if args.what == "bubble":
+            return _bubble(args)
         cfg = ModelConfig.from_preset(args.model)
         return {"params": _params, "memory": _memory, "flops": _flops}[args.what](cfg, args)
     except ValueError as err:

@@ -1,0 +1,429 @@
+"""Chapter 05, context parallelism. Merging partial attention, the zig-zag layout, ring attention on real ranks.
+
+The merge exercise's driver (`run_merge`) takes plain lists: the checks draw attention scores and values here,
+split the keys into two blocks, compute each block's (out, lse) in float64 — rows whose block holds no key
+they may see get lse = −inf and out = 0 — and compare the student's merge (run in float32) with attention over
+all the keys at once. Scores in the hundreds catch an exp that overflows, rows masked in one block or both
+catch a NaN.
+
+The ring exercise's driver (`run_ring_attention`) draws q, k, v from a seed on every rank, keeps the rank's
+chunks of the sequence (the layout a check sends: contiguous, zig-zag from `lab.parallel.cp.chunk_ids`, or a
+shuffled one, so that the causal rule must compare *global* chunk indices), runs the student's forward inside
+`count_collectives`, and reports the output and the messages. The check draws the same tensors, computes full
+attention in one process in float64 with `lab.parallel.ring_attention.block_forward` (the whole sequence is one
+block: diagonal when causal) and compares every rank's output with its chunks of the result.
+
+The zig-zag and work exercises are compared with `lab.parallel.cp` (`chunk_ids`, `sequence_positions`,
+`attention_work`) at random cp and sequence lengths.
+
+torch and `lab.parallel` are imported inside the functions: `lab.check` of other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from lab.grading.checks import CheckFailed, exercise, expect_equal
+from lab.grading.sandbox import CallError
+
+RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+TORCH = {"modules": ("lab.config",), "packages": ("tomli_w", "torch"), "memory_mb": 2048}
+POINT_TO_POINT = ("send", "isend", "recv", "irecv")
+
+
+# --- comparing what comes back ---------------------------------------------------------------------------
+
+def _preview(values: list) -> str:
+    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
+    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
+
+
+def _close(got, expected: float, tol: float) -> bool:
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        return False
+    if math.isinf(expected):
+        return got == expected
+    return abs(got - expected) <= tol * (1 + abs(expected))  # False for NaN and inf
+
+
+def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-4) -> None:
+    """A list of floats equal to `expected` within tol·(1 + |expected|) each; −inf only where −inf is due;
+    NaN never passes."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        size = f"{len(got)} values" if isinstance(got, list) else type(got).__name__
+        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if not _close(g, e, tol):
+            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
+                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
+
+
+def _per_rank(results, world: int, what: str) -> list[dict]:
+    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
+        raise CheckFailed(f"{what} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
+    return results
+
+
+def _generator(seed: int):
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+# --- 05.lse_merge ----------------------------------------------------------------------------------------
+
+MERGE = exercise("05.lse_merge", entry=("run_merge",), **TORCH)
+
+
+def attention_blocks(scores, values, visible, bounds: list[int]) -> list[tuple]:
+    """(out, lse) of attention over each block of keys bounds[i]:bounds[i+1] (float64); a row that sees no key
+    of a block gets lse = −inf and out = 0 there. `bounds` = [0, len(keys)] gives attention over all keys."""
+    import torch
+
+    blocks = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        s = scores[..., start:end].masked_fill(~visible[..., start:end], float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        empty = torch.isneginf(lse)
+        weights = torch.exp(s - torch.where(empty, 0.0, lse).unsqueeze(-1))  # 0 on every key of an empty row
+        blocks.append((weights @ values[..., start:end, :], lse))
+    return blocks
+
+
+def merge_case(rng: random.Random, n_blocks: int = 2, offset: float = 0.0, masked: bool = False) -> dict:
+    """Random scores (H, T, N) and values (H, N, D) cut into `n_blocks` blocks of keys; each block's (out, lse)
+    and the result over all keys. `offset`: each block's scores shifted by about that much (scores in the
+    hundreds); `masked`: some rows see no key of the first block, some none of the last, some none at all."""
+    import torch
+
+    heads, rows, dim = rng.randrange(1, 4), rng.randrange(3, 9), rng.randrange(1, 7)
+    sizes = [rng.randrange(1, 7) for _ in range(n_blocks)]
+    bounds = [sum(sizes[:i]) for i in range(n_blocks + 1)]
+    g = _generator(rng.randrange(10**6))
+    scores = torch.randn(heads, rows, bounds[-1], generator=g, dtype=torch.float64) * rng.uniform(1.0, 3.0)
+    if offset:
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            scores[..., start:end] += offset + rng.uniform(-4.0, 4.0)
+    values = torch.randn(heads, bounds[-1], dim, generator=g, dtype=torch.float64)
+    visible = torch.rand(heads, rows, bounds[-1], generator=g, dtype=torch.float64) < 0.8
+    visible[..., 0] = True  # every row sees a key of every block, unless masked below
+    visible[..., bounds[-2]] = True
+    if masked:
+        first, last, both = rng.sample(range(rows), 3)
+        visible[:, first, bounds[0]:bounds[1]] = False
+        visible[:, last, bounds[-2]:] = False
+        visible[:, both, :] = False
+    return {"blocks": attention_blocks(scores, values, visible, bounds),
+            "full": attention_blocks(scores, values, visible, [0, bounds[-1]])[0],
+            "shape": [heads, rows, dim], "sizes": sizes}
+
+
+def _merge(student, a: tuple, b: tuple, what: str) -> tuple[list, list]:
+    got = student.run_merge(a[0].tolist(), a[1].tolist(), b[0].tolist(), b[1].tolist())
+    if not isinstance(got, dict):
+        raise CheckFailed(f"{what} returned {got!r:.200}, expected the driver's dict")
+    return got.get("out"), got.get("lse")
+
+
+def _expect_merge(student, case: dict, what: str) -> None:
+    (out_a, lse_a), (out_b, lse_b) = case["blocks"]
+    out, lse = _merge(student, (out_a, lse_a), (out_b, lse_b), what)
+    full_out, full_lse = case["full"]
+    expect_allclose(lse, full_lse.flatten().tolist(), f"{what}: the merged lse")
+    expect_allclose(out, full_out.flatten().tolist(), f"{what}: the merged out")
+
+
+def _describe(case: dict) -> str:
+    heads, rows, dim = case["shape"]
+    return f"run_merge(...) of two blocks of {case['sizes'][0]} and {case['sizes'][1]} keys, " \
+           f"out ({heads}, {rows}, {dim}), lse ({heads}, {rows})"
+
+
+@MERGE.check(points=2, hint="each block's out is normalised by its own e^lse: reweight it by e^(lse_block − lse), "
+                            "with lse = log(e^lse_a + e^lse_b) — both outputs, the running one too")
+def merge_values(student, rng):
+    """two blocks of keys, merged: the out and lse of attention over all of them"""
+    for _ in range(3):
+        case = merge_case(rng)
+        _expect_merge(student, case, _describe(case))
+
+
+@MERGE.check(points=1, hint="e^lse overflows float32 above lse ≈ 88: compute log(e^a + e^b) as "
+                            "max + log(1 + e^(min − max)), which torch.logaddexp does")
+def merge_large_scores(student, rng):
+    """scores in the hundreds: no overflow"""
+    case = merge_case(rng, offset=rng.uniform(150.0, 400.0))
+    _expect_merge(student, case, _describe(case) + ", scores in the hundreds")
+
+
+@MERGE.check(points=1, hint="a row that saw no key has lse = −inf; when both blocks' lse are −inf, lse − lse is "
+                            "−inf − (−inf) = NaN: give such rows weight 0 (out 0, lse −inf)")
+def merge_masked_rows(student, rng):
+    """fully masked rows (lse = −inf in one block, or in both): no NaN"""
+    case = merge_case(rng, masked=True)
+    _expect_merge(student, case, _describe(case) + ", rows masked in a block or in both")
+
+
+@MERGE.check(points=1, hidden=True, hint="the merge must give the same result whichever block comes first: "
+                                         "a block's weight depends only on its own lse and the merged one")
+def merge_many_blocks(student, rng):
+    """three to five blocks folded one at a time, in a random order"""
+    import torch
+
+    case = merge_case(rng, n_blocks=rng.randrange(3, 6), offset=rng.choice([0.0, 100.0]), masked=True)
+    blocks = list(case["blocks"])
+    rng.shuffle(blocks)
+    what = f"run_merge(...) folding {len(blocks)} blocks of keys one at a time"
+    out, lse = blocks[0]
+    for block in blocks[1:]:
+        got_out, got_lse = _merge(student, (out, lse), block, what)
+        if not (isinstance(got_out, list) and isinstance(got_lse, list)
+                and len(got_out) == out.numel() and len(got_lse) == lse.numel()):
+            raise CheckFailed(f"{what} returned out {got_out!r:.120}, lse {got_lse!r:.120}, expected lists of "
+                              f"{out.numel()} and {lse.numel()} values")
+        out = torch.tensor(got_out, dtype=torch.float64).view(out.shape)
+        lse = torch.tensor(got_lse, dtype=torch.float64).view(lse.shape)
+    full_out, full_lse = case["full"]
+    expect_allclose(lse.flatten().tolist(), full_lse.flatten().tolist(), f"{what}: the final lse")
+    expect_allclose(out.flatten().tolist(), full_out.flatten().tolist(), f"{what}: the final out")
+
+
+# --- 05.zigzag_assignment --------------------------------------------------------------------------------
+
+ZIGZAG = exercise("05.zigzag_assignment", entry=("zigzag_chunks", "zigzag_positions", "zigzag_owner"))
+
+
+def _seq_len(rng: random.Random, cp: int) -> int:
+    return 2 * cp * rng.randrange(1, 12)
+
+
+@ZIGZAG.check(points=1, hint="2·cp chunks; rank r takes one from the front and its mirror from the back: "
+                             "[r, 2·cp − 1 − r], the early one first")
+def zigzag_chunk_ids(student, rng):
+    """rank r holds chunks r and 2·cp−1−r, in that order (cp up to 16)"""
+    from lab.parallel.cp import chunk_ids
+
+    for cp in (2, rng.randrange(3, 9), rng.randrange(9, 17)):
+        for rank in range(cp):
+            expect_equal(student.zigzag_chunks(rank, cp), chunk_ids(rank, cp, "zigzag"),
+                         f"zigzag_chunks(rank={rank}, cp={cp})")
+
+
+@ZIGZAG.check(points=2, hint="chunk c holds positions c·L ... (c+1)·L − 1 with L = seq_len / (2·cp); a rank's "
+                             "positions are its first chunk's then its second's — the global positions, which "
+                             "RoPE must rotate by (not 0 ... seq_len/cp − 1)")
+def zigzag_rope_positions(student, rng):
+    """each rank's token positions (what RoPE rotates by), random cp and seq_len"""
+    from lab.parallel.cp import sequence_positions
+
+    for cp in (2, rng.randrange(3, 9)):
+        seq_len = _seq_len(rng, cp)
+        for rank in range(cp):
+            expect_equal(student.zigzag_positions(rank, cp, seq_len),
+                         sequence_positions(seq_len, rank, cp, "zigzag").tolist(),
+                         f"zigzag_positions(rank={rank}, cp={cp}, seq_len={seq_len})")
+
+
+@ZIGZAG.check(points=1, hint="the token at local index i of rank r has position zigzag_positions(r, ...)[i]: "
+                             "a rank's second chunk starts at local index L = seq_len / (2·cp), after its first")
+def zigzag_owner_of_position(student, rng):
+    """where a global position lives: [rank, local index]"""
+    from lab.parallel.cp import sequence_positions
+
+    cp = rng.randrange(2, 9)
+    seq_len = _seq_len(rng, cp)
+    owner = {p: [rank, i] for rank in range(cp)
+             for i, p in enumerate(sequence_positions(seq_len, rank, cp, "zigzag").tolist())}
+    chunk = seq_len // (2 * cp)
+    positions = {0, seq_len - 1, cp * chunk - 1, cp * chunk, *rng.sample(range(seq_len), min(seq_len, 12))}
+    for position in sorted(positions):
+        expect_equal(student.zigzag_owner(position, cp, seq_len), owner[position],
+                     f"zigzag_owner(position={position}, cp={cp}, seq_len={seq_len})")
+
+
+@ZIGZAG.check(points=1, hint="raise ValueError when seq_len % (2·cp) != 0, with a message naming seq_len and 2·cp; "
+                             "chunks of unequal length would give the ranks unequal work and shapes")
+def zigzag_rejects_bad_lengths(student, rng):
+    """a seq_len that 2·cp does not divide: a ValueError"""
+    for _ in range(2):
+        cp = rng.randrange(2, 9)
+        seq_len = 2 * cp * rng.randrange(1, 10) + rng.randrange(1, 2 * cp)
+        call = f"zigzag_positions(rank=0, cp={cp}, seq_len={seq_len})"
+        try:
+            got = student.zigzag_positions(0, cp, seq_len)
+        except CallError as error:
+            if error.not_attempted:
+                raise
+            if not error.message.startswith("ValueError"):
+                raise CheckFailed(f"{call} raised {error.message}, expected a ValueError") from None
+            continue
+        raise CheckFailed(f"{call} returned {got!r:.120}, expected a ValueError (2·cp = {2 * cp} does not divide "
+                          f"{seq_len})")
+
+
+# --- 05.ring_forward -------------------------------------------------------------------------------------
+
+RING = exercise("05.ring_forward", entry=("run_ring_attention",), requires=("05.lse_merge",), **RANKS)
+
+
+def ring_reference(shape: list[int], causal: bool, seed: int):
+    """q, k, v drawn as the driver `run_ring_attention` draws them; attention over the whole sequence in float64
+    (`lab.parallel.ring_attention.block_forward`: with a causal mask the whole sequence is one diagonal block)."""
+    import torch
+
+    from lab.parallel.ring_attention import DIAGONAL, FULL, block_forward
+
+    g = _generator(seed)
+    q, k, v = (torch.randn(shape, generator=g).double() for _ in range(3))
+    out, _ = block_forward(q, k, v, DIAGONAL if causal else FULL, shape[-1] ** -0.5)
+    return out
+
+
+def rank_part(t, chunks: list[list[int]], rank: int):
+    """Rank `rank`'s part of t (B, H, T, D) along the sequence: its chunks, in its order."""
+    import torch
+
+    n = sum(len(c) for c in chunks)
+    return torch.cat([t.chunk(n, dim=2)[c] for c in chunks[rank]], dim=2)
+
+
+def random_layout(rng: random.Random, cp: int, kind: str) -> list[list[int]]:
+    """Every rank's global chunk indices: "contiguous", "zigzag" (`lab.parallel.cp`), or "shuffled" (a random
+    permutation of `per_rank`·cp chunks, dealt out `per_rank` to a rank)."""
+    from lab.parallel.cp import chunk_ids
+
+    if kind in ("contiguous", "zigzag"):
+        return [chunk_ids(r, cp, kind) for r in range(cp)]
+    per_rank = rng.randrange(1, 4)
+    order = list(range(per_rank * cp))
+    rng.shuffle(order)
+    return [sorted(order[r * per_rank:(r + 1) * per_rank], key=lambda _: rng.random()) for r in range(cp)]
+
+
+def _ring(student, rng: random.Random, world: int, kind: str, causal: bool) -> tuple[list, dict]:
+    chunks = random_layout(rng, world, kind)
+    n = sum(len(c) for c in chunks)
+    # chunks of 2 tokens or more: a diagonal block of one token would need no mask
+    shape = [rng.randrange(1, 3), rng.randrange(1, 4), n * rng.randrange(2, 5), rng.randrange(2, 9)]
+    seed = rng.randrange(10**6)
+    call = f"run_ring_attention(shape={shape}, chunks={chunks}, causal={causal}, seed={seed}) on {world} ranks"
+    results = _per_rank(student.ranks("run_ring_attention", world, shape, chunks, causal, seed), world, call)
+    return results, {"call": call, "shape": shape, "chunks": chunks, "seed": seed, "world": world, "causal": causal}
+
+
+def _expect_ring(student, rng: random.Random, world: int, kind: str, causal: bool) -> None:
+    results, run = _ring(student, rng, world, kind, causal)
+    reference = ring_reference(run["shape"], causal, run["seed"])
+    for rank, got in enumerate(results):
+        expected = rank_part(reference, run["chunks"], rank).flatten().tolist()
+        expect_allclose(got.get("out"), expected, f"{run['call']}: rank {rank}'s output (chunks {run['chunks'][rank]})")
+
+
+@RING.check(points=1, hint="at step s rank r holds the K/V of rank (r − s) % cp: attend to them, merge, and pass "
+                           "them to (r + 1) % cp while receiving the next from (r − 1) % cp; cp steps in all")
+def ring_not_causal(student, rng):
+    """no mask: every rank's output equals attention over the whole sequence (2 and 3 ranks)"""
+    for world in (2, 3):
+        _expect_ring(student, rng, world, "contiguous", causal=False)
+
+
+@RING.check(points=2, hint="causal, block by block: a key chunk before the query chunk is attended fully, the same "
+                           "chunk with the lower triangle (key i ≤ query i), a later chunk not at all (skip it)")
+def ring_causal_contiguous(student, rng):
+    """causal, contiguous chunks: later chunks skipped, the diagonal masked (2, 3 and 4 ranks)"""
+    for world in (2, 3, 4):
+        _expect_ring(student, rng, world, "contiguous", causal=True)
+
+
+@RING.check(points=1, hint="compare global chunk indices — chunks[rank] for the queries, chunks[source] for the "
+                           "K/V you hold — never ranks or local positions")
+def ring_causal_zigzag(student, rng):
+    """causal, zig-zag and shuffled layouts: the block rule compares global chunk indices"""
+    _expect_ring(student, rng, rng.choice([2, 4]), "zigzag", causal=True)
+    _expect_ring(student, rng, 3, "shuffled", causal=True)
+
+
+@RING.check(points=1, hint="one dist.isend and one dist.irecv per step, of K and V stacked in one tensor, posted "
+                           "before the local block's attention; no send after the last step (cp − 1 in all)")
+def ring_point_to_point(student, rng):
+    """only isend/irecv: cp−1 sends of the rank's K and V per rank"""
+    world = rng.choice([3, 4])
+    results, run = _ring(student, rng, world, rng.choice(["contiguous", "zigzag"]), causal=True)
+    batch, heads, seq, dim = run["shape"]
+    kv_bytes = 2 * batch * heads * (seq // world) * dim * 4
+    for rank, got in enumerate(results):
+        calls, nbytes = got.get("calls") or {}, got.get("bytes") or {}
+        others = {op: n for op, n in calls.items() if op not in POINT_TO_POINT and n}
+        if others:
+            raise CheckFailed(f"{run['call']}: rank {rank}'s collectives returned {others}, expected point-to-point "
+                              f"messages only (dist.isend / dist.irecv)")
+        sent = [calls.get("isend", 0) + calls.get("send", 0), nbytes.get("isend", 0) + nbytes.get("send", 0)]
+        expect_equal(sent, [world - 1, (world - 1) * kv_bytes],
+                     f"{run['call']}: rank {rank}'s [messages sent, bytes sent] (its K and V are {kv_bytes} bytes)")
+
+
+@RING.check(points=1, hidden=True, hint="the causal rule and the ring must not assume a layout: any chunks, any "
+                                        "number of them per rank")
+def ring_any_layout(student, rng):
+    """4 ranks, shuffled layouts of 1 to 3 chunks per rank, causal and not"""
+    for causal in (True, False):
+        _expect_ring(student, rng, 4, "shuffled", causal)
+
+
+# --- 05.causal_work --------------------------------------------------------------------------------------
+
+WORK = exercise("05.causal_work", entry=("causal_work", "imbalance"))
+
+
+def _work_cases(rng: random.Random, layout: str, n: int, max_cp: int = 16, max_chunk: int = 200):
+    for _ in range(n):
+        cp = rng.randrange(2, max_cp + 1)
+        yield cp, 2 * cp * rng.randrange(1, max_chunk)  # 2·cp divides it: both layouts apply
+
+
+def _expect_work(student, cp: int, seq_len: int, layout: str) -> None:
+    from lab.parallel.cp import attention_work
+
+    expect_equal(student.causal_work(seq_len, cp, layout), attention_work(seq_len, cp, layout),
+                 f"causal_work(seq_len={seq_len}, cp={cp}, layout={layout!r})")
+
+
+@WORK.check(points=1, hint="rank r's queries (chunk r) see r earlier chunks fully and their own chunk's lower "
+                           "triangle: r·L² + L(L+1)/2 pairs, L = seq_len / cp")
+def work_contiguous(student, rng):
+    """contiguous chunks: query-key pairs per rank, random cp and seq_len"""
+    for cp, seq_len in _work_cases(rng, "contiguous", 3):
+        _expect_work(student, cp, seq_len, "contiguous")
+
+
+@WORK.check(points=1, hint="L = seq_len / (2·cp); chunk c scores c·L² + L(L+1)/2 pairs; rank r holds chunks r and "
+                           "2·cp − 1 − r")
+def work_zigzag(student, rng):
+    """zig-zag: query-key pairs per rank, random cp and seq_len"""
+    for cp, seq_len in _work_cases(rng, "zigzag", 3):
+        _expect_work(student, cp, seq_len, "zigzag")
+
+
+@WORK.check(points=1, hint="the step waits for the busiest rank: max over ranks divided by the mean (1.0 is "
+                           "balanced)")
+def work_imbalance(student, rng):
+    """max/mean of the per-rank work, both layouts"""
+    from lab.parallel.cp import attention_work
+
+    for layout in ("contiguous", "zigzag"):
+        for cp, seq_len in _work_cases(rng, layout, 2):
+            work = attention_work(seq_len, cp, layout)
+            got = student.imbalance(seq_len, cp, layout)
+            expected = max(work) / (sum(work) / cp)
+            if not _close(got, expected, 1e-9):
+                raise CheckFailed(f"imbalance(seq_len={seq_len}, cp={cp}, layout={layout!r}) returned {got!r}, "
+                                  f"expected {expected:.6g}")
+
+
+@WORK.check(points=1, hidden=True, hint="count with integers: L·(L+1)/2 for a diagonal block, L² for a full one")
+def work_long_sequences(student, rng):
+    """up to 64 ranks and a million tokens, both layouts"""
+    for layout in ("contiguous", "zigzag"):
+        for cp, seq_len in _work_cases(rng, layout, 2, max_cp=64, max_chunk=8000):
+            _expect_work(student, cp, seq_len, layout)

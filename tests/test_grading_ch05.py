@@ -1,0 +1,216 @@
+"""Chapter 05's checks: the solutions pass with any secret, the released stubs score nothing, and every
+plausible-but-wrong answer (mutant) fails the checks named for it.
+
+The ring exercise runs the student's forward on real gloo ranks (2, 3 and 4) inside the sandbox, after the
+merge it builds on, and compares every rank's output with attention over the whole sequence. A mutant is the
+solution cell with one classic mistake — a merge that does not rescale the running output, a NaN for rows no
+key reached, a causal rule that computes later chunks or forgets the diagonal mask, a ring that turns the wrong
+way, zig-zag chunks in the wrong order or paired wrongly — and only the checks that must catch it are run, to
+keep this file fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from lab.grading import checks
+from lab.grading.checks import ch05
+from lab.grading.notebook import answer_parts, read
+from lab.grading.release import release_notebook
+from lab.grading.runner import run_exercise
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = read(REPO / "solutions" / "05_context_parallel.ipynb")
+EXERCISES = ("05.lse_merge", "05.zigzag_assignment", "05.ring_forward", "05.causal_work")
+
+
+def _grade(exercise_id: str, replace: list[tuple[str, str]] = (), secret: str | None = None,
+           only: set[str] | None = None, notebook=SOLUTIONS):
+    """Grade `exercise_id`'s cell of `notebook` (after the cells it requires), with each (old, new) of `replace`
+    applied to its own cell, running only the checks named in `only` (all when None)."""
+    ex = checks.get(exercise_id)
+    if only is not None:
+        ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+    parts = [part for i in ex.requires for part in answer_parts(notebook, i)]
+    (label, source), = answer_parts(notebook, exercise_id)
+    for old, new in replace:
+        assert source.count(old) == 1, f"mutant does not apply once: {old!r} in the {exercise_id} solution"
+        source = source.replace(old, new)
+    return run_exercise(ex, [*parts, (label, source)], secret=secret, wall_s=60)
+
+
+@pytest.mark.parametrize("secret", [None, "class-of-2026"])
+def test_solutions_score_full_marks(secret):
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, secret=secret)
+        assert result.points == result.max_points == checks.get(exercise_id).points, result
+
+
+def test_released_stubs_score_nothing_and_say_not_attempted():
+    released = release_notebook(SOLUTIONS, "05_context_parallel.ipynb")
+    for exercise_id in EXERCISES:
+        result = _grade(exercise_id, notebook=released)
+        assert result.points == 0 and result.status == "not attempted", result
+
+
+MERGE_VALUES = "two blocks of keys, merged: the out and lse of attention over all of them"
+MERGE_LARGE = "scores in the hundreds: no overflow"
+MERGE_MASKED = "fully masked rows (lse = −inf in one block, or in both): no NaN"
+MERGE_MANY = "three to five blocks folded one at a time, in a random order"
+ZZ_CHUNKS = "rank r holds chunks r and 2·cp−1−r, in that order (cp up to 16)"
+ZZ_POSITIONS = "each rank's token positions (what RoPE rotates by), random cp and seq_len"
+ZZ_OWNER = "where a global position lives: [rank, local index]"
+ZZ_REJECT = "a seq_len that 2·cp does not divide: a ValueError"
+RING_FULL = "no mask: every rank's output equals attention over the whole sequence (2 and 3 ranks)"
+RING_CAUSAL = "causal, contiguous chunks: later chunks skipped, the diagonal masked (2, 3 and 4 ranks)"
+RING_LAYOUTS = "causal, zig-zag and shuffled layouts: the block rule compares global chunk indices"
+RING_P2P = "only isend/irecv: cp−1 sends of the rank's K and V per rank"
+RING_ANY = "4 ranks, shuffled layouts of 1 to 3 chunks per rank, causal and not"
+WORK_CONTIGUOUS = "contiguous chunks: query-key pairs per rank, random cp and seq_len"
+WORK_ZIGZAG = "zig-zag: query-key pairs per rank, random cp and seq_len"
+WORK_IMBALANCE = "max/mean of the per-rank work, both layouts"
+WORK_LONG = "up to 64 ranks and a million tokens, both layouts"
+
+RING_SEND = "            requests = [dist.isend(kv, (rank + 1) % world), dist.irecv(incoming, (rank - 1) % world)]\n"
+RING_ALL_GATHER = ("            gathered = [torch.empty_like(kv) for _ in range(world)]\n"
+                   "            dist.all_gather(gathered, kv)\n"
+                   "            incoming, requests = gathered[(rank - 1) % world], []\n")
+
+MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
+    "merge_forgets_to_rescale_the_running_output": (  # the issue's mutant
+        "05.lse_merge", [("out_a * torch.exp(lse_a - finite).unsqueeze(-1)", "out_a")], {MERGE_VALUES, MERGE_MANY}),
+    "merge_lse_is_the_larger_one": (
+        "05.lse_merge", [("lse = torch.logaddexp(lse_a, lse_b)", "lse = torch.maximum(lse_a, lse_b)")],
+        {MERGE_VALUES}),
+    "merge_exponentiates_the_lse": (
+        "05.lse_merge", [("lse = torch.logaddexp(lse_a, lse_b)",
+                          "lse = torch.log(torch.exp(lse_a) + torch.exp(lse_b))")],
+        {MERGE_LARGE}),
+    "merge_nan_for_rows_masked_in_both": (
+        "05.lse_merge", [("torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)", "lse")],
+        {MERGE_MASKED, MERGE_MANY}),
+    "zigzag_mirror_chunk_first": (  # the issue's mutant: shard order swapped
+        "05.zigzag_assignment", [("return [rank, 2 * cp - 1 - rank]", "return [2 * cp - 1 - rank, rank]")],
+        {ZZ_CHUNKS, ZZ_POSITIONS}),
+    "zigzag_pairs_r_with_cp_plus_r": (
+        "05.zigzag_assignment", [("return [rank, 2 * cp - 1 - rank]", "return [rank, cp + rank]")],
+        {ZZ_CHUNKS, ZZ_POSITIONS}),
+    "zigzag_rope_at_local_positions": (
+        "05.zigzag_assignment", [("return [c * chunk + i for c in zigzag_chunks(rank, cp) for i in range(chunk)]",
+                                  "return list(range(2 * chunk))")],
+        {ZZ_POSITIONS}),
+    "zigzag_owner_second_chunk_from_zero": (
+        "05.zigzag_assignment", [("return [2 * cp - 1 - c, chunk + offset]", "return [2 * cp - 1 - c, offset]")],
+        {ZZ_OWNER}),
+    "zigzag_accepts_any_length": (
+        "05.zigzag_assignment", [("    if seq_len % (2 * cp):\n        raise", "    if False:\n        raise")],
+        {ZZ_REJECT}),
+    "ring_computes_later_chunks": (  # the issue's mutant: wrong causal block rule
+        "05.ring_forward", [('return "diagonal" if k_chunk == q_chunk else "skip"',
+                             'return "diagonal" if k_chunk == q_chunk else "full"')],
+        {RING_CAUSAL, RING_LAYOUTS, RING_ANY}),
+    "ring_no_diagonal_mask": (
+        "05.ring_forward", [("if not causal or k_chunk < q_chunk:", "if not causal or k_chunk <= q_chunk:")],
+        {RING_CAUSAL, RING_LAYOUTS, RING_ANY}),
+    "ring_rule_compares_ranks": (  # right for the contiguous split only
+        "05.ring_forward", [("kind = block_kind(q_chunk, k_chunk, causal)", "kind = block_kind(rank, src, causal)")],
+        {RING_LAYOUTS, RING_ANY}),
+    "ring_source_rank_the_wrong_way": (
+        "05.ring_forward", [("src = (rank - step) % world", "src = (rank + step) % world")], {RING_CAUSAL}),
+    "ring_forgets_to_pass_kv": (
+        "05.ring_forward", [("            kv = incoming\n", "")], {RING_FULL, RING_CAUSAL}),
+    "ring_sends_after_the_last_step_too": (
+        "05.ring_forward", [("        if step < world - 1:  # post", "        if True:  # post"),
+                            ("        if step < world - 1:\n            for request",
+                             "        if True:\n            for request")],
+        {RING_P2P}),
+    "ring_by_all_gather": ("05.ring_forward", [(RING_SEND, RING_ALL_GATHER)], {RING_P2P}),
+    "work_diagonal_block_counted_whole": (
+        "05.causal_work", [("chunk * (chunk + 1) // 2", "chunk * chunk")], {WORK_CONTIGUOUS, WORK_ZIGZAG, WORK_LONG}),
+    "work_skipped_blocks_counted": (
+        "05.causal_work", [("sum(c * chunk * chunk", "sum((n_chunks - 1) * chunk * chunk")],
+        {WORK_CONTIGUOUS, WORK_LONG}),
+    "work_zigzag_pairs_r_with_cp_plus_r": (
+        "05.causal_work", [("[rank, 2 * cp - 1 - rank]", "[rank, cp + rank]")], {WORK_ZIGZAG, WORK_LONG}),
+    "work_imbalance_max_over_min": (
+        "05.causal_work", [("max(work) / (sum(work) / cp)", "max(work) / min(work)")], {WORK_IMBALANCE}),
+}
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_fails_its_check(name):
+    exercise_id, replace, must_fail = MUTANTS[name]
+    result = _grade(exercise_id, replace, only=must_fail)
+    failed = {c.name: c.message for c in result.checks if c.status == "failed"}
+    assert must_fail <= set(failed), f"{name}: expected {must_fail} to fail, failed: {failed}"
+    for message in failed.values():  # says what came back and what was due
+        assert "returned" in message and "expected" in message, message
+
+
+def test_every_exercise_has_a_mutant_and_every_check_catches_one():
+    caught = {name for _, _, names in MUTANTS.values() for name in names}
+    for ex in (e for e in checks.load_all().values() if e.chapter == "05"):
+        assert ex.id in {exercise_id for exercise_id, _, _ in MUTANTS.values()}, f"{ex.id}: no mutant"
+        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+
+
+def test_the_merge_reference_is_online_softmax():
+    """The merge check's expected values: `lab.parallel.ring_attention.merge` of the blocks (where no row is fully
+    masked) equals attention over all the keys, and a masked row's result is out 0, lse −inf."""
+    import torch
+
+    from lab.parallel.ring_attention import merge
+
+    rng = random.Random(0)
+    for offset in (0.0, 300.0):
+        case = ch05.merge_case(rng, n_blocks=3, offset=offset)
+        out, lse = None, None
+        for block in case["blocks"]:
+            out, lse = merge(out, lse, *block)
+        torch.testing.assert_close(out, case["full"][0])
+        torch.testing.assert_close(lse, case["full"][1])
+    masked = ch05.merge_case(rng, masked=True)
+    full_out, full_lse = masked["full"]
+    empty = torch.isneginf(full_lse)
+    assert empty.any() and not full_out[empty].any() and not full_out.isnan().any()
+    assert all(torch.isneginf(lse).any() for _, lse in masked["blocks"])
+
+
+def _lab_ring(shape, chunks, causal, seed):
+    """`lab.parallel.ring_attention` on this rank's chunks of the driver's q, k, v."""
+    import torch
+    import torch.distributed as dist
+
+    from lab.parallel.ring_attention import ring_attention
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
+    q, k, v = (ch05.rank_part(x, chunks, dist.get_rank()) for x in (q, k, v))
+    return ring_attention(q, k, v, None, chunks, causal=causal)
+
+
+@pytest.mark.parametrize("kind, cp", [("zigzag", 2), ("shuffled", 3)])
+def test_the_ring_reference_agrees_with_lab_parallel(kind, cp):
+    """The check's expected outputs (full attention, cut by the layout) are what `lab.parallel`'s ring computes on
+    real ranks, and its rank parts are `lab.parallel.cp.shard_sequence`'s for the library's layouts."""
+    import torch
+
+    from lab.dist import run
+    from lab.parallel.cp import shard_sequence
+
+    rng = random.Random(cp)
+    chunks = ch05.random_layout(rng, cp, kind)
+    shape = [2, 3, 4 * sum(map(len, chunks)), 8]
+    for causal in (True, False):
+        reference = ch05.ring_reference(shape, causal, 5)
+        for rank, got in enumerate(run(_lab_ring, cp, shape, chunks, causal, 5)):
+            torch.testing.assert_close(got.double(), ch05.rank_part(reference, chunks, rank), rtol=1e-5, atol=1e-5)
+    x = torch.arange(2 * 24).view(2, 1, 24, 1)
+    for layout in ("contiguous", "zigzag"):
+        for rank in range(3):
+            parts = ch05.random_layout(rng, 3, layout)
+            assert torch.equal(ch05.rank_part(x, parts, rank), shard_sequence(x, rank, 3, layout, dim=2))

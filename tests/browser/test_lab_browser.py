@@ -10,6 +10,7 @@ Needs Debian's /usr/bin/chromium and the playwright package (no `playwright inst
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -37,9 +38,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.skipif(_missing() is not None, re
 
 @pytest.fixture(scope="module")
 def lab_server(jupyter_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-    """JupyterLab serving a temp copy of the notebook folders, so the browser cannot touch tracked files."""
+    """JupyterLab serving a temp copy of the notebook folders, so the browser cannot touch tracked files (and of
+    configs/, which notebooks read as ../configs/tiny.toml)."""
     root = tmp_path_factory.mktemp("lab-root")
-    for folder in ("chapters", "solutions", "exercises"):
+    for folder in ("chapters", "solutions", "exercises", "configs"):
         if (REPO / folder).is_dir():
             shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     # the learner's plotting backend (inline), not the notebook lane's Agg: plots must really be drawn here
@@ -116,3 +118,99 @@ def test_memory_calculator_reacts_to_the_sequence_slider(browser, lab_server: La
         assert gib(after) > gib(before), (before, after)
         notebook.assert_no_errors()
     record_property("wall_s", ("browser   chapters/01_memory_and_compute.ipynb", time.perf_counter() - start))
+
+
+def _wait_for_change(locator, before: str, timeout_s: float = 30.0, attribute: str | None = None) -> str:
+    """Poll until the element's text (or `attribute`) differs from `before`: output widgets re-render their
+    elements, so a handle taken before the change may point at a replaced node."""
+    read = (lambda: locator.get_attribute(attribute)) if attribute else locator.inner_text
+    deadline = time.monotonic() + timeout_s
+    while (after := read()) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return after
+
+
+def test_ring_attention_explorer_follows_the_step_slider_and_the_layout(browser, lab_server: LabServer,
+                                                                        record_property) -> None:
+    start = time.perf_counter()
+    with open_notebook(browser, lab_server, "chapters/05_context_parallel.ipynb", ARTIFACTS) as notebook:
+        notebook.run_all(timeout_s=240)
+        notebook.assert_no_errors()
+        # the output area holding the widget, found by a control's label (the summary vanishes on an error)
+        widget = notebook.page.locator(".jp-OutputArea-output",
+                                       has=notebook.page.locator(".widget-label", has_text="ring step"))
+        step_line, balance = widget.locator(".lab-cp-step"), widget.locator(".lab-cp-balance")
+        assert step_line.inner_text().startswith("step 0 of 3:")  # the default: cp=4, contiguous, causal
+        assert "max/mean work per rank: 1.750" in balance.inner_text()
+        image = widget.locator(".widget-output img")
+        assert image.count() == 1  # the matrix and the bars were drawn
+        drawn = image.get_attribute("src")
+
+        slider = widget.locator(".widget-hslider", has=notebook.page.locator(".widget-label", has_text="ring step"))
+        handle = slider.locator(".noUi-handle")
+        handle.focus()
+        handle.press("ArrowRight")  # step 0 -> 1: other blocks are computed, rank 0 now holds rank 3's K/V
+        step_line.filter(has_text="step 1 of 3:").wait_for(timeout=30_000)
+        assert "rank 0 ← K/V of rank 3" in step_line.inner_text()
+        drawn = _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src")
+        assert drawn and drawn.startswith("data:image/png")
+
+        widget.locator(".widget-toggle-button", has_text="zigzag").click()  # zig-zag: every rank the same work
+        balance.filter(has_text="max/mean work per rank: 1.000").wait_for(timeout=30_000)
+        assert "chunk 3+4" in step_line.inner_text()  # at step 1 rank 0 holds rank 3's chunks 3 and 4
+        assert _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src") != drawn
+
+        seq = widget.locator(".widget-text", has=notebook.page.locator(".widget-label", has_text="seq"))
+        seq = seq.locator("input")
+        seq.fill("1001")
+        seq.press("Enter")  # not divisible by 2*cp = 8: one line instead of the chart
+        error = widget.locator(".lab-error")
+        error.filter(has_text="seq_len=1001 must be divisible by 2*cp = 8").wait_for(timeout=30_000)
+        widget.locator(".widget-output img").wait_for(state="detached", timeout=30_000)
+        assert step_line.count() == 0
+        seq.fill("1680")
+        seq.press("Enter")
+        widget.locator(".widget-output img").wait_for(timeout=30_000)
+        assert error.count() == 0
+        notebook.assert_no_errors()
+    record_property("wall_s", ("browser   chapters/05_context_parallel.ipynb", time.perf_counter() - start))
+
+
+def test_zero_ladder_follows_the_stage_and_the_number_of_ranks(browser, lab_server: LabServer,
+                                                               record_property) -> None:
+    start = time.perf_counter()
+    with open_notebook(browser, lab_server, "chapters/03_data_parallel_zero.ipynb", ARTIFACTS) as notebook:
+        notebook.run_all(timeout_s=300)
+        notebook.assert_no_errors()
+        widget = notebook.page.locator(".jp-OutputArea-output",
+                                       has=notebook.page.locator(".widget-label", has_text="ZeRO stage"))
+        total = widget.locator(".lab-zero-total")
+        # the ZeRO paper's Figure 1: Ψ = 7.5 B on N_d = 64 GPUs, stage 3
+        assert total.inner_text().startswith("ZeRO-3 (P_os+g+p): 1.88 GB per GPU")
+        image = widget.locator(".widget-output img")
+        assert image.count() == 1
+        drawn = image.get_attribute("src")
+
+        # ZeRO-1: only the optimizer states are sharded
+        widget.locator(".widget-toggle-button", has_text=re.compile(r"^\s*1\s*$")).click()
+        total.filter(has_text="ZeRO-1 (P_os): 31.41 GB per GPU").wait_for(timeout=30_000)
+        drawn = _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src")  # the outline moved
+
+        dp = widget.locator(".widget-text", has=notebook.page.locator(".widget-label", has_text="N_d")).locator("input")
+        dp.fill("8")
+        dp.press("Enter")  # 16 + 12/8 = 17.5 bytes per parameter: 7.5 B x 5.5 = 41.25 GB
+        total.filter(has_text="ZeRO-1 (P_os): 41.25 GB per GPU").wait_for(timeout=30_000)
+        assert _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src") != drawn
+
+        dp.fill("0")
+        dp.press("Enter")
+        widget.locator(".lab-error", has_text="N_d=0 must be an integer from 1 to").wait_for(timeout=30_000)
+        widget.locator(".widget-output img").wait_for(state="detached", timeout=30_000)
+        assert total.count() == 0
+        dp.fill("64")
+        dp.press("Enter")
+        total.filter(has_text="ZeRO-1 (P_os): 31.41 GB per GPU").wait_for(timeout=30_000)
+        widget.locator(".widget-output img").wait_for(timeout=30_000)
+        assert widget.locator(".lab-error").count() == 0
+        notebook.assert_no_errors()
+    record_property("wall_s", ("browser   chapters/03_data_parallel_zero.ipynb", time.perf_counter() - start))

@@ -54,7 +54,7 @@ class MemoryCalculator(widgets.VBox):
         self.estimate = None
         for control in self.controls.values():
             control.observe(lambda _change: self.update(), names="value")
-        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(width="340px"))
+        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(width="340px", flex="0 0 auto"))
         super().__init__([widgets.HBox([left, widgets.VBox([self.plot, self.summary, self.error])])])
         self.update()
 

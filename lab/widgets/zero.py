@@ -74,7 +74,7 @@ class ZeroLadder(widgets.VBox):
         for name, control in self.controls.items():
             if name != "model":
                 control.observe(lambda _change: self.update(), names="value")
-        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(width="360px"))
+        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(width="360px", flex="0 0 auto"))
         super().__init__([widgets.HBox([left, widgets.VBox([self.plot, self.summary, self.error])])])
         self.update()
 

@@ -33,8 +33,10 @@ def setup(seed: int = 0, threads: int | None = None, quiet: bool = False) -> Non
             raise ValueError(f"threads={threads} must be >= 1")
         torch.set_num_threads(threads)
     if not quiet:
-        gpus = torch.cuda.device_count()
-        accel = f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}" if gpus else "no GPU (CPU ranks use gloo)"
+        from lab.doctor import gpu_names
+
+        gpus = gpu_names()
+        accel = f"{len(gpus)} GPU(s): {gpus[0]}" if gpus else "no GPU (CPU ranks use gloo)"
         print(f"lab {__version__} | torch {torch.__version__} | {os.cpu_count()} CPU cores, "
               f"{torch.get_num_threads()} torch threads | {accel} | seed {seed}")
 

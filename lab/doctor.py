@@ -58,6 +58,22 @@ def _check_gloo() -> Check:
                  "" if ok else "gloo returned a wrong sum: report this", required=True)
 
 
+def gpu_names() -> list[str]:
+    """The GPUs' names, asked of nvidia-smi rather than torch: `torch.cuda.get_device_name` initialises CUDA in
+    this process, and a process that has initialised CUDA can no longer fork ranks that use it (a notebook
+    that printed its GPU could not then run `lab.dist.run(..., backend="nccl")`)."""
+    import torch
+
+    count = torch.cuda.device_count()  # does not initialise CUDA
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split("\n")
+        names = [line.strip() for line in out if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    return names[:count] if len(names) >= count else ["GPU"] * count
+
+
 def _check_gpu() -> list[Check]:
     import torch
     import torch.distributed as dist
@@ -65,7 +81,7 @@ def _check_gpu() -> list[Check]:
     if not torch.cuda.is_available():
         return [Check("cuda", False, "no GPU visible: chapters run on CPU ranks with gloo; GPU-only cells "
                       "say so and are skipped", "on a GPU machine install a CUDA build of torch (README)")]
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    names = gpu_names()
     gpu = Check("cuda", True, f"{len(names)} GPU(s): {', '.join(sorted(set(names)))}; CUDA {torch.version.cuda}")
     nccl = Check("nccl", dist.is_nccl_available(), "NCCL backend available" if dist.is_nccl_available()
                  else "this torch build has no NCCL", "install a CUDA build of torch with NCCL")

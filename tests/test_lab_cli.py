@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from lab.doctor import Check, format_report, run_checks
 
 
@@ -39,3 +41,19 @@ def test_calc_params_cli():
     bad = _lab("calc", "params", "--model", "gpt-17")
     assert bad.returncode == 2 and "unknown model preset 'gpt-17'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_names_never_initialise_cuda(monkeypatch):
+    """lab.setup() and the doctor name GPUs through nvidia-smi: after torch.cuda.get_device_name a process can
+    no longer fork ranks that use CUDA. Without nvidia-smi they fall back to one "GPU" per device."""
+    import torch
+
+    import lab
+    from lab import doctor
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: pytest.fail("initialises CUDA"))
+    monkeypatch.setattr(doctor.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError()))
+    assert doctor.gpu_names() == ["GPU", "GPU"]
+    lab.setup(quiet=False)
+    assert not torch.cuda.is_initialized()

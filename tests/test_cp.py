@@ -81,6 +81,9 @@ def test_merge_is_online_softmax():
     out, lse = merge(*merge(None, None, *halves[0]), *halves[1])
     torch.testing.assert_close(out, scores.softmax(-1) @ values)
     torch.testing.assert_close(lse, scores.logsumexp(-1))
+    empty = (torch.zeros(3, 4), torch.full((3,), float("-inf")))  # rows that saw no key in either part
+    out, lse = merge(*empty, *empty)
+    assert torch.equal(out, torch.zeros(3, 4)) and torch.isneginf(lse).all()
 
 
 @pytest.mark.parametrize("seq, cp, layout, message", [

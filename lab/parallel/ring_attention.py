@@ -82,8 +82,10 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     if out is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    return (out * torch.exp(lse - new_lse).unsqueeze(-1)
-            + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)), new_lse
+    # a row that has seen no key yet in either part (lse = -inf on both sides) stays empty, not NaN
+    safe = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+    return (out * torch.exp(lse - safe).unsqueeze(-1)
+            + block_out * torch.exp(block_lse - safe).unsqueeze(-1)), new_lse
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,

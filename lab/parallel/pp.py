@@ -165,13 +165,16 @@ class Pipeline:
         for op in self.schedule.ops[self.rank]:
             began = time.perf_counter() - start
             {"F": self._forward, B: self._backward, W: self._weights}[op.kind](op)
-            if self.op_delay.get(op.kind):
-                time.sleep(self.op_delay[op.kind] / self.schedule.chunks)
             self.timings.append(OpTiming(op, began, time.perf_counter() - start))
         for request in self._sends:
             request.wait()
         last = self._stage(self.schedule.chunks - 1) == self.schedule.virtual_stages - 1
         return self._loss if last else None
+
+    def _synthetic_work(self, kind: str) -> None:
+        """`op_delay`'s extra seconds, spent after the op's compute and before its result is sent on."""
+        if self.op_delay.get(kind):
+            time.sleep(self.op_delay[kind] / self.schedule.chunks)
 
     def _receive(self, microbatch: int, stage: int, backward: bool) -> torch.Tensor:
         """The activation (or gradient) on the boundary between `stage` and its neighbour."""
@@ -201,6 +204,7 @@ class Pipeline:
                 self._loss += output.detach()
         finally:
             self._recording = None
+        self._synthetic_work("F")
         if stage < last:
             self._send(output, op.microbatch, stage + 1, backward=False)
         self._stash[(op.microbatch, op.chunk)] = _Stash(inputs, output, calls)
@@ -223,6 +227,7 @@ class Pipeline:
             torch.autograd.backward(stash.output, grad)
             input_grad = stash.inputs.grad if wants_input else None
             del self._stash[(op.microbatch, op.chunk)]
+        self._synthetic_work(B)
         if wants_input:
             self._send(input_grad, op.microbatch, stage - 1, backward=True)
 
@@ -230,3 +235,23 @@ class Pipeline:
         stash = self._stash.pop((op.microbatch, op.chunk))
         for (module, inputs, _), grad_output in zip(stash.calls, stash.output_grads, strict=True):
             weight_gradients(module, inputs, grad_output)
+        self._synthetic_work(W)
+
+
+def timed_step(cfg: ModelConfig, schedule: Schedule, tf: float, tb: float, tw: float = 0.0,
+               batch: int | None = None, seq: int = 16) -> list[OpTiming]:
+    """Run one pipeline step on this rank with `tf`, `tb`, `tw` seconds of synthetic work added to each op
+    (F, and B as the whole backward or, split, B = tb - tw then W = tw — the simulator's time model), and
+    return its op timings, in seconds from a barrier that all ranks leave together. Called on every rank
+    (`lab.dist.run(timed_step, pp, ...)`), to lay the measured timeline over `lab.calc.bubble.simulate`'s."""
+    rank = dist.get_rank(group=None)
+    chunks = [build_chunk(cfg, schedule.virtual_stage(rank, c), schedule.virtual_stages)
+              for c in range(schedule.chunks)]
+    delay = {"F": tf, B: tb - tw, W: tw} if schedule.split_backward else {"F": tf, B: tb}
+    pipeline = Pipeline(chunks, schedule, None, op_delay=delay)
+    tokens = torch.randint(0, cfg.vocab_size, (batch or schedule.microbatches, seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    pipeline.step(tokens[:, :-1], tokens[:, 1:])  # a first step warms up the connections and allocators
+    dist.barrier()
+    pipeline.step(tokens[:, :-1], tokens[:, 1:])
+    return pipeline.timings

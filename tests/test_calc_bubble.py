@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from lab.calc.bubble import bubble_ratio, explore, simulate, zb_h1_bubble
+from lab.calc.bubble import bubble_ratio, dualpipe_bubble, explore, simulate, zb_h1_bubble
 from lab.calc.schedules import B, F, Op, W, afab, interleaved, make_schedule, one_f_one_b, zb_h1
 
 
@@ -91,7 +91,8 @@ def test_p2p_latency_adds_to_the_critical_path():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: make_schedule("gpipe", 4, 8), "schedule='gpipe' must be one of 'afab', '1f1b', 'interleaved', 'zb-h1'"),
+    (lambda: make_schedule("gpipe", 4, 8), "schedule='gpipe' must be one of 'afab', '1f1b', 'interleaved', 'zb-h1', "
+                                           "'dualpipe'"),
     (lambda: make_schedule("interleaved", 4, 6, 2), "microbatches=6 must be a multiple of pp=4"),
     (lambda: make_schedule("interleaved", 4, 8, 1), "chunks=1 must be >= 2 for the interleaved schedule"),
     (lambda: make_schedule("1f1b", 4, 8, 2), "chunks=2: only the interleaved schedule runs several chunks"),
@@ -113,3 +114,30 @@ def test_a_deadlocking_schedule_is_reported():
     with pytest.raises(ValueError, match="deadlocks: ranks wait forever at"):
         simulate(backwards_first)
     assert interleaved(2, 2, 2).virtual_stages == 4
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16), (8, 40)])
+def test_dualpipe_runs_every_op_once_and_meets_the_papers_numbers(p, m):
+    """DeepSeek-V3's Table 2: DualPipe idles (p/2-1)(F&B + B - 3W) for p+1 micro-batches of activations per
+    rank (and twice the parameters); in the regime F = B = 2W, against 1F1B's (p-1)(F+B+W) and ZB-H1's."""
+    schedule = make_schedule("dualpipe", p, m)
+    half = m // 2
+    for rank, ops in enumerate(schedule.ops):
+        split = {(op.microbatch, op.chunk) for op in ops if op.kind == W}
+        expected = [Op(k, i, c) for c in (0, 1) for i in range(c * half, (c + 1) * half) for k in (F, B)]
+        assert sorted(op for op in ops if op.kind != W) == sorted(expected), rank
+        assert all(ops.index(Op(W, i, c)) > ops.index(Op(B, i, c)) for i, c in split)
+    tf, tb, tw = 2.0, 3.0, 1.0  # F = B (input gradient, t_b - t_w) = 2 W
+    sim = simulate(schedule, tf, tb, tw)
+    assert sim.idle == pytest.approx([dualpipe_bubble(p, tf, tb, tw)] * p)
+    assert sim.peak_activations == [p + 1] * p
+    if p >= 4:
+        assert max(sim.idle) < max(explore("zb-h1", p, m, tf=tf, tb=tb, tw=tw).idle) < max(
+            explore("1f1b", p, m, tf=tf, tb=tb, tw=tw).idle)
+
+
+def test_dualpipe_shape_rules():
+    with pytest.raises(ValueError, match="pp=3 must be even for dualpipe"):
+        make_schedule("dualpipe", 3, 12)
+    with pytest.raises(ValueError, match=r"microbatches=6 must be even and >= 2\*pp = 8 for dualpipe"):
+        make_schedule("dualpipe", 4, 6)

@@ -62,9 +62,9 @@ class Simulation:
                 "peak_activations": self.peak_activations, "p2p_messages": self.p2p_messages}
 
 
-def op_durations(tf: float, tb: float, tw: float, chunks: int = 1) -> dict[str, float]:
-    """Seconds of one op of one chunk, F / B / W, for a schedule without W ops ("B" is the whole backward)
-    and for one with them ("Bsplit" = t_b - t_w)."""
+def op_durations(tf: float, tb: float, tw: float, share: float = 1.0) -> dict[str, float]:
+    """Time of one op over `share` of a stage: F, B (the whole backward), "Bsplit" (a backward whose weight
+    gradients a later W computes: t_b - t_w) and W."""
     for name, value in (("tf", tf), ("tb", tb), ("tw", tw)):
         if not (isinstance(value, int | float) and 0 <= value < math.inf):
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
@@ -72,7 +72,7 @@ def op_durations(tf: float, tb: float, tw: float, chunks: int = 1) -> dict[str, 
         raise ValueError("tf=0 and tb=0: at least one of the forward and the backward must take time")
     if tw > tb:
         raise ValueError(f"tw={tw} must be <= tb={tb}: the weight gradients are part of the backward")
-    return {F: tf / chunks, B: tb / chunks, "Bsplit": (tb - tw) / chunks, W: tw / chunks}
+    return {F: tf * share, B: tb * share, "Bsplit": (tb - tw) * share, W: tw * share}
 
 
 def _dependency(schedule: Schedule, rank: int, op: Op) -> tuple[Op, int] | None:
@@ -81,12 +81,12 @@ def _dependency(schedule: Schedule, rank: int, op: Op) -> tuple[Op, int] | None:
     if op.kind == F:
         if stage == 0:
             return None
-        prev_rank, prev_chunk = schedule.rank_of(stage - 1)
+        prev_rank, prev_chunk = schedule.rank_of(stage - 1, op.chunk)
         return Op(F, op.microbatch, prev_chunk), prev_rank
     if op.kind == B:
         if stage == last:
             return Op(F, op.microbatch, op.chunk), rank
-        next_rank, next_chunk = schedule.rank_of(stage + 1)
+        next_rank, next_chunk = schedule.rank_of(stage + 1, op.chunk)
         return Op(B, op.microbatch, next_chunk), next_rank
     return Op(B, op.microbatch, op.chunk), rank
 
@@ -95,9 +95,14 @@ def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1
     """Play `schedule` with these op costs; raises ValueError if the schedule deadlocks."""
     if not (isinstance(p2p, int | float) and 0 <= p2p < math.inf):
         raise ValueError(f"p2p={p2p!r} must be a finite number >= 0")
-    costs = op_durations(tf, tb, tw, schedule.chunks)
-    backward = costs["Bsplit"] if schedule.split_backward else costs[B]
-    duration = {F: costs[F], B: backward, W: costs[W]}
+    costs = op_durations(tf, tb, tw, schedule.stage_share)
+    deferred = {(r, op.microbatch, op.chunk) for r, ops in enumerate(schedule.ops) for op in ops if op.kind == W}
+
+    def duration(rank: int, op: Op) -> float:
+        if op.kind == B and (rank, op.microbatch, op.chunk) in deferred:
+            return costs["Bsplit"]  # its weight gradients come later, in a W
+        return costs[op.kind]
+
     p = schedule.pp
     finished: dict[tuple[int, Op], float] = {}
     free, position = [0.0] * p, [0] * p
@@ -117,7 +122,7 @@ def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1
                     ready = finished[(dep_rank, dep_op)] + (p2p if dep_rank != r else 0.0)
                     messages += dep_rank != r
                 start = max(free[r], ready)
-                end = start + duration[op.kind]
+                end = start + duration(r, op)
                 finished[(r, op)] = free[r] = end
                 spans.append(Span(r, op, start, end))
                 position[r] += 1
@@ -127,7 +132,7 @@ def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1
             raise ValueError(f"schedule {schedule.name!r} deadlocks: ranks wait forever at {stuck}")
     makespan = max(free)
     busy = [sum(s.end - s.start for s in spans if s.rank == r) for r in range(p)]
-    return Simulation(schedule, spans, makespan, busy, _peak_activations(schedule, spans), messages, duration)
+    return Simulation(schedule, spans, makespan, busy, _peak_activations(schedule, spans), messages, costs)
 
 
 def _peak_activations(schedule: Schedule, spans: list[Span]) -> list[float]:
@@ -139,7 +144,7 @@ def _peak_activations(schedule: Schedule, spans: list[Span]) -> list[float]:
                         if s.rank == r and s.op.kind in (F, B))  # at equal times, frees come first
         held = peak = 0.0
         for _, is_forward in events:
-            held += (1 if is_forward else -1) / schedule.chunks
+            held += (1 if is_forward else -1) * schedule.stage_share
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -157,11 +162,25 @@ def zb_h1_bubble(pp: int, tf: float, tb: float, tw: float) -> float:
     return (pp - 1) * (tf + tb - 2 * tw)
 
 
+def dualpipe_bubble(pp: int, tf: float, tb: float, tw: float) -> float:
+    """DeepSeek-V3's DualPipe bubble, (p/2 - 1)(F&B + B - 3W) with B = t_b - t_w the input-gradient part and
+    F&B = t_f + B a forward and a backward computed together. The simulator runs the two one after the other
+    (it models no compute-communication overlap), so it agrees in the paper's regime t_f = B = 2·t_w; with
+    other costs the DualPipe order is no longer the best one and the simulator shows what it costs."""
+    backward = tb - tw
+    return (pp / 2 - 1) * (tf + 2 * backward - 3 * tw)
+
+
 def closed_form(schedule: str, pp: int, microbatches: int, chunks: int = 1, tf: float = 1.0, tb: float = 2.0,
                 tw: float = 1.0, p2p: float = 0.0) -> dict:
     """The textbook answer next to the simulated one: {"bubble_ratio", "idle" (per rank), "formula",
     "exact_when", "exact" (whether these inputs meet it)}. (p-1)/(v·m) holds for any t_f, t_b without latency."""
     useful = microbatches * (tf + tb)  # per rank, whatever the schedule: every op once
+    if schedule == "dualpipe":  # DeepSeek-V3's table, B and W being the split backward's two parts
+        idle = dualpipe_bubble(pp, tf, tb, tw)
+        return {"bubble_ratio": idle / useful, "idle": idle, "formula": "idle = (p/2-1)(tf + 2(tb-tw) - 3·tw)",
+                "exact_when": "m >= 2p, tf = tb - tw = 2·tw, p2p = 0",
+                "exact": microbatches >= 2 * pp and tf == tb - tw == 2 * tw and p2p == 0}
     if schedule == "zb-h1":
         idle = zb_h1_bubble(pp, tf, tb, tw)
         return {"bubble_ratio": idle / useful, "idle": idle, "formula": "idle = (p-1)(tf + tb - 2·tw)",

@@ -12,15 +12,18 @@ the bubble calculator draws is what the ranks execute. Torch-free.
     one_f_one_b(p, m)      p - r - 1 warm-up forwards, then alternate: at most p - r in flight
     interleaved(p, m, v)   1F1B over v chunks per rank: the bubble shrinks by v, messages grow by v
     zb_h1(p, m)            1F1B with B split from W; W's fill the cool-down's bubbles (Qi et al. 2023)
+    dualpipe(p, m)         DeepSeek-V3's bidirectional schedule: half the micro-batches enter at each end
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
-from lab.config import PP_SCHEDULES as SCHEDULES
+from lab.config import PP_SCHEDULES
 
 F, B, W = "F", "B", "W"
+SCHEDULES = (*PP_SCHEDULES, "dualpipe")  # lab.train runs the first four; DualPipe lives in the simulator
 
 
 @dataclass(frozen=True, order=True)
@@ -40,6 +43,9 @@ class Schedule:
     microbatches: int
     chunks: int  # v, chunks of layers per rank
     ops: tuple[tuple[Op, ...], ...]  # ops[r]: what rank r runs, in order
+    # DualPipe: two pipelines of p stages over the same ranks, chunk 0 entering at rank 0 and chunk 1 at rank
+    # p - 1; each chunk is a whole stage (a copy of its parameters), not 1/v of one
+    bidirectional: bool = False
 
     @property
     def split_backward(self) -> bool:
@@ -48,13 +54,23 @@ class Schedule:
 
     @property
     def virtual_stages(self) -> int:
-        return self.pp * self.chunks
+        """Stages a micro-batch goes through."""
+        return self.pp if self.bidirectional else self.pp * self.chunks
+
+    @property
+    def stage_share(self) -> float:
+        """One op's work, in stages (t_f, t_b, t_w are per stage): 1/v when interleaved, else 1."""
+        return 1.0 if self.bidirectional else 1 / self.chunks
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
+        if self.bidirectional:
+            return rank if chunk == 0 else self.pp - 1 - rank
         return chunk * self.pp + rank
 
-    def rank_of(self, virtual_stage: int) -> tuple[int, int]:
-        """(rank, chunk) that runs a virtual stage."""
+    def rank_of(self, virtual_stage: int, chunk: int = 0) -> tuple[int, int]:
+        """(rank, chunk) that runs a virtual stage (of the pipeline `chunk` runs in, when bidirectional)."""
+        if self.bidirectional:
+            return (virtual_stage if chunk == 0 else self.pp - 1 - virtual_stage), chunk
         return virtual_stage % self.pp, virtual_stage // self.pp
 
     def table(self) -> str:
@@ -136,8 +152,73 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", p, m, 1, tuple(ranks))
 
 
+def dualpipe(p: int, m: int) -> Schedule:
+    """DualPipe (DeepSeek-V3, 2024): m/2 micro-batches enter at rank 0 (chunk 0: stage r on rank r) while the
+    other m/2 enter at rank p-1 (chunk 1: stage r on rank p-1-r), so every rank holds two stages and the two
+    pipelines fill each other's bubbles. The order follows DeepSeek's eight phases; h is a rank's distance
+    from the nearer end, and "phase 0" is the pipeline entering at that end:
+
+      1  2(p/2-h-1) F0            warm-up of the near pipeline
+      2  h+1 × (F0 F1)            the far pipeline arrives
+      3  p/2-h-1 × (B1 W1 F1)     zero-bubble backwards of the far pipeline
+      4  m/2-p+h+1 × (F0 B1 F1 B0)  steady state: each F paired with a B (on GPUs, their compute and
+                                   communication overlap; here they run one after the other)
+      5  p/2-h-1 × (B1 F1 B0)
+      6  h+1 × (B1 B0)            the second half of these split their W off
+      7  p/2-h-1 × (W B0)
+      8  h+1 × W                  the weight gradients still waiting
+
+    Needs p even and m even, m >= 2p. The bubble: (p/2 - 1)(F&B + B - 3W) in the paper's units (F&B an
+    overlapped forward and backward), for twice the parameters (each rank holds two stages)."""
+    _check(p, m)
+    if p % 2:
+        raise ValueError(f"pp={p} must be even for dualpipe: ranks pair up from both ends")
+    if m % 2 or m < 2 * p:
+        raise ValueError(f"microbatches={m} must be even and >= 2*pp = {2 * p} for dualpipe")
+    return Schedule("dualpipe", p, m, 2, tuple(_dualpipe_rank(p, m, r) for r in range(p)), bidirectional=True)
+
+
+def _dualpipe_rank(p: int, m: int, r: int) -> tuple[Op, ...]:
+    half = m // 2
+    flip, h = int(r >= p // 2), min(r, p - 1 - r)  # phase 0 is chunk 0 on the first half of the ranks
+    next_f, next_b, waiting, ops = [0, 0], [0, 0], deque(), []
+
+    def forward(phase: int) -> None:
+        chunk = phase ^ flip
+        ops.append(Op(F, chunk * half + next_f[chunk], chunk))
+        next_f[chunk] += 1
+
+    def backward(phase: int, split: bool = False) -> None:
+        chunk = phase ^ flip
+        op = Op(B, chunk * half + next_b[chunk], chunk)
+        next_b[chunk] += 1
+        ops.append(op)
+        if split:  # the weight gradient waits in a queue for a W slot
+            waiting.append(Op(W, op.microbatch, chunk))
+
+    for _ in range(2 * (p // 2 - h - 1)):
+        forward(0)
+    for _ in range(h + 1):
+        forward(0), forward(1)
+    for _ in range(p // 2 - h - 1):
+        backward(1, split=True), ops.append(waiting.popleft()), forward(1)
+    for _ in range(half - p + h + 1):
+        forward(0), backward(1), forward(1), backward(0)
+    for _ in range(p // 2 - h - 1):
+        backward(1), forward(1), backward(0)
+    split = False
+    for i in range(h + 1):
+        split = split or (i == (h + 1) // 2 and h % 2 == 1)
+        backward(1, split)
+        split = split or (i == (h + 1) // 2 and h % 2 == 0)
+        backward(0, split)
+    for _ in range(p // 2 - h - 1):
+        ops.append(waiting.popleft()), backward(0, split=True)
+    return tuple(ops + list(waiting))
+
+
 def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """A schedule by name: "afab", "1f1b", "interleaved" (with `chunks` > 1) or "zb-h1"."""
+    """A schedule by name: "afab", "1f1b", "interleaved" (with `chunks` > 1), "zb-h1" or "dualpipe"."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} must be one of {', '.join(map(repr, SCHEDULES))}")
     if name == "interleaved":
@@ -146,4 +227,4 @@ def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Sch
         return interleaved(pp, microbatches, chunks)
     if chunks != 1:
         raise ValueError(f"chunks={chunks}: only the interleaved schedule runs several chunks per rank")
-    return {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zb_h1}[name](pp, microbatches)
+    return {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zb_h1, "dualpipe": dualpipe}[name](pp, microbatches)

@@ -119,6 +119,9 @@ class Pipeline:
 
     def __init__(self, chunks: list[Transformer], schedule: Schedule, group: dist.ProcessGroup | None,
                  loss_fn: LossFn = _cross_entropy, op_delay: dict[str, float] | None = None) -> None:
+        if schedule.bidirectional:
+            raise ValueError(f"{schedule.name} runs in the simulator (lab.calc.bubble) only: lab's pipeline "
+                             f"executes one-directional schedules")
         self.rank, world, self._global = group_info(group)
         if world != schedule.pp or len(chunks) != schedule.chunks:
             raise ValueError(f"a {schedule.name} schedule for pp={schedule.pp} with {schedule.chunks} chunk(s) per "

@@ -1,6 +1,6 @@
 """The pipeline explorer: a schedule played op by op, its bubble, and the activations each stage holds.
 
-Pick a schedule (AFAB, 1F1B, interleaved 1F1B, ZB-H1), the pipeline ranks p, the micro-batches m, the chunks
+Pick a schedule (AFAB, 1F1B, interleaved 1F1B, ZB-H1, DualPipe), the pipeline ranks p, the micro-batches m, the chunks
 per rank v (interleaved only) and the op costs: t_f, the forward of one micro-batch through one stage; t_b,
 its whole backward; t_w, the weight-gradient part of t_b (ZB-H1 runs B in t_b − t_w and W in t_w later);
 and the latency of one send between ranks. `lab.calc.bubble.explore` checks them and simulates the

@@ -23,6 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 import tomli_w
 
 ATTENTION_KINDS = ("gqa", "mla")
+MOE_GATINGS = ("softmax", "sigmoid")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")  # lab.calc.schedules builds them
 RECOMPUTE_MODES = ("none", "selective", "full")
 DP_MODES = ("naive", "overlapped", "bucketed")
@@ -76,6 +77,10 @@ class ModelConfig:
     d_ff_expert: int = 0  # 0: same as d_ff
     n_shared_experts: int = 0
     n_dense_layers: int = 0
+    moe_gating: str = "softmax"  # softmax over experts (Mixtral, Switch) or per-expert sigmoid (DeepSeek-V3)
+    capacity_factor: float = 0.0  # 0: no token dropped; c: an expert takes at most c·tokens·top_k/n_experts
+    aux_loss_coef: float = 0.0  # weight of the load-balancing loss (Switch/GShard) in the training loss
+    z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE)
     # Multi-head latent attention (DeepSeek-V2/V3)
     attention: str = "gqa"
     q_lora_rank: int = 0
@@ -115,6 +120,9 @@ class ModelConfig:
                      f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         if self.is_moe:
             _positive(self, "top_k", "d_ff_expert")
+            _one_of("moe_gating", self.moe_gating, MOE_GATINGS)
+            for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+                _require(getattr(self, name) >= 0, f"{name}={getattr(self, name)!r} must be >= 0")
             _require(self.top_k <= self.n_experts,
                      f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
             _require(self.n_dense_layers < self.n_layers,
@@ -350,7 +358,7 @@ def _preset(**kwargs: Any) -> None:
 _preset(name="tiny", vocab_size=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128,
         max_seq_len=256)
 _preset(name="tiny-moe", vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
-        max_seq_len=256, n_experts=8, top_k=2, d_ff_expert=64)
+        max_seq_len=256, n_experts=8, top_k=2, d_ff_expert=64, aux_loss_coef=0.01, z_loss_coef=0.001)
 # HuggingFaceTB/SmolLM-135M
 _preset(name="smollm-135m", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
         max_seq_len=2048, rope_theta=10000.0, tie_embeddings=True)

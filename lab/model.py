@@ -143,35 +143,79 @@ class FeedForward(nn.Module):
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts (plus optional always-on shared experts).
 
-    Every expert runs, on the (possibly empty) set of tokens routed to it, so every expert gets a
-    gradient tensor each step — zeros when it got no token — and data-parallel reductions never meet a
-    missing gradient. The weights of the k chosen experts are renormalised to sum to one (Mixtral).
+    Each token's router scores (softmax over experts, or DeepSeek-V3's per-expert sigmoid) pick its top_k
+    experts, whose weights are renormalised to sum to one. With a `capacity_factor` c an expert takes at
+    most c·tokens·top_k/n_experts assignments, first come first served, and the rest are dropped (their
+    token keeps only the residual). The expert computation is grouped: assignments are sorted by expert so
+    that each expert runs once on a contiguous block — the layout expert parallelism sends over all-to-all,
+    which is why `compute` is a swappable step (`lab.parallel.ep` replaces it).
+
+    Every forward leaves, for the trainer and the logs, `aux_loss` (Switch/GShard: n_experts·Σ_e f_e·P_e,
+    f_e the share of assignments and P_e the mean score of expert e; 1 when perfectly balanced), `z_loss`
+    (ST-MoE: the mean squared log-sum-exp of the router logits), `load` (assignments per expert, after
+    drops) and `dropped` (assignments dropped).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.top_k = cfg.top_k
+        self.top_k, self.n_experts = cfg.top_k, cfg.n_experts
+        self.gating, self.capacity_factor = cfg.moe_gating, cfg.capacity_factor
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(cfg.d_model, cfg.d_ff_expert) for _ in range(cfg.n_experts))
+        # keyed by the global expert index: an expert-parallel rank keeps only its own, under the same names
+        self.experts = nn.ModuleDict({str(e): FeedForward(cfg.d_model, cfg.d_ff_expert) for e in range(cfg.n_experts)})
         self.shared = (FeedForward(cfg.d_model, cfg.n_shared_experts * cfg.d_ff_expert)
                        if cfg.n_shared_experts else None)
+        self.compute = self.compute_local
+        self.aux_loss = self.z_loss = self.load = None
+        self.dropped = 0
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (weights, expert ids), both (n_tokens, top_k)."""
-        probs = self.router(tokens).float().softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
+        """Return (weights, expert ids), both (n_tokens, top_k); record the router losses."""
+        logits = self.router(tokens).float()
+        scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        share = torch.zeros(self.n_experts, device=tokens.device).index_add_(
+            0, chosen.flatten(), torch.ones(chosen.numel(), device=tokens.device)) / chosen.numel()
+        probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
+        self.aux_loss = self.n_experts * (share * probability).sum()
+        self.z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
         return (weights / weights.sum(dim=-1, keepdim=True)).type_as(tokens), chosen
+
+    def capacity_mask(self, chosen: torch.Tensor) -> torch.Tensor:
+        """(n_tokens, top_k) bool: which assignments fit their expert's capacity (all, without a factor)."""
+        if not self.capacity_factor:
+            return torch.ones_like(chosen, dtype=torch.bool)
+        capacity = math.ceil(self.capacity_factor * chosen.numel() / self.n_experts)
+        flat = F.one_hot(chosen.flatten(), self.n_experts)  # assignments in token order, then slot order
+        position = (flat.cumsum(dim=0) * flat).sum(dim=-1)  # 1-based place in its expert's queue
+        return (position <= capacity).view_as(chosen)
+
+    def compute_local(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run expert e on its block of `inputs` (sorted by expert, counts[e] rows each)."""
+        blocks = inputs.split(counts)
+        return torch.cat([self.experts[str(e)](block) for e, block in enumerate(blocks)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(tokens)
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, token_idx, expert(tokens[token_idx]) * weights[token_idx, slot, None])
+        keep = self.capacity_mask(chosen)
+        token_of = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)[keep.flatten()]
+        expert_of, weight_of = chosen.flatten()[keep.flatten()], weights.flatten()[keep.flatten()]
+        order = expert_of.argsort(stable=True)  # group the kept assignments by expert
+        counts = torch.bincount(expert_of, minlength=self.n_experts)
+        self.load, self.dropped = counts.detach(), int((~keep).sum())
+        outputs = self.compute(tokens[token_of[order]], counts.tolist())
+        out = torch.zeros_like(tokens).index_add_(0, token_of[order], outputs * weight_of[order, None])
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.view_as(x)
+
+
+def moe_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over the MoE layers of the last forward's load-balancing and z losses (zeros for a dense model)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    zero = next(model.parameters()).new_zeros(())
+    return sum((m.aux_loss for m in layers), zero), sum((m.z_loss for m in layers), zero)
 
 
 class Block(nn.Module):

@@ -30,27 +30,31 @@ from lab.calc.schedules import make_schedule
 from lab.config import CP_IMPLS, DP_MODES, PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
 from lab.data import SyntheticTokens, shard_rows
 from lab.dist import Mesh
-from lab.model import build_model, materialize, num_params, set_recompute
+from lab.model import MoE, build_model, materialize, moe_losses, num_params, set_recompute
 from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
 from lab.parallel.dp import NaiveDP
+from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
 from lab.parallel.pp import Pipeline, build_chunk
 from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
 from lab.parallel.zero import make_data_parallel
-
-# Parallel features that later chapters implement; until then their flags fail loudly, never silently.
-_NOT_YET = {
-    "ep": ("expert parallelism", "07", lambda p: p.ep > 1),
-}
 
 
 @dataclass
 class StepLog:
     step: int
-    loss: float
+    loss: float  # the language-model loss (cross-entropy), comparable with the data's floor
     lr: float
     grad_norm: float
     tokens_per_s: float
     peak_bytes: int | None
+    # mixture-of-experts models only: assignments per expert over all layers and ranks, those dropped by the
+    # capacity limit, and the load-balancing loss (1 when balanced)
+    expert_load: list[int] | None = None
+    dropped_tokens: int | None = None
+    aux_loss: float | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None or k == "peak_bytes"}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -121,10 +125,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.zero):
         raise ValueError(f"pp={p.pp} with tp={p.tp}, cp={p.cp}, zero={p.zero}: lab.train combines pipeline "
                          f"parallelism with data parallelism only, for now; use --tp 1 --cp 1 --zero 0 with --pp")
-    for flag, (what, chapter, used) in _NOT_YET.items():
-        if used(p):
-            raise ValueError(f"--{flag}={getattr(p, flag)}: {what} is not implemented yet "
-                             f"(chapter {chapter}); leave it at its default")
+    if p.ep > 1 and (p.tp > 1 or p.cp > 1 or p.pp > 1 or p.zero):
+        raise ValueError(f"ep={p.ep} with tp={p.tp}, cp={p.cp}, pp={p.pp}, zero={p.zero}: lab.train combines expert "
+                         f"parallelism with data parallelism only, for now")
+    if p.pp > 1 and config.model.is_moe:
+        raise ValueError(f"pp={p.pp} with a mixture-of-experts model: pipeline stages do not carry the router's "
+                         f"auxiliary losses yet; train {config.model.name} without --pp")
     return config, nproc
 
 
@@ -160,6 +166,8 @@ def _build_model(config: Config, mesh: Mesh | None, device: torch.device) -> tup
         apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=parallel.sp)
     if parallel.cp > 1:
         apply_context_parallel(model, mesh.cp_group, parallel.cp_impl)
+    if parallel.ep > 1:
+        apply_expert_parallel(model, mesh.ep_group)
     set_recompute(model, parallel.recompute)
     return model, None
 
@@ -167,7 +175,8 @@ def _build_model(config: Config, mesh: Mesh | None, device: torch.device) -> tup
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
     """The training loop run by every rank (or by the only process). Returns the per-step log."""
     parallel, train = config.parallel, config.train
-    mesh = Mesh(dp=parallel.dp, pp=parallel.pp, cp=parallel.cp, tp=parallel.tp) if dist.is_initialized() else None
+    mesh = (Mesh(dp=parallel.dp, pp=parallel.pp, cp=parallel.cp, tp=parallel.tp, ep=parallel.ep)
+            if dist.is_initialized() else None)
     rank, dp_rank, cp_rank = (mesh.rank, mesh.dp_rank, mesh.cp_rank) if mesh else (0, 0, 0)
     tp_group = mesh.tp_group if mesh else None
     # Each CP rank saw other tokens of the same sequences: gradients and the loss are averaged over dp x cp.
@@ -181,6 +190,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     # A pipeline's backwards are spread over its schedule: it averages over dp once the schedule is done.
     if pipeline is not None:
         engine = NaiveDP(model, dp_group, train.lr, train.weight_decay, pp_group=mesh.pp_group)
+    elif parallel.ep > 1:
+        engine = ExpertDataParallel(model, dp_group, mesh.ep_group, mesh.ep_dp_group, train.lr, train.weight_decay)
     else:
         engine = make_data_parallel(model, dp_group, train, zero=parallel.zero, dp_mode=parallel.dp_mode,
                                     bucket_mb=parallel.bucket_mb, tp_group=tp_group if parallel.tp > 1 else None)
@@ -199,12 +210,13 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             inputs, targets = (shard_rows(t, dp_rank, parallel.dp).to(device) for t in data.next_batch())
             if parallel.cp > 1:
                 inputs, targets = (shard_sequence(t, cp_rank, parallel.cp, layout) for t in (inputs, targets))
+            moe = MoEStats(model) if config.model.is_moe else None
             if pipeline is not None:
                 loss = pipeline.step(inputs, targets)
                 loss = torch.zeros((), device=device) if loss is None else loss
                 dist.all_reduce(loss, group=mesh.pp_group)  # the last stage's loss, to every stage
             else:
-                loss = _accumulate_gradients(model, engine, inputs, targets, positions, parallel, tp_group)
+                loss = _accumulate_gradients(model, engine, inputs, targets, positions, config, tp_group, moe)
             engine.finish()  # every rank now holds the averaged gradients (ZeRO: of its shard)
             if parallel.tp > 1:
                 sync_tensor_parallel_grads(model, tp_group)
@@ -219,10 +231,11 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             elapsed = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             entry = StepLog(step + 1, loss.item(), lr, norm.item(),
-                            train.global_batch * train.seq_len / elapsed, peak)
+                            train.global_batch * train.seq_len / elapsed, peak,
+                            **(moe.summary(dp_group, parallel.dp * parallel.cp) if moe else {}))
             logs.append(entry)
             if log_file:
-                log_file.write(json.dumps(entry.__dict__) + "\n")
+                log_file.write(json.dumps(entry.as_dict()) + "\n")
                 log_file.flush()
             progress(entry)
     finally:
@@ -231,9 +244,38 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     return logs
 
 
+class MoEStats:
+    """What the MoE layers report over one step: assignments per expert, dropped ones, the balancing loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, MoE)]
+        self.load = torch.zeros(self.layers[0].n_experts, dtype=torch.long)
+        self.dropped, self.aux, self.micro_batches = 0, 0.0, 0
+
+    def add(self) -> None:
+        """After a micro-batch's forward."""
+        self.load += sum(m.load.cpu() for m in self.layers)
+        self.dropped += sum(m.dropped for m in self.layers)
+        self.aux += sum(m.aux_loss.item() for m in self.layers) / len(self.layers)
+        self.micro_batches += 1
+
+    def summary(self, dp_group: dist.ProcessGroup | None, replicas: int) -> dict:
+        totals = torch.cat([self.load, torch.tensor([self.dropped])]).double()
+        aux = torch.tensor([self.aux / self.micro_batches], dtype=torch.double)
+        if replicas > 1:  # every data-parallel rank routed its own tokens
+            dist.all_reduce(totals, group=dp_group)
+            dist.all_reduce(aux, group=dp_group)
+            aux /= replicas
+        return {"expert_load": [int(n) for n in totals[:-1].tolist()], "dropped_tokens": int(totals[-1]),
+                "aux_loss": aux.item()}
+
+
 def _accumulate_gradients(model: nn.Module, engine, inputs: torch.Tensor, targets: torch.Tensor,
-                          positions: torch.Tensor | None, parallel, tp_group) -> torch.Tensor:
-    """Forward and backward of every micro-batch in turn (gradient accumulation); returns the mean loss."""
+                          positions: torch.Tensor | None, config: Config, tp_group,
+                          moe: MoEStats | None) -> torch.Tensor:
+    """Forward and backward of every micro-batch in turn (gradient accumulation); returns the mean
+    cross-entropy. An MoE model's router losses are added to what is backpropagated, with their weights."""
+    parallel, cfg = config.parallel, config.model
     loss = torch.zeros((), device=inputs.device)
     micro_batches = list(zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum), strict=True))
     for i, (micro_in, micro_tgt) in enumerate(micro_batches):
@@ -244,7 +286,12 @@ def _accumulate_gradients(model: nn.Module, engine, inputs: torch.Tensor, target
                 micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt, tp_group)
             else:
                 micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.flatten())
-            (micro_loss / parallel.grad_accum).backward()
+            objective = micro_loss
+            if moe is not None:
+                moe.add()
+                aux, z = moe_losses(model)
+                objective = micro_loss + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
+            (objective / parallel.grad_accum).backward()
         loss += micro_loss.detach() / parallel.grad_accum
     return loss
 

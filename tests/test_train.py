@@ -80,10 +80,30 @@ def test_layouts_match_single_process(overrides, nproc):
 
 
 def test_moe_data_parallel_matches_single_process():
-    config = load_config("configs/tiny-moe.toml", ["train.steps=6"])
-    base = [log.loss for log in run(config, verbose=False)]
-    dp2 = load_config("configs/tiny-moe.toml", ["train.steps=6", "parallel.dp=2"])
+    """Without the router's balancing losses: those are defined over the tokens one rank routes (Switch, GShard),
+    so data parallelism changes them — and expert parallelism must not (next test)."""
+    no_aux = ["train.steps=6", "model.aux_loss_coef=0.0", "model.z_loss_coef=0.0"]
+    base = [log.loss for log in run(load_config("configs/tiny-moe.toml", no_aux), verbose=False)]
+    dp2 = load_config("configs/tiny-moe.toml", [*no_aux, "parallel.dp=2"])
     _assert_same_losses(base, [log.loss for log in run(dp2, 2, verbose=False)])
+
+
+@pytest.mark.parametrize("dp, ep, extra", [(2, 2, []), (4, 4, ["parallel.grad_accum=2"]),
+                                           (4, 2, ["model.capacity_factor=1.0"])])
+def test_expert_parallel_matches_data_parallel(dp, ep, extra):
+    """--ep E shards the experts of a --dp D run: losses, gradient norms, balancing loss and expert load equal
+    the same run without it, also with token dropping (capacity factor 1)."""
+    common = ["train.steps=5", f"parallel.dp={dp}", *extra]
+    base = run(load_config("configs/tiny-moe.toml", common), dp, verbose=False)
+    sharded = run(load_config("configs/tiny-moe.toml", [*common, f"parallel.ep={ep}"]), dp, verbose=False)
+    _assert_same_losses([log.loss for log in base], [log.loss for log in sharded])
+    _assert_same_losses([log.grad_norm for log in base], [log.grad_norm for log in sharded], rel=1e-4)
+    for a, b in zip(base, sharded, strict=True):
+        assert a.expert_load == b.expert_load and a.dropped_tokens == b.dropped_tokens
+        assert a.aux_loss == pytest.approx(b.aux_loss, rel=1e-5)
+    assert sum(base[-1].expert_load) + base[-1].dropped_tokens == 8 * 32 * 2 * 4  # tokens x top_k x layers
+    if extra == ["model.capacity_factor=1.0"]:
+        assert base[-1].dropped_tokens > 0
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
@@ -107,8 +127,13 @@ def test_torchrun_joins_the_launched_group(tmp_path):
     (["--nproc", "3", "--dp", "2"], "--nproc=3 must equal dp*tp*cp*pp = 2*1*1*1 = 2"),
     (["--set", "model.preset='gpt-17'"], "unknown model preset 'gpt-17'"),
     (["--config", "configs/nope.toml"], "config file 'configs/nope.toml' does not exist"),
-    (["--config", "configs/tiny-moe.toml", "--ep", "2", "--dp", "2"],
-     "--ep=2: expert parallelism is not implemented yet (chapter 07)"),
+    (["--ep", "2", "--dp", "2"], "ep=2 needs a mixture-of-experts model (n_experts=0)"),
+    (["--config", "configs/tiny-moe.toml", "--ep", "3", "--dp", "3"], "ep=3 must divide n_experts=8"),
+    (["--config", "configs/tiny-moe.toml", "--ep", "2", "--dp", "1", "--nproc", "1"], "ep=2 must divide dp*cp = 1*1"),
+    (["--config", "configs/tiny-moe.toml", "--ep", "2", "--dp", "2", "--tp", "2"],
+     "ep=2 with tp=2, cp=1, pp=1, zero=0: lab.train combines expert parallelism with data parallelism only"),
+    (["--config", "configs/tiny-moe.toml", "--pp", "2", "--grad-accum", "2"],
+     "pp=2 with a mixture-of-experts model: pipeline stages do not carry the router's auxiliary losses yet"),
     (["--pp", "3", "--nproc", "3"], "pp*pp_virtual_stages = 3*1 = 3 must divide n_layers=8"),
     (["--pp", "4", "--grad-accum", "2", "--pp-schedule", "interleaved", "--pp-chunks", "2"],
      "grad_accum=2 (the micro-batches) must be a multiple of pp=4 for pp_schedule='interleaved'"),

@@ -10,7 +10,8 @@ is every rank with the same (dp, pp, cp) coordinates. Two more groups are built 
 - dp_cp: the dp x cp ranks with this rank's (pp, tp). Context parallelism splits the sequence, so each CP
   rank holds gradients of a different part of the batch: gradients are averaged over dp x cp, not dp.
 - ep: expert parallelism reuses the dp x cp ranks (as TorchTitan does) rather than adding an axis: the EP
-  groups are consecutive runs of `ep` ranks along the flattened (dp, cp) axes, at fixed (pp, tp).
+  groups are consecutive runs of `ep` ranks along the flattened (dp, cp) axes, at fixed (pp, tp); ep_dp
+  groups take the rank at the same place in every EP group (they hold the same experts).
 
 `layout` and `axis_groups` need no process group, so notebooks and widgets can draw the grid.
 `Mesh` builds the groups inside an initialised process group; every rank must build the same mesh,
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("dp", "pp", "cp", "tp")
-GROUPS = AXES + ("dp_cp", "ep")
+GROUPS = AXES + ("dp_cp", "ep", "ep_dp")
 
 
 def _check(world_size: int, dp: int, pp: int, cp: int, tp: int, ep: int = 1) -> None:
@@ -46,16 +47,21 @@ def layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) 
 
 def axis_groups(world_size: int, axis: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1,
                 ep: int = 1) -> list[list[int]]:
-    """Every group along `axis` ("dp", "pp", "cp", "tp", "dp_cp" or "ep"), as lists of global ranks, in the
+    """Every group along `axis` ("dp", "pp", "cp", "tp", "dp_cp", "ep" or "ep_dp"), as lists of global ranks, in the
     order `Mesh` creates them. E.g. `axis_groups(8, "tp", dp=2, tp=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]`."""
     _check(world_size, dp, pp, cp, tp, ep)
     grid = layout(world_size, dp, pp, cp, tp)
     if axis in AXES:
         dim = AXES.index(axis)
         return grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
-    if axis in ("dp_cp", "ep"):
+    if axis in ("dp_cp", "ep", "ep_dp"):
         dp_cp = grid.permute(1, 3, 0, 2).reshape(pp * tp, dp * cp)  # one row of dp x cp ranks per (pp, tp)
-        return (dp_cp if axis == "dp_cp" else dp_cp.reshape(-1, ep)).tolist()
+        if axis == "dp_cp":
+            return dp_cp.tolist()
+        ep_groups = dp_cp.reshape(pp * tp, -1, ep)  # consecutive runs of ep ranks
+        # ep_dp: the ranks holding the same experts, one from each EP group
+        return (ep_groups.reshape(-1, ep) if axis == "ep" else ep_groups.transpose(1, 2).reshape(-1, dp * cp // ep)
+                ).tolist()
     raise ValueError(f"axis={axis!r} must be one of {', '.join(map(repr, GROUPS))}")
 
 
@@ -84,8 +90,8 @@ class Mesh:
                 group = dist.new_group(ranks)  # collective: every rank creates every group, in this order
                 if self.rank in ranks:
                     self._groups[axis] = (group, ranks)
-        self.dp_group, self.pp_group, self.cp_group, self.tp_group, self.dp_cp_group, self.ep_group = (
-            self._groups[axis][0] for axis in GROUPS)
+        (self.dp_group, self.pp_group, self.cp_group, self.tp_group, self.dp_cp_group, self.ep_group,
+         self.ep_dp_group) = (self._groups[axis][0] for axis in GROUPS)
         self.ep_rank = self._groups["ep"][1].index(self.rank)
         self._device_mesh: DeviceMesh | None = None
 

@@ -1,0 +1,513 @@
+"""Chapter 06, pipeline parallelism. Schedules and their bubble, checked against the simulator; the split backward
+and an AFAB step, checked against autograd in one process.
+
+The schedule exercises (`06.one_f_one_b_order`, `06.bubble`, `06.peak_activations`) are pure Python: the checks
+compare the student's answers, at random pipeline depths p, micro-batch counts m and chunk counts v, with
+`lab.calc.schedules` (the per-rank op lists the real pipeline runs) and with what `lab.calc.bubble.simulate`
+measures when it plays those schedules — never with the closed forms alone.
+
+The split-backward exercise's drivers draw every tensor from a seed: `run_weight_grad` the input and output
+gradient of one nn.Linear or RMSNorm, `run_split_backward` a small stage (Linear, tanh, RMSNorm, Linear) and
+its micro-batches, run F/B/W in the order of one rank of a ZB-H1 schedule. The driver reports, besides the
+gradients, what B must not do: compute a weight gradient (hooks on the parameters count it) or change a
+`.grad`. The checks draw the same tensors, run autograd over the whole stage in float64 and compare.
+
+The AFAB exercise's driver (`run_afab`) draws every stage's weights and the batch from a seed on every rank,
+keeps its own stage, runs the student's step inside `count_collectives` and reports the loss, the gradients and
+the messages. The check runs the whole model on the whole batch in one process, float64.
+
+torch and `lab.calc` are imported inside the functions: `lab.check` of other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import random
+
+from lab.grading.checks import CheckFailed, exercise, expect_equal
+from lab.grading.sandbox import CallError
+
+RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+TORCH = {"modules": ("lab.config",), "packages": ("tomli_w", "torch"), "memory_mb": 2048}
+POINT_TO_POINT = ("send", "isend", "recv", "irecv")
+
+
+# --- comparing what comes back ---------------------------------------------------------------------------
+
+def _preview(values: list) -> str:
+    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
+    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
+
+
+def _close(got, expected: float, tol: float) -> bool:
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        return False
+    return abs(got - expected) <= tol * (1 + abs(expected))  # False for NaN and inf
+
+
+def expect_number(got, expected: float, what: str, tol: float = 1e-9) -> None:
+    if not _close(got, expected, tol):
+        raise CheckFailed(f"{what} returned {got!r}, expected {expected:.10g}")
+
+
+def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-4) -> None:
+    """A list of numbers equal to `expected` within tol·(1 + |expected|) each (NaN and inf never pass)."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        size = f"{len(got)} values" if isinstance(got, list) else repr(got)[:80]
+        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if not _close(g, e, tol):
+            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
+                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
+
+
+def _generator(seed: int):
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def _explain(error: CallError, call: str, expected: str) -> CheckFailed:
+    """A call that raised (a rank that crashed or waited forever, a shape that did not fit) as a failed check."""
+    if error.not_attempted:
+        raise error
+    return CheckFailed(f"{call} raised {error.message[:300]}, expected {expected}")
+
+
+# --- 06.one_f_one_b_order --------------------------------------------------------------------------------
+
+ORDER = exercise("06.one_f_one_b_order", entry=("one_f_one_b_order",))
+
+
+def _expect_order(student, p: int, m: int, r: int) -> None:
+    from lab.calc.schedules import one_f_one_b
+
+    expected = [str(op) for op in one_f_one_b(p, m).ops[r]]
+    got = student.one_f_one_b_order(p, m, r)
+    if got != expected:
+        raise CheckFailed(f"one_f_one_b_order(p={p}, m={m}, r={r}) returned {got!r:.300}, expected {expected!r:.300}")
+
+
+@ORDER.check(points=1, hint="the last stage (r = p − 1) warms up with no forward: F0 B0 F1 B1 ...; the first "
+                            "(r = 0) with p − 1 forwards, so that its p-th forward meets the first backward")
+def order_first_and_last_stage(student, rng):
+    """the first and the last stage, m ≥ p"""
+    for _ in range(2):
+        p = rng.randrange(2, 9)
+        m = rng.randrange(p, 3 * p + 1)
+        for r in (0, p - 1):
+            _expect_order(student, p, m, r)
+
+
+@ORDER.check(points=2, hint="warm-up: forwards 0 … p − r − 2; steady state: F(w + i) then B(i), for i from 0 while "
+                            "forwards remain; cool-down: the remaining backwards, oldest first")
+def order_every_stage(student, rng):
+    """every stage: p − r − 1 warm-up forwards, then one forward and one backward in turn, then the cool-down"""
+    for p in (rng.randrange(3, 6), rng.randrange(6, 11)):
+        m = rng.randrange(p, 4 * p + 1)
+        for r in range(p):
+            _expect_order(student, p, m, r)
+
+
+@ORDER.check(points=1, hint="with m < p a stage cannot warm up with more forwards than there are micro-batches: "
+                            "min(p − r − 1, m)")
+def order_few_micro_batches(student, rng):
+    """fewer micro-batches than stages (m < p)"""
+    for _ in range(2):
+        p = rng.randrange(3, 11)
+        m = rng.randrange(1, p)
+        for r in range(p):
+            _expect_order(student, p, m, r)
+
+
+@ORDER.check(points=1, hidden=True, hint="the order must hold at any depth: no special case for small p")
+def order_deep_pipelines(student, rng):
+    """16 to 32 stages and up to 128 micro-batches"""
+    p = rng.randrange(16, 33)
+    m = rng.choice([rng.randrange(1, p), rng.randrange(p, 129)])
+    for r in sorted(rng.sample(range(p), 6)):
+        _expect_order(student, p, m, r)
+
+
+# --- 06.bubble -------------------------------------------------------------------------------------------
+
+BUBBLE = exercise("06.bubble", entry=("bubble_ratio", "step_time"))
+
+
+def _costs(rng: random.Random) -> tuple[float, float, float]:
+    """t_f, t_b and t_w in ZB-H1's regime (t_w ≤ t_f, 2·t_w ≤ t_b), rounded so that messages stay short."""
+    tf = round(rng.uniform(0.5, 3.0), 3)
+    tb = round(rng.uniform(1.0, 6.0), 3)
+    tw = round(rng.uniform(0.1, min(tf, tb / 2)), 3)
+    return tf, tb, tw
+
+
+def _config(rng: random.Random, schedule: str, max_p: int = 16) -> tuple[int, int, int]:
+    p = rng.randrange(2, max_p + 1)
+    if schedule == "interleaved":
+        return p, p * rng.randrange(1, 6), rng.randrange(2, 5)
+    if schedule == "zb-h1":
+        return p, rng.randrange(p, 4 * p + 1), 1
+    return p, rng.randrange(1, 65), 1
+
+
+def _simulate(schedule: str, p: int, m: int, v: int, tf: float = 1.0, tb: float = 2.0, tw: float = 1.0):
+    from lab.calc.bubble import simulate
+    from lab.calc.schedules import make_schedule
+
+    return simulate(make_schedule(schedule, p, m, v), tf, tb, min(tw, tb))
+
+
+def _expect_bubble(student, schedule: str, p: int, m: int, v: int) -> None:
+    expect_number(student.bubble_ratio(schedule, p, m, v), _simulate(schedule, p, m, v).bubble_ratio,
+                  f"bubble_ratio({schedule!r}, p={p}, m={m}, v={v})")
+
+
+def _expect_step(student, schedule: str, p: int, m: int, v: int, costs: tuple[float, float, float]) -> None:
+    tf, tb, tw = costs
+    expect_number(student.step_time(schedule, p, m, v, tf, tb, tw), _simulate(schedule, p, m, v, tf, tb, tw).makespan,
+                  f"step_time({schedule!r}, p={p}, m={m}, v={v}, t_f={tf}, t_b={tb}, t_w={tw})")
+
+
+@BUBBLE.check(points=1, hint="bubble ratio = idle / useful time per rank: p − 1 slots of (t_f + t_b) idle, m of "
+                             "them busy")
+def bubble_afab_one_f_one_b(student, rng):
+    """AFAB and 1F1B: the bubble ratio (p−1)/m"""
+    for schedule in ("afab", "1f1b"):
+        _expect_bubble(student, schedule, *_config(rng, schedule))
+
+
+@BUBBLE.check(points=1, hint="with v chunks per rank each op is v times shorter: the same p − 1 fill and drain "
+                             "steps now last 1/v as long, against the same useful time — (p − 1)/(v·m)")
+def bubble_interleaved(student, rng):
+    """interleaved 1F1B: v chunks per rank shrink the bubble by v"""
+    for _ in range(2):
+        _expect_bubble(student, "interleaved", *_config(rng, "interleaved"))
+
+
+@BUBBLE.check(points=1, hint="the last micro-batch enters stage 0 after m − 1 forwards and crosses p stages each "
+                             "way: (m + p − 1)(t_f + t_b)")
+def step_afab_one_f_one_b(student, rng):
+    """step time of AFAB and 1F1B, random t_f and t_b"""
+    for schedule in ("afab", "1f1b"):
+        _expect_step(student, schedule, *_config(rng, schedule), _costs(rng))
+
+
+@BUBBLE.check(points=1, hint="useful time m·(t_f + t_b), plus the bubble: (p − 1)(t_f + t_b)/v")
+def step_interleaved(student, rng):
+    """step time of interleaved 1F1B"""
+    for _ in range(2):
+        _expect_step(student, "interleaved", *_config(rng, "interleaved"), _costs(rng))
+
+
+@BUBBLE.check(points=1, hint="ZB-H1 (m ≥ p, t_w ≤ t_f, 2·t_w ≤ t_b): the deferred W's fill 2·t_w of each of the "
+                             "p − 1 bubble slots — idle (p − 1)(t_f + t_b − 2·t_w)")
+def step_zero_bubble(student, rng):
+    """ZB-H1: deferred weight gradients fill part of the bubble"""
+    for _ in range(2):
+        _expect_step(student, "zb-h1", *_config(rng, "zb-h1"), _costs(rng))
+
+
+@BUBBLE.check(points=1, hidden=True, hint="no special case for small pipelines: the formulas hold at any p, m, v")
+def bubble_deep_pipelines(student, rng):
+    """up to 32 stages and 128 micro-batches, every schedule"""
+    for schedule in ("afab", "1f1b", "interleaved", "zb-h1"):
+        p = rng.randrange(16, 33)
+        m = p * rng.randrange(1, 5) if schedule in ("interleaved", "zb-h1") else rng.randrange(1, 129)
+        v = rng.randrange(2, 5) if schedule == "interleaved" else 1
+        if schedule != "zb-h1":
+            _expect_bubble(student, schedule, p, m, v)
+        _expect_step(student, schedule, p, m, v, _costs(rng))
+
+
+# --- 06.peak_activations ---------------------------------------------------------------------------------
+
+PEAK = exercise("06.peak_activations", entry=("peak_activations",))
+
+
+def _expect_peaks(student, schedule: str, p: int, m: int, v: int = 1) -> None:
+    expected = _simulate(schedule, p, m, v).peak_activations
+    expect_allclose(student.peak_activations(schedule, p, m, v), expected,
+                    f"peak_activations({schedule!r}, p={p}, m={m}, v={v})", tol=1e-9)
+
+
+@PEAK.check(points=1, hint="AFAB runs every forward before the first backward: each stage holds all m")
+def peak_afab(student, rng):
+    """AFAB: every stage holds all m micro-batches"""
+    for _ in range(2):
+        p = rng.randrange(2, 17)
+        _expect_peaks(student, "afab", p, rng.randrange(1, 65))
+
+
+@PEAK.check(points=1, hint="stage r holds its p − r − 1 warm-up forwards, plus the one it runs before its first "
+                           "backward frees one: p − r")
+def peak_one_f_one_b(student, rng):
+    """1F1B with m ≥ p: stage r holds p − r"""
+    for _ in range(2):
+        p = rng.randrange(2, 17)
+        _expect_peaks(student, "1f1b", p, rng.randrange(p, 4 * p + 1))
+
+
+@PEAK.check(points=1, hint="a stage never holds more micro-batches than there are: min(m, p − r)")
+def peak_few_micro_batches(student, rng):
+    """1F1B with m < p: never more than m"""
+    for _ in range(2):
+        p = rng.randrange(3, 17)
+        _expect_peaks(student, "1f1b", p, rng.randrange(1, p))
+
+
+@PEAK.check(points=1, hint="rank r runs 2(p − r − 1) + (v − 1)·p warm-up forwards of chunks, then one more before "
+                           "its first backward; each chunk holds 1/v of a stage — at most m stages' worth")
+def peak_interleaved(student, rng):
+    """interleaved 1F1B, in stages' worth of activations: more than 1F1B's p − r"""
+    for _ in range(2):
+        p, m, v = _config(rng, "interleaved", max_p=12)
+        _expect_peaks(student, "interleaved", p, m, v)
+
+
+@PEAK.check(points=1, hidden=True, hint="no special case for small pipelines")
+def peak_deep_pipelines(student, rng):
+    """up to 32 stages, every schedule"""
+    p = rng.randrange(16, 33)
+    _expect_peaks(student, "afab", p, rng.randrange(1, 129))
+    _expect_peaks(student, "1f1b", p, rng.randrange(1, 129))
+    _expect_peaks(student, "interleaved", p, p * rng.randrange(1, 4), rng.randrange(2, 5))
+
+
+# --- 06.split_backward -----------------------------------------------------------------------------------
+
+SPLIT = exercise("06.split_backward", entry=("run_weight_grad", "run_split_backward"), **TORCH)
+
+
+def weight_grad_reference(kind: str, lead: list[int], d_in: int, d_out: int, eps: float, seed: int) -> dict:
+    """x (lead..., d_in) and the output gradient (lead..., d_out) as `run_weight_grad` draws them; autograd's
+    weight (and bias) gradients of an nn.Linear(d_in, d_out), or of an RMSNorm(d_in) with this eps, in float64."""
+    import torch
+    import torch.nn.functional as F
+
+    g = _generator(seed)
+    x = torch.randn(*lead, d_in, generator=g).double()
+    grad_y = torch.randn(*lead, d_out, generator=g).double()
+    if kind == "linear":
+        weight = torch.randn(d_out, d_in, dtype=torch.float64, requires_grad=True)  # any value: W does not use it
+        bias = torch.randn(d_out, dtype=torch.float64, requires_grad=True)
+        F.linear(x, weight, bias).backward(grad_y)
+        return {"weight": weight.grad, "bias": bias.grad}
+    weight = torch.randn(d_in, dtype=torch.float64, requires_grad=True)
+    (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight).backward(grad_y)
+    return {"weight": weight.grad}
+
+
+def _expect_weight_grad(student, rng: random.Random, kind: str, lead: list[int]) -> None:
+    d_in = rng.randrange(2, 9)
+    d_out = rng.randrange(2, 9) if kind == "linear" else d_in
+    while kind == "linear" and d_out == d_in:
+        d_out = rng.randrange(2, 9)
+    eps = rng.choice([1e-6, round(rng.uniform(0.05, 0.5), 3)])
+    seed = rng.randrange(10**6)
+    call = f"run_weight_grad({kind!r}, lead={lead}, d_in={d_in}, d_out={d_out}, eps={eps}, seed={seed})"
+    try:
+        got = student.run_weight_grad(kind, lead, d_in, d_out, eps, seed)
+    except CallError as error:
+        raise _explain(error, call, f"the weight gradients of the {kind} layer") from None
+    if not isinstance(got, dict):
+        raise CheckFailed(f"{call} returned {got!r:.200}, expected the driver's dict")
+    expected = weight_grad_reference(kind, lead, d_in, d_out, eps, seed)
+    for name, grad in expected.items():
+        expect_equal(got.get(f"{name}_shape"), list(grad.shape), f"{call}: the shape of the {name} gradient")
+        expect_allclose(got.get(name), grad.flatten().tolist(), f"{call}: the {name} gradient")
+
+
+@SPLIT.check(points=1, hint="y = x Wᵀ + b: dW = dyᵀ x, of shape (out, in) like W; db = dy summed over the rows")
+def weight_grad_linear(student, rng):
+    """Linear's W: the weight gradient (out, in) and the bias gradient, 2-D input"""
+    for _ in range(2):
+        _expect_weight_grad(student, rng, "linear", [rng.randrange(1, 9)])
+
+
+@SPLIT.check(points=1, hint="y = x / rms(x) · g with rms(x) = sqrt(mean(x²) + eps): dg = Σ over rows of dy · "
+                            "x / rms(x) — the normalised input, not x")
+def weight_grad_rmsnorm(student, rng):
+    """RMSNorm's W: the gradient of its scale"""
+    for _ in range(2):
+        _expect_weight_grad(student, rng, "rmsnorm", [rng.randrange(1, 9)])
+
+
+@SPLIT.check(points=1, hint="a weight is shared by every position: flatten every leading dimension into rows "
+                            "(x.flatten(0, -2)) and sum over all of them")
+def weight_grad_leading_dims(student, rng):
+    """(batch, seq, features) inputs: summed over every leading dimension, Linear and RMSNorm"""
+    for kind in ("linear", "rmsnorm"):
+        _expect_weight_grad(student, rng, kind, [rng.randrange(2, 4), rng.randrange(2, 5)])
+
+
+STAGE_PARAMS = ("0.weight", "0.bias", "2.weight", "3.weight")  # Linear(d, h), Tanh, RMSNorm(h), Linear(h, d, no bias)
+
+
+def split_reference(d_model: int, d_hidden: int, lead: list[int], microbatches: int, eps: float, seed: int) -> dict:
+    """The stage and micro-batches as `run_split_backward` draws them (every parameter, in order, then every
+    input, then every output gradient); autograd over all micro-batches in float64: each input's gradient, and
+    the parameter gradients summed over the micro-batches."""
+    import torch
+
+    g = _generator(seed)
+    shapes = [(d_hidden, d_model), (d_hidden,), (d_hidden,), (d_model, d_hidden)]
+    params = [(torch.randn(*s, generator=g) / s[-1] ** 0.5).double().requires_grad_() for s in shapes]
+    xs = [torch.randn(*lead, d_model, generator=g).double().requires_grad_() for _ in range(microbatches)]
+    grad_ys = [torch.randn(*lead, d_model, generator=g).double() for _ in range(microbatches)]
+    w1, b1, scale, w2 = params
+    for x, grad_y in zip(xs, grad_ys, strict=True):
+        h = torch.tanh(x @ w1.T + b1)
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * scale) @ w2.T
+        y.backward(grad_y)
+    return {"input_grads": [x.grad for x in xs], "weight_grads": dict(zip(STAGE_PARAMS, params, strict=True))}
+
+
+def _zb_ops(rng: random.Random, m: int) -> tuple[list[str], str]:
+    """One rank's F/B/W order in a ZB-H1 schedule with m micro-batches: some W's right after their B, some later."""
+    from lab.calc.schedules import zb_h1
+
+    p = rng.randrange(2, 2 * m + 1)
+    r = rng.randrange(1, p)  # rank 0 runs each W right after its B
+    return [str(op) for op in zb_h1(p, m).ops[r]], f"rank {r} of ZB-H1 at p={p}"
+
+
+def _split(student, rng: random.Random, microbatches: int, ops: list[str], what: str) -> tuple[dict, dict, str]:
+    d_model, d_hidden = rng.randrange(2, 7), rng.randrange(3, 9)
+    lead = [rng.randrange(1, 4), rng.randrange(1, 4)]
+    eps, seed = round(rng.uniform(1e-3, 0.2), 3), rng.randrange(10**6)
+    call = (f"run_split_backward(d_model={d_model}, d_hidden={d_hidden}, lead={lead}, eps={eps}, seed={seed}, "
+            f"ops={' '.join(ops)}) ({what})")
+    try:
+        got = student.run_split_backward(d_model, d_hidden, lead, eps, seed, ops)
+    except CallError as error:
+        raise _explain(error, call, "each micro-batch's input gradient and the parameters' gradients (a .grad "
+                                    "must have its parameter's shape)") from None
+    if not isinstance(got, dict):
+        raise CheckFailed(f"{call} returned {got!r:.200}, expected the driver's dict")
+    return got, split_reference(d_model, d_hidden, lead, microbatches, eps, seed), call
+
+
+@SPLIT.check(points=2, hint="B: torch.autograd.grad(output, [inputs] + every recorded module output, grad_output) "
+                            "— only what is asked for is computed; never .backward(), which also fills every "
+                            "parameter's .grad, and never the parameters among the inputs")
+def split_b_only_input_grads(student, rng):
+    """B: the stage's input gradient, and no weight gradient computed or stored"""
+    m = rng.randrange(2, 5)
+    ops = [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] + [f"W{i}" for i in range(m)]
+    got, expected, call = _split(student, rng, m, ops, "every B before any W")
+    grads = got.get("input_grads")
+    if not isinstance(grads, list) or len(grads) != m:
+        raise CheckFailed(f"{call}: the input gradients returned {grads!r:.120}, expected one list per micro-batch")
+    for i, (g, e) in enumerate(zip(grads, expected["input_grads"], strict=True)):
+        expect_allclose(g, e.flatten().tolist(), f"{call}: micro-batch {i}'s input gradient")
+    computed, changed = got.get("weight_grads_in_b"), got.get("grads_changed_by_b")
+    if computed != 0 or changed != []:
+        raise CheckFailed(f"{call}: during B, weight gradients computed and parameters whose .grad changed returned "
+                          f"{computed!r} and {changed!r}, expected 0 and [] (B leaves the weights to W)")
+
+
+@SPLIT.check(points=2, hint="W accumulates: param.grad = grad if param.grad is None else param.grad + grad — the "
+                            "micro-batches' weight gradients add up, in whatever order their W's run")
+def split_w_accumulates(student, rng):
+    """W after B, in a ZB-H1 rank's order: the accumulated weight gradients equal autograd's"""
+    m = rng.randrange(3, 7)
+    ops, what = _zb_ops(rng, m)
+    got, expected, call = _split(student, rng, m, ops, what)
+    weights = got.get("weight_grads") if isinstance(got.get("weight_grads"), dict) else {}
+    for name, param in expected["weight_grads"].items():
+        expect_allclose(weights.get(name), param.grad.flatten().tolist(),
+                        f"{call}: {name}.grad after every W (summed over {m} micro-batches)")
+
+
+# --- 06.afab_step ----------------------------------------------------------------------------------------
+
+AFAB = exercise("06.afab_step", entry=("run_afab",), **RANKS)
+
+
+def afab_reference(world: int, d: int, layers: int, batch: int, seed: int) -> dict:
+    """Every stage's weights, then the batch, as `run_afab` draws them; the whole model on the whole batch in
+    float64: the loss (mean squared error) and each stage's parameter gradients, in `stage.parameters()` order."""
+    import torch
+
+    g = _generator(seed)
+    stages = [[(torch.randn(d, d, generator=g) / d**0.5).double().requires_grad_(),
+               (torch.randn(d, generator=g) / d**0.5).double().requires_grad_()] for _ in range(world * layers)]
+    x = torch.randn(batch, d, generator=g).double()
+    target = torch.randn(batch, d, generator=g).double()
+    for weight, bias in stages:
+        x = torch.tanh(x @ weight.T + bias)
+    loss = (x - target).pow(2).mean()
+    loss.backward()
+    return {"loss": loss.item(),
+            "grads": [[t.grad.flatten().tolist() for layer in stages[s * layers:(s + 1) * layers] for t in layer]
+                      for s in range(world)]}
+
+
+def _afab(student, rng: random.Random, world: int, m: int) -> tuple[list[dict], dict, str]:
+    d, layers, per_micro_batch = rng.randrange(2, 7), rng.randrange(1, 3), rng.randrange(1, 4)
+    batch, seed = m * per_micro_batch, rng.randrange(10**6)
+    call = f"run_afab(d={d}, layers={layers}, batch={batch}, microbatches={m}, seed={seed}) on {world} ranks"
+    try:
+        results = student.ranks("run_afab", world, d, layers, batch, m, seed)
+    except CallError as error:
+        hang = "timed out" in error.message.lower()
+        raise _explain(error, call, "every rank to finish" + (" (a rank that waits forever for a message: its peer "
+                                                              "sent it elsewhere, or never)" if hang else "")) from None
+    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
+        raise CheckFailed(f"{call} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
+    run = {"d": d, "layers": layers, "batch": batch, "m": m, "world": world, "seed": seed}
+    return results, run, call
+
+
+def _expect_afab(student, rng: random.Random, world: int, m: int) -> None:
+    results, run, call = _afab(student, rng, world, m)
+    expected = afab_reference(world, run["d"], run["layers"], run["batch"], run["seed"])
+    for rank, got in enumerate(results):
+        if rank == world - 1:
+            expect_number(got.get("loss"), expected["loss"], f"{call}: the last stage's loss", tol=1e-5)
+        elif got.get("loss") is not None:
+            raise CheckFailed(f"{call}: rank {rank}'s loss returned {got.get('loss')!r}, expected None (only the "
+                              "last stage computes it)")
+        grads = got.get("grads")
+        if not isinstance(grads, list) or len(grads) != len(expected["grads"][rank]):
+            raise CheckFailed(f"{call}: rank {rank}'s gradients returned {grads!r:.120}, expected "
+                              f"{len(expected['grads'][rank])} parameters'")
+        for index, (g, e) in enumerate(zip(grads, expected["grads"][rank], strict=True)):
+            expect_allclose(g, e, f"{call}: rank {rank}'s parameter {index} gradient")
+
+
+@AFAB.check(points=2, hint="stage 0 runs its micro-batches, sending each output to rank 1; the last stage "
+                           "receives, computes the loss / m and, after every forward, sends each input's gradient "
+                           "back to rank − 1")
+def afab_two_stages(student, rng):
+    """2 stages: the loss and every stage's gradients equal one process's"""
+    _expect_afab(student, rng, 2, rng.randrange(2, 5))
+
+
+@AFAB.check(points=2, hint="a middle stage receives from rank − 1 and sends to rank + 1 going forward, and the "
+                           "other way going back; the received activation must require grad so that its gradient "
+                           "exists to send back")
+def afab_more_stages(student, rng):
+    """3 and 4 stages, fewer and more micro-batches than stages"""
+    _expect_afab(student, rng, 3, rng.randrange(2, 6))
+    _expect_afab(student, rng, 4, rng.choice([rng.randrange(2, 4), rng.randrange(5, 7)]))
+
+
+@AFAB.check(points=1, hint="only dist.send/dist.recv (or isend/irecv) to a neighbour: one activation per micro-batch "
+                           "forward across each boundary, one gradient back — no collective, not even for the loss")
+def afab_point_to_point(student, rng):
+    """point-to-point only: m activations forward and m gradients back across each boundary"""
+    world, m = rng.choice([3, 4]), rng.randrange(2, 5)
+    results, run, call = _afab(student, rng, world, m)
+    message = run["batch"] // m * run["d"] * 4  # one micro-batch's activations (or their gradient), float32
+    for rank, got in enumerate(results):
+        calls, nbytes = got.get("calls") or {}, got.get("bytes") or {}
+        others = {op: n for op, n in calls.items() if op not in POINT_TO_POINT and n}
+        if others:
+            raise CheckFailed(f"{call}: rank {rank}'s collectives returned {others}, expected point-to-point "
+                              f"messages only (dist.send / dist.recv)")
+        sends = (rank < world - 1) * m + (rank > 0) * m
+        sent = [calls.get("isend", 0) + calls.get("send", 0), nbytes.get("isend", 0) + nbytes.get("send", 0)]
+        expect_equal(sent, [sends, sends * message],
+                     f"{call}: rank {rank}'s [messages sent, bytes sent] (one micro-batch is {message} bytes)")
+

@@ -167,8 +167,10 @@ class NotebookPage:
 
     def open(self, timeout_s: float = 90.0) -> None:
         """Open the notebook and wait until its kernel is really ready to take requests."""
-        self.page.goto(self.server.url(f"lab/tree/{self.path}"), wait_until="domcontentloaded")
-        self.page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=timeout_s * 1000)
+        # ?reset: a fresh workspace, not the tabs an earlier test left open in JupyterLab's saved layout (whose
+        # hidden panels would hold the first cells on the page)
+        self.page.goto(self.server.url(f"lab/tree/{self.path}") + "&reset", wait_until="domcontentloaded")
+        self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.wait_for(timeout=timeout_s * 1000)
         self.page.locator(".jp-StatusBar-TextItem", has_text="| Idle").wait_for(timeout=timeout_s * 1000)
         deadline = time.monotonic() + timeout_s
         while not any(k["connections"] >= 1 and k["execution_state"] == "idle" for k in self.server.kernels()):

@@ -214,3 +214,54 @@ def test_zero_ladder_follows_the_stage_and_the_number_of_ranks(browser, lab_serv
         assert widget.locator(".lab-error").count() == 0
         notebook.assert_no_errors()
     record_property("wall_s", ("browser   chapters/03_data_parallel_zero.ipynb", time.perf_counter() - start))
+
+
+def test_pipeline_explorer_redraws_for_each_schedule(browser, lab_server: LabServer, record_property) -> None:
+    start = time.perf_counter()
+    with open_notebook(browser, lab_server, "chapters/06_pipeline_parallel.ipynb", ARTIFACTS) as notebook:
+        notebook.run_all(timeout_s=240)
+        notebook.assert_no_errors()
+        # the chapter shows the explorer twice; the first opens on the playbook's exercise: 1F1B, p = 4, m = 8
+        widget = notebook.page.locator(".jp-OutputArea-output",
+                                       has=notebook.page.locator(".widget-label", has_text="pp (ranks)")).first
+        bubble, activations = widget.locator(".lab-pp-bubble"), widget.locator(".lab-pp-activations")
+        assert "bubble ratio (idle / useful) 0.375" in bubble.inner_text()  # (p-1)/m
+        assert "rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1" in activations.inner_text()
+        image = widget.locator(".widget-output img")
+        assert image.count() == 1  # the timeline and the activations per rank were drawn
+        drawn = image.get_attribute("src")
+
+        def choose(schedule: str) -> None:
+            widget.locator(".widget-toggle-button", has_text=re.compile(f"^\\s*{re.escape(schedule)}\\s*$")).click()
+
+        choose("afab")  # the same bubble, but every rank holds all m micro-batches
+        activations.filter(has_text="rank 0: 8, rank 1: 8, rank 2: 8, rank 3: 8").wait_for(timeout=30_000)
+        assert "bubble ratio (idle / useful) 0.375" in bubble.inner_text()
+        drawn = _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src")
+        assert drawn and drawn.startswith("data:image/png")
+
+        choose("zb-h1")  # W's fill the cool-down: (p-1)(t_f + t_b - 2 t_w) / (m (t_f + t_b)) = 3/24
+        bubble.filter(has_text="bubble ratio (idle / useful) 0.125").wait_for(timeout=30_000)
+        drawn = _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src")
+
+        choose("interleaved")  # brings v = 2 along: (p-1)/(v m) = 3/16
+        bubble.filter(has_text="bubble ratio (idle / useful) 0.1875").wait_for(timeout=30_000)
+        chunks = widget.locator(".widget-hslider", has=notebook.page.locator(".widget-label", has_text="chunks"))
+        assert chunks.locator(".widget-readout").inner_text().strip() == "2"
+        assert _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src") != drawn
+
+        microbatches = widget.locator(".widget-hslider",
+                                      has=notebook.page.locator(".widget-label", has_text="micro-batches"))
+        handle = microbatches.locator(".noUi-handle")
+        handle.focus()
+        handle.press("ArrowLeft")  # m = 7 is not a multiple of p = 4: one line instead of the chart
+        error = widget.locator(".lab-error")
+        error.filter(has_text="microbatches=7 must be a multiple of pp=4").wait_for(timeout=30_000)
+        widget.locator(".widget-output img").wait_for(state="detached", timeout=30_000)
+        assert bubble.count() == 0
+        handle.press("ArrowRight")
+        bubble.filter(has_text="bubble ratio (idle / useful) 0.1875").wait_for(timeout=30_000)
+        widget.locator(".widget-output img").wait_for(timeout=30_000)
+        assert error.count() == 0
+        notebook.assert_no_errors()
+    record_property("wall_s", ("browser   chapters/06_pipeline_parallel.ipynb", time.perf_counter() - start))

@@ -136,15 +136,23 @@ def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1
 
 
 def _peak_activations(schedule: Schedule, spans: list[Span]) -> list[float]:
-    """Most activations a rank holds at once, in micro-batches of a whole stage (a chunk holds 1/v): a
-    forward stores them when it starts, the (input-gradient) backward frees them when it ends."""
+    """Most activations a rank holds at once, in micro-batches of a whole stage (an interleaved chunk holds
+    1/v): a forward stores them when it starts; they are freed when the backward ends — or, when a W comes
+    later, when the W ends, since the weight gradients need the layers' inputs (what `lab.parallel.pp`
+    holds too)."""
     peaks = []
     for r in range(schedule.pp):
-        events = sorted((s.end if s.op.kind == B else s.start, s.op.kind != B) for s in spans
-                        if s.rank == r and s.op.kind in (F, B))  # at equal times, frees come first
+        mine = [s for s in spans if s.rank == r]
+        deferred = {(s.op.microbatch, s.op.chunk) for s in mine if s.op.kind == W}
+        events = []
+        for s in mine:
+            if s.op.kind == F:
+                events.append((s.start, 1))
+            elif (s.op.kind == W) == ((s.op.microbatch, s.op.chunk) in deferred):  # the op that frees
+                events.append((s.end, -1))
         held = peak = 0.0
-        for _, is_forward in events:
-            held += (1 if is_forward else -1) * schedule.stage_share
+        for _, change in sorted(events):  # at equal times, frees come first
+            held += change * schedule.stage_share
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -163,12 +171,11 @@ def zb_h1_bubble(pp: int, tf: float, tb: float, tw: float) -> float:
 
 
 def dualpipe_bubble(pp: int, tf: float, tb: float, tw: float) -> float:
-    """DeepSeek-V3's DualPipe bubble, (p/2 - 1)(F&B + B - 3W) with B = t_b - t_w the input-gradient part and
-    F&B = t_f + B a forward and a backward computed together. The simulator runs the two one after the other
-    (it models no compute-communication overlap), so it agrees in the paper's regime t_f = B = 2·t_w; with
-    other costs the DualPipe order is no longer the best one and the simulator shows what it costs."""
-    backward = tb - tw
-    return (pp / 2 - 1) * (tf + 2 * backward - 3 * tw)
+    """Idle time per rank of DualPipe's order as this simulator plays it, (p/2 - 1)(t_f + 2(t_b - t_w) - 3·t_w),
+    in the regime t_f = t_b - t_w = 2·t_w. DeepSeek-V3's table writes (PP/2 - 1)(F&B + B - 3W), with B the
+    whole backward and F&B a forward and a backward whose compute and communication overlap on the GPU; the
+    simulator runs the two one after the other and counts what that order leaves idle."""
+    return (pp / 2 - 1) * (tf + 2 * (tb - tw) - 3 * tw)
 
 
 def closed_form(schedule: str, pp: int, microbatches: int, chunks: int = 1, tf: float = 1.0, tb: float = 2.0,
@@ -178,7 +185,8 @@ def closed_form(schedule: str, pp: int, microbatches: int, chunks: int = 1, tf: 
     useful = microbatches * (tf + tb)  # per rank, whatever the schedule: every op once
     if schedule == "dualpipe":  # DeepSeek-V3's table, B and W being the split backward's two parts
         idle = dualpipe_bubble(pp, tf, tb, tw)
-        return {"bubble_ratio": idle / useful, "idle": idle, "formula": "idle = (p/2-1)(tf + 2(tb-tw) - 3·tw)",
+        return {"bubble_ratio": idle / useful, "idle": idle,
+                "formula": "idle = (p/2-1)(tf + 2(tb-tw) - 3·tw), F and B not overlapped",
                 "exact_when": "m >= 2p, tf = tb - tw = 2·tw, p2p = 0",
                 "exact": microbatches >= 2 * pp and tf == tb - tw == 2 * tw and p2p == 0}
     if schedule == "zb-h1":

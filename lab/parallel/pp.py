@@ -104,7 +104,11 @@ class _Stash:
 
 @dataclass(frozen=True)
 class OpTiming:
+    """Seconds from the step's start: when the rank reached the op, when its input was there and it started
+    computing (the gap is the op's wait: the bubble), and when it ended."""
+
     op: Op
+    reached: float
     start: float
     end: float
 
@@ -165,10 +169,11 @@ class Pipeline:
         self._loss = torch.zeros((), device=tokens.device)
         self.timings, self.peak_in_flight = [], 0
         start = time.perf_counter()
+        self._step_start = start
         for op in self.schedule.ops[self.rank]:
-            began = time.perf_counter() - start
+            self._ready = reached = time.perf_counter() - start  # a receive moves `_ready` to its arrival
             {"F": self._forward, B: self._backward, W: self._weights}[op.kind](op)
-            self.timings.append(OpTiming(op, began, time.perf_counter() - start))
+            self.timings.append(OpTiming(op, reached, self._ready, time.perf_counter() - start))
         for request in self._sends:
             request.wait()
         last = self._stage(self.schedule.chunks - 1) == self.schedule.virtual_stages - 1
@@ -186,6 +191,7 @@ class Pipeline:
         buffer = torch.empty(shape, device=device, dtype=torch.get_default_dtype())
         peer = self._peer(stage + 1 if backward else stage - 1)
         dist.irecv(buffer, peer, group=self.group, tag=self._tag(microbatch, stage, backward)).wait()
+        self._ready = time.perf_counter() - self._step_start
         return buffer
 
     def _send(self, tensor: torch.Tensor, microbatch: int, to_stage: int, backward: bool) -> None:

@@ -150,7 +150,7 @@ class PipelineExplorer(widgets.VBox):
         note = widgets.HTML('<p style="font-size:85%">t_f: forward of one micro-batch through one stage; t_b: its '
                             "whole backward; t_w: the weight-gradient part of t_b (split off by zb-h1). "
                             "Times in any one unit.</p>", layout=wide)
-        left = widgets.VBox([*self.controls.values(), note], layout=widgets.Layout(width="360px"))
+        left = widgets.VBox([*self.controls.values(), note], layout=widgets.Layout(width="360px", flex="0 0 auto"))
         super().__init__([widgets.HBox([left, widgets.VBox([self.plot, self.summary, self.error])])])
         self.update()
 

@@ -47,9 +47,10 @@ class StepLog:
     grad_norm: float
     tokens_per_s: float
     peak_bytes: int | None
-    # mixture-of-experts models only: assignments per expert over all layers and ranks, those dropped by the
-    # capacity limit, and the load-balancing loss (1 when balanced)
+    # mixture-of-experts models only: assignments per expert over all layers and ranks, their max/mean (1 when
+    # balanced), those dropped by the capacity limit, and the load-balancing loss (1 when balanced)
     expert_load: list[int] | None = None
+    load_imbalance: float | None = None
     dropped_tokens: int | None = None
     aux_loss: float | None = None
 
@@ -266,8 +267,9 @@ class MoEStats:
             dist.all_reduce(totals, group=dp_group)
             dist.all_reduce(aux, group=dp_group)
             aux /= replicas
-        return {"expert_load": [int(n) for n in totals[:-1].tolist()], "dropped_tokens": int(totals[-1]),
-                "aux_loss": aux.item()}
+        load = totals[:-1]
+        return {"expert_load": [int(n) for n in load.tolist()], "load_imbalance": (load.max() / load.mean()).item(),
+                "dropped_tokens": int(totals[-1]), "aux_loss": aux.item()}
 
 
 def _accumulate_gradients(model: nn.Module, engine, inputs: torch.Tensor, targets: torch.Tensor,

@@ -100,6 +100,7 @@ def test_expert_parallel_matches_data_parallel(dp, ep, extra):
     _assert_same_losses([log.grad_norm for log in base], [log.grad_norm for log in sharded], rel=1e-4)
     for a, b in zip(base, sharded, strict=True):
         assert a.expert_load == b.expert_load and a.dropped_tokens == b.dropped_tokens
+        assert a.load_imbalance == pytest.approx(max(a.expert_load) * len(a.expert_load) / sum(a.expert_load))
         assert a.aux_loss == pytest.approx(b.aux_loss, rel=1e-5)
     assert sum(base[-1].expert_load) + base[-1].dropped_tokens == 8 * 32 * 2 * 4  # tokens x top_k x layers
     if extra == ["model.capacity_factor=1.0"]:

@@ -3,6 +3,7 @@
     python -m lab doctor                      what this machine can run
     python -m lab train --config configs/tiny.toml --nproc 2 --dp 2
     python -m lab calc params --model llama3-8b
+    python -m lab calc bubble --schedule zb-h1 --pp 8 --microbatches 32
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 COMMANDS = {
     "doctor": ("lab.doctor", "report versions, devices, backends and extras, with fixes"),
     "train": ("lab.train", "train a model with the parallelisms a config asks for"),
-    "calc": ("lab.calc.cli", "cost models: parameter counts (memory, FLOPs, ... in later chapters)"),
+    "calc": ("lab.calc.cli", "cost models: params, memory, flops, comms (collectives), bubble (pipelines)"),
     "release": ("lab.grading.release", "write exercises/ (or one assignment's hand-out) from solutions/"),
     "grade": ("lab.grading.grade", "grade notebooks in sandboxes: CSV, Gradescope results.json, feedback"),
     "check": ("lab.grading.learner", "check a saved exercise notebook, as lab.check() does in JupyterLab"),

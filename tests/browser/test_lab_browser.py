@@ -265,3 +265,31 @@ def test_pipeline_explorer_redraws_for_each_schedule(browser, lab_server: LabSer
         assert error.count() == 0
         notebook.assert_no_errors()
     record_property("wall_s", ("browser   chapters/06_pipeline_parallel.ipynb", time.perf_counter() - start))
+
+
+def test_capacity_explorer_drops_more_as_the_capacity_shrinks(browser, lab_server: LabServer,
+                                                             record_property) -> None:
+    start = time.perf_counter()
+    with open_notebook(browser, lab_server, "chapters/07_expert_parallel.ipynb", ARTIFACTS) as notebook:
+        notebook.run_all(timeout_s=240)
+        notebook.assert_no_errors()
+        widget = notebook.page.locator(".jp-OutputArea-output",
+                                       has=notebook.page.locator(".widget-label", has_text="capacity factor")).first
+        dropped = widget.locator(".lab-moe-dropped")
+
+        def count() -> int:
+            return int(re.search(r"dropped ([\d,]+) of", dropped.inner_text()).group(1).replace(",", ""))
+
+        before, text, drawn = count(), dropped.inner_text(), widget.locator(".widget-output img").get_attribute("src")
+        slider = widget.locator(".widget-hslider", has=notebook.page.locator(".widget-label",
+                                                                             has_text="capacity factor"))
+        handle = slider.locator(".noUi-handle")
+        handle.focus()
+        for _ in range(5):  # 1.25 -> 1.0: every expert takes fewer assignments
+            handle.press("ArrowLeft")
+        slider.locator(".widget-readout").filter(has_text=re.compile(r"^\s*1\.0+\s*$")).wait_for(timeout=30_000)
+        _wait_for_change(dropped, text)
+        assert count() > before, (before, count())
+        assert _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src") != drawn
+        notebook.assert_no_errors()
+    record_property("wall_s", ("browser   chapters/07_expert_parallel.ipynb", time.perf_counter() - start))

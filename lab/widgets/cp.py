@@ -19,9 +19,9 @@ sequence length the layout cannot cut shows their one-line error instead of the 
 
 from __future__ import annotations
 
-import html
-
 import ipywidgets as widgets
+
+from lab.widgets.base import Explorer, show_figure
 
 LAYOUTS = ("contiguous", "zigzag")
 MIN_CP, MAX_CP = 2, 8
@@ -79,7 +79,7 @@ def draw_kv_positions(holders: list[list[int]], chunks: list[list[int]], ax=None
     return ax
 
 
-class RingAttentionExplorer(widgets.VBox):
+class RingAttentionExplorer(Explorer):
     """Controls on top; below them the attention matrix and the work per rank. `update()` redraws;
     tests read `summary.value`, `error.value`, `blocks`, `work`, `step_work` and `figure`."""
 
@@ -92,7 +92,7 @@ class RingAttentionExplorer(widgets.VBox):
         if not (isinstance(step, int) and 0 <= step < cp):
             raise ValueError(f"step={step!r} must be an integer from 0 to cp-1 = {cp - 1}")
         wide, narrow = widgets.Layout(width="330px"), widgets.Layout(width="210px")
-        self.controls = {
+        super().__init__({
             "cp": widgets.IntSlider(value=cp, min=MIN_CP, max=MAX_CP, description="cp", continuous_update=False,
                                     layout=wide),
             "step": widgets.IntSlider(value=step, min=0, max=cp - 1, description="ring step",
@@ -102,32 +102,21 @@ class RingAttentionExplorer(widgets.VBox):
             "causal": widgets.Checkbox(value=causal, description="causal mask", layout=narrow),
             "seq": widgets.IntText(value=seq, description="seq (tokens)", layout=narrow,
                                    style={"description_width": "90px"}),
-        }
-        self.summary, self.error, self.plot = widgets.HTML(), widgets.HTML(), widgets.Output()
+        })
         self.blocks: list[dict] | None = None
         self.work: list[int] | None = None
         self.step_work: list[int] | None = None
         self.figure = None
-        self._holding = False
-        for control in self.controls.values():
-            control.observe(self._on_change, names="value")
         c = self.controls  # two rows of controls above the (wide) figure
         rows = [widgets.HBox([c["cp"], c["step"]]), widgets.HBox([c["layout"], c["causal"], c["seq"]])]
-        super().__init__([*rows, self.plot, self.summary, self.error])
+        self.children = [*rows, self.plot, self.summary, self.error]
         self.update()
 
     def _on_change(self, change: dict) -> None:
         if change["owner"] is self.controls["cp"]:
-            self._holding = True  # a lower max clamps the step, which would redraw once too often
-            try:
+            with self.batched():  # a lower max clamps the step, which would redraw once too often
                 self.controls["step"].max = change["new"] - 1
-            finally:
-                self._holding = False
-        if not self._holding:
-            self.update()
-
-    def values(self) -> dict:
-        return {name: control.value for name, control in self.controls.items()}
+        super()._on_change(change)
 
     def _validate(self, v: dict) -> str | None:
         from lab.parallel.cp import check_sequence
@@ -149,9 +138,7 @@ class RingAttentionExplorer(widgets.VBox):
         problem = self._validate(v)
         if problem:
             self.blocks = self.work = self.step_work = None
-            self.error.value = f'<p class="lab-error" style="color:#b00">{html.escape(problem)}</p>'
-            self.summary.value = ""
-            self.plot.clear_output()
+            self.show_error(problem)
             return
         cp, step = v["cp"], v["step"]
         chunk = v["seq"] // num_chunks(cp, v["layout"])
@@ -237,10 +224,7 @@ class RingAttentionExplorer(widgets.VBox):
                     fontsize=8, loc="upper left", ncols=3)
         fig.tight_layout()
         self.figure = fig
-        with self.plot:
-            self.plot.clear_output(wait=True)
-            plt.show()
-        plt.close(fig)
+        show_figure(self.plot, fig)
 
 
 def ring_attention_explorer(cp: int = 4, layout: str = "contiguous", causal: bool = True, step: int = 0,

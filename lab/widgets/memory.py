@@ -8,27 +8,26 @@ the calculator's one-line error instead of the bar.
 
 from __future__ import annotations
 
-import html
-
 import ipywidgets as widgets
 
 from lab.calc.hardware import HARDWARE
 from lab.calc.memory import ACTIVATION_MODELS, PRECISIONS, estimate_memory
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
+from lab.widgets.base import Explorer, show_figure
 
 GiB = 2**30
 PARTS = (("params", "#2e7d32"), ("grads", "#1565c0"), ("optimizer", "#f9a825"), ("activations", "#c62828"))
 _POWERS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
-class MemoryCalculator(widgets.VBox):
+class MemoryCalculator(Explorer):
     """Controls on the left, the per-GPU breakdown on the right. `update()` recomputes; tests read
     `summary.value`, `error.value` and `estimate`."""
 
     def __init__(self, model: str = "llama3-8b", seq: int = 4096) -> None:
         dropdown = lambda options, value, description: widgets.Dropdown(  # noqa: E731
             options=options, value=value, description=description, layout=widgets.Layout(width="210px"))
-        self.controls = {
+        super().__init__({
             "model": dropdown(list(PRESETS), model, "model"),
             "seq": widgets.SelectionSlider(options=[2**k for k in range(7, 18)], value=seq, description="seq",
                                            continuous_update=False),
@@ -47,19 +46,10 @@ class MemoryCalculator(widgets.VBox):
             "cp": dropdown(_POWERS[:8], 1, "cp"),
             "ep": dropdown(_POWERS[:9], 1, "ep"),
             "gpu": dropdown(list(HARDWARE), "h100", "GPU"),
-        }
-        self.summary = widgets.HTML()
-        self.error = widgets.HTML()
-        self.plot = widgets.Output()
+        })
         self.estimate = None
-        for control in self.controls.values():
-            control.observe(lambda _change: self.update(), names="value")
-        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(width="340px", flex="0 0 auto"))
-        super().__init__([widgets.HBox([left, widgets.VBox([self.plot, self.summary, self.error])])])
+        self.children = self.beside(list(self.controls.values()), width="340px")
         self.update()
-
-    def values(self) -> dict:
-        return {name: control.value for name, control in self.controls.items()}
 
     def update(self) -> None:
         v = self.values()
@@ -72,9 +62,7 @@ class MemoryCalculator(widgets.VBox):
                                             activation_model=v["activation_model"])
         except ValueError as err:
             self.estimate = None
-            self.error.value = f'<p class="lab-error" style="color:#b00">{html.escape(str(err))}</p>'
-            self.summary.value = ""
-            self.plot.clear_output()
+            self.show_error(str(err))
             return
         self.error.value = ""
         self._draw(v)
@@ -85,20 +73,17 @@ class MemoryCalculator(widgets.VBox):
         per_gpu, capacity = self.estimate.per_gpu, HARDWARE[v["gpu"]].memory_bytes
         total = per_gpu["total"]
         fits = total <= capacity
-        with self.plot:
-            self.plot.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(6.5, 1.9))
-            left = 0.0
-            for part, colour in PARTS:
-                ax.barh(0, per_gpu[part] / GiB, left=left, color=colour, label=f"{part} {per_gpu[part] / GiB:,.1f}")
-                left += per_gpu[part] / GiB
-            ax.axvline(capacity / GiB, color="black", linestyle="--", label=f"{v['gpu']} {capacity / GiB:.0f} GiB")
-            ax.set_xlim(0, max(total, capacity) / GiB * 1.05)
-            ax.set_yticks([])
-            ax.set_xlabel("GiB per GPU")
-            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncols=5, fontsize=8, frameon=False)
-            plt.show()
-            plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6.5, 1.9))
+        left = 0.0
+        for part, colour in PARTS:
+            ax.barh(0, per_gpu[part] / GiB, left=left, color=colour, label=f"{part} {per_gpu[part] / GiB:,.1f}")
+            left += per_gpu[part] / GiB
+        ax.axvline(capacity / GiB, color="black", linestyle="--", label=f"{v['gpu']} {capacity / GiB:.0f} GiB")
+        ax.set_xlim(0, max(total, capacity) / GiB * 1.05)
+        ax.set_yticks([])
+        ax.set_xlabel("GiB per GPU")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncols=5, fontsize=8, frameon=False)
+        show_figure(self.plot, fig)
         verdict = "fits" if fits else "does NOT fit"
         stage = f" (pipeline stage {self.estimate.stage}, the fullest)" if v["pp"] > 1 else ""
         self.summary.value = (

@@ -21,13 +21,13 @@ and `draw_load_history` draw the chapter's other pictures (an expert-parallel di
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
 from dataclasses import dataclass
 
 import ipywidgets as widgets
 
 from lab.config import MOE_GATINGS, PRESETS
+from lab.widgets.base import Explorer, note, show_figure, slider
 
 MAX_EXPERTS, MAX_TOP_K, MIN_TOKENS, MAX_TOKENS = 64, 8, 8, 8192
 MAX_CAPACITY, MAX_SKEW = 2.0, 3.0
@@ -145,7 +145,7 @@ def draw_routing(routing: Routing, ax=None):
     return ax
 
 
-class CapacityExplorer(widgets.VBox):
+class CapacityExplorer(Explorer):
     """Controls on the left, assignments per expert on the right. `update()` reroutes and redraws; tests
     read `routing`, `figure`, `summary.value` and `error.value`."""
 
@@ -158,13 +158,7 @@ class CapacityExplorer(widgets.VBox):
         _check_float("skew", skew, 0.0, MAX_SKEW)
         if gating not in MOE_GATINGS:
             raise ValueError(f"gating={gating!r} must be one of {', '.join(map(repr, MOE_GATINGS))}")
-        wide, style = widgets.Layout(width="320px"), {"description_width": "110px"}
-
-        def slider(kind, value, low, high, step, description):
-            return kind(value=value, min=low, max=high, step=step, description=description, continuous_update=False,
-                        layout=wide, style=style)
-
-        self.controls = {
+        super().__init__({
             "capacity_factor": slider(widgets.FloatSlider, capacity_factor, 0.0, MAX_CAPACITY, 0.05,
                                       "capacity factor"),
             "top_k": slider(widgets.IntSlider, top_k, 1, MAX_TOP_K, 1, "top_k"),
@@ -173,21 +167,13 @@ class CapacityExplorer(widgets.VBox):
             "skew": slider(widgets.FloatSlider, skew, 0.0, MAX_SKEW, 0.1, "router skew"),
             "gating": widgets.ToggleButtons(options=list(MOE_GATINGS), value=gating, description="gating",
                                             style={"button_width": "80px"}),
-        }
-        self.summary, self.error, self.plot = widgets.HTML(), widgets.HTML(), widgets.Output()
+        })
         self.routing: Routing | None = None
         self.figure = None
-        for control in self.controls.values():
-            control.observe(lambda _change: self.update(), names="value")
-        note = widgets.HTML('<p style="font-size:85%">capacity factor 0: no capacity, nothing dropped. Router skew: '
-                            "expert e's logit is lowered by skew·log(1 + e), so low-numbered experts are popular "
-                            "(0: balanced).</p>", layout=wide)
-        left = widgets.VBox([*self.controls.values(), note], layout=widgets.Layout(width="360px"))
-        super().__init__([widgets.HBox([left, widgets.VBox([self.plot, self.summary, self.error])])])
+        explained = note("capacity factor 0: no capacity, nothing dropped. Router skew: expert e's logit is lowered "
+                         "by skew·log(1 + e), so low-numbered experts are popular (0: balanced).")
+        self.children = self.beside([*self.controls.values(), explained], width="360px")
         self.update()
-
-    def values(self) -> dict:
-        return {name: control.value for name, control in self.controls.items()}
 
     def update(self) -> None:
         v = self.values()
@@ -196,9 +182,7 @@ class CapacityExplorer(widgets.VBox):
                                    v["gating"])
         except ValueError as err:
             self.routing = self.figure = None
-            self.error.value = f'<p class="lab-error" style="color:#b00">{html.escape(str(err))}</p>'
-            self.summary.value = ""
-            self.plot.clear_output()
+            self.show_error(str(err))
             return
         self.routing = routing
         self.error.value = ""
@@ -227,10 +211,7 @@ class CapacityExplorer(widgets.VBox):
         draw_routing(self.routing, ax)
         fig.tight_layout()
         self.figure = fig
-        with self.plot:
-            self.plot.clear_output(wait=True)
-            plt.show()
-        plt.close(fig)
+        show_figure(self.plot, fig)
 
 
 def moe_explorer(capacity_factor: float = 1.25, top_k: int = 2, n_experts: int = 8, tokens: int = 1024,

@@ -25,6 +25,7 @@ import ipywidgets as widgets
 
 from lab.calc.bubble import Simulation, closed_form, explore
 from lab.calc.schedules import SCHEDULES, B, F, W
+from lab.widgets.base import Explorer, note, show_figure, slider
 
 MIN_PP, MAX_PP = 2, 16
 MAX_MICROBATCHES, MAX_CHUNKS = 64, 8
@@ -110,7 +111,7 @@ def draw_peaks(sim: Simulation, ax) -> None:
     ax.set_xlabel("peak activations\n(micro-batches of a stage)", fontsize=8)
 
 
-class PipelineExplorer(widgets.VBox):
+class PipelineExplorer(Explorer):
     """Controls on the left; the timeline and the activations per rank on the right. `update()` redraws; tests
     read `simulation`, `closed_form`, `figure`, `summary.value` and `error.value`."""
 
@@ -123,13 +124,7 @@ class PipelineExplorer(widgets.VBox):
                                        ("chunks", chunks, 1, MAX_CHUNKS)):
             if not (isinstance(value, int) and low <= value <= high):
                 raise ValueError(f"{name}={value!r} must be an integer from {low} to {high}")
-        wide, style = widgets.Layout(width="320px"), {"description_width": "110px"}
-
-        def slider(kind, value, low, high, step, description):
-            return kind(value=value, min=low, max=high, step=step, description=description, continuous_update=False,
-                        layout=wide, style=style)
-
-        self.controls = {
+        super().__init__({
             "schedule": widgets.ToggleButtons(options=list(SCHEDULES), value=schedule, description="schedule",
                                               style={"button_width": "80px"}),
             "pp": slider(widgets.IntSlider, pp, MIN_PP, MAX_PP, 1, "pp (ranks)"),
@@ -139,37 +134,24 @@ class PipelineExplorer(widgets.VBox):
             "tb": slider(widgets.FloatSlider, tb, 0.0, 8.0, 0.25, "t_b backward"),
             "tw": slider(widgets.FloatSlider, tw, 0.0, 4.0, 0.25, "t_w (part of t_b)"),
             "p2p": slider(widgets.FloatSlider, p2p, 0.0, 2.0, 0.05, "p2p latency"),
-        }
-        self.summary, self.error, self.plot = widgets.HTML(), widgets.HTML(), widgets.Output()
+        })
         self.simulation: Simulation | None = None
         self.closed_form: dict | None = None
         self.figure = None
-        self._holding = False
-        for control in self.controls.values():
-            control.observe(self._on_change, names="value")
-        note = widgets.HTML('<p style="font-size:85%">t_f: forward of one micro-batch through one stage; t_b: its '
-                            "whole backward; t_w: the weight-gradient part of t_b (split off by zb-h1). "
-                            "Times in any one unit.</p>", layout=wide)
-        left = widgets.VBox([*self.controls.values(), note], layout=widgets.Layout(width="360px", flex="0 0 auto"))
-        super().__init__([widgets.HBox([left, widgets.VBox([self.plot, self.summary, self.error])])])
+        explained = note("t_f: forward of one micro-batch through one stage; t_b: its whole backward; t_w: the "
+                         "weight-gradient part of t_b (split off by zb-h1). Times in any one unit.")
+        self.children = self.beside([*self.controls.values(), explained], width="360px")
         self.update()
 
     def _on_change(self, change: dict) -> None:
         if change["owner"] is self.controls["schedule"]:
             chunks = self.controls["chunks"]
-            self._holding = True  # one redraw for the schedule and the chunks it brings along
-            try:
+            with self.batched():  # one redraw for the schedule and the chunks it brings along
                 if change["new"] == "interleaved" and chunks.value == 1:
                     chunks.value = 2
                 elif change["new"] != "interleaved" and chunks.value > 1:
                     chunks.value = 1
-            finally:
-                self._holding = False
-        if not self._holding:
-            self.update()
-
-    def values(self) -> dict:
-        return {name: control.value for name, control in self.controls.items()}
+        super()._on_change(change)
 
     def update(self) -> None:
         v = self.values()
@@ -179,9 +161,7 @@ class PipelineExplorer(widgets.VBox):
                                  v["p2p"])
         except ValueError as err:
             self.simulation = self.closed_form = self.figure = None
-            self.error.value = f'<p class="lab-error" style="color:#b00">{html.escape(str(err))}</p>'
-            self.summary.value = ""
-            self.plot.clear_output()
+            self.show_error(str(err))
             return
         self.simulation, self.closed_form = sim, closed
         self.error.value = ""
@@ -227,10 +207,7 @@ class PipelineExplorer(widgets.VBox):
                      f"(closed form {self.closed_form['bubble_ratio']:.3g}), idle fraction {sim.idle_fraction:.3g}, "
                      f"makespan {sim.makespan:.4g}", fontsize=10, x=0.07, ha="left")
         self.figure = fig
-        with self.plot:
-            self.plot.clear_output(wait=True)
-            plt.show()
-        plt.close(fig)
+        show_figure(self.plot, fig)
 
 
 def pipeline_explorer(schedule: str = "1f1b", pp: int = 4, microbatches: int = 8, chunks: int | None = None,

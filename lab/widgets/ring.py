@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
+from lab.widgets.base import show_figure
+
 
 def _traced_rank() -> list[tuple[str, int, list[int]]]:
     import torch
@@ -73,12 +75,9 @@ def ring_steps(world_size: int = 4) -> widgets.VBox:
     output = widgets.Output()
 
     def show(index: int) -> None:
-        with output:
-            output.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(1.3 * world_size + 1, 0.8 * world_size + 1))
-            draw_step(trace, index, ax)
-            plt.show()
-            plt.close(fig)
+        fig, ax = plt.subplots(figsize=(1.3 * world_size + 1, 0.8 * world_size + 1))
+        draw_step(trace, index, ax)
+        show_figure(output, fig)
 
     slider.observe(lambda change: show(change["new"]), names="value")
     show(0)

@@ -13,7 +13,6 @@ It opens on the ZeRO paper's example (Rajbhandari et al. 2020, Figure 1): Ψ = 7
 
 from __future__ import annotations
 
-import html
 import math
 
 import ipywidgets as widgets
@@ -23,6 +22,7 @@ from lab.calc.hardware import HARDWARE
 from lab.calc.memory import PRECISIONS, static_bytes
 from lab.calc.params import count_params
 from lab.config import PRESETS
+from lab.widgets.base import Explorer, show_figure
 
 GB = 1e9  # the ZeRO paper's unit: decimal gigabytes
 PAPER = "ZeRO paper example (7.5 B)"
@@ -49,13 +49,13 @@ def sent_per_rank(num_params: int, dp: int, stage: int, precision: str = "mixed"
     return volume + (bus_factor("all_gather", dp) * weight_bytes if stage == 3 else 0.0)
 
 
-class ZeroLadder(widgets.VBox):
+class ZeroLadder(Explorer):
     """Controls on the left, the four stages' bars on the right (the chosen stage outlined). `update()`
     recomputes; tests read `summary.value`, `error.value`, `rows` and `num_params`."""
 
     def __init__(self, params_b: float = 7.5, dp: int = 64, stage: int = 3, precision: str = "mixed") -> None:
         layout = widgets.Layout(width="300px")
-        self.controls = {
+        super().__init__({
             "model": widgets.Dropdown(options=[PAPER, *PRESETS], value=PAPER, description="model", layout=layout),
             "params_b": widgets.FloatText(value=params_b, description="Ψ (billions)", layout=layout,
                                           style={"description_width": "90px"}),
@@ -66,25 +66,18 @@ class ZeroLadder(widgets.VBox):
                                           layout=layout),
             "fp32_grad_accum": widgets.Checkbox(value=False, description="fp32 grad accumulation"),
             "gpu": widgets.Dropdown(options=list(HARDWARE), value="h100", description="GPU", layout=layout),
-        }
-        self.summary, self.error, self.plot = widgets.HTML(), widgets.HTML(), widgets.Output()
+        })
         self.rows: dict[int, dict] | None = None
         self.num_params = 0
-        self.controls["model"].observe(self._on_model, names="value")
-        for name, control in self.controls.items():
-            if name != "model":
-                control.observe(lambda _change: self.update(), names="value")
-        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(width="360px", flex="0 0 auto"))
-        super().__init__([widgets.HBox([left, widgets.VBox([self.plot, self.summary, self.error])])])
+        self.children = self.beside(list(self.controls.values()), width="360px")
         self.update()
 
-    def _on_model(self, change: dict) -> None:
-        """A preset writes its exact parameter count into Ψ (which triggers `update`)."""
-        if change["new"] != PAPER:
+    def _on_change(self, change: dict) -> None:
+        """A preset writes its exact parameter count into Ψ (which triggers `update`); other controls redraw."""
+        if change["owner"] is not self.controls["model"]:
+            super()._on_change(change)
+        elif change["new"] != PAPER:
             self.controls["params_b"].value = count_params(PRESETS[change["new"]]) / 1e9
-
-    def values(self) -> dict:
-        return {name: control.value for name, control in self.controls.items()}
 
     def _validate(self, v: dict) -> str | None:
         params_b, dp = v["params_b"], v["dp"]
@@ -101,9 +94,7 @@ class ZeroLadder(widgets.VBox):
         problem = self._validate(v)
         if problem:
             self.rows, self.num_params = None, 0
-            self.error.value = f'<p class="lab-error" style="color:#b00">{html.escape(problem)}</p>'
-            self.summary.value = ""
-            self.plot.clear_output()
+            self.show_error(problem)
             return
         self.num_params = round(v["params_b"] * 1e9)
         self.rows = ladder(self.num_params, v["dp"], v["precision"], v["fp32_grad_accum"])
@@ -114,24 +105,21 @@ class ZeroLadder(widgets.VBox):
         import matplotlib.pyplot as plt
 
         capacity = HARDWARE[v["gpu"]].memory_bytes
-        with self.plot:
-            self.plot.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(6.5, 3.0))
-            for stage, row in self.rows.items():
-                bottom = 0.0
-                for part, colour in PARTS:
-                    ax.bar(stage, row[part] / GB, bottom=bottom, color=colour, label=part if stage == 0 else None,
-                           edgecolor="black" if stage == v["stage"] else "none", linewidth=1.5)
-                    bottom += row[part] / GB
-                ax.text(stage, bottom, f"{bottom:,.1f}", ha="center", va="bottom", fontsize=9)
-            ax.axhline(capacity / GB, color="black", linestyle="--", linewidth=1,
-                       label=f"{v['gpu']} {capacity / 2**30:,.0f} GiB = {capacity / GB:,.1f} GB")
-            ax.set_xticks(list(STAGES), [STAGE_NAMES[s] for s in STAGES], fontsize=8)
-            ax.set_ylabel("GB per GPU (10⁹ bytes)")
-            ax.set_title(f"Ψ = {self.num_params / 1e9:,.3g} B parameters, N_d = {v['dp']}", fontsize=10)
-            ax.legend(fontsize=8, loc="upper right")
-            plt.show()
-            plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6.5, 3.0))
+        for stage, row in self.rows.items():
+            bottom = 0.0
+            for part, colour in PARTS:
+                ax.bar(stage, row[part] / GB, bottom=bottom, color=colour, label=part if stage == 0 else None,
+                       edgecolor="black" if stage == v["stage"] else "none", linewidth=1.5)
+                bottom += row[part] / GB
+            ax.text(stage, bottom, f"{bottom:,.1f}", ha="center", va="bottom", fontsize=9)
+        ax.axhline(capacity / GB, color="black", linestyle="--", linewidth=1,
+                   label=f"{v['gpu']} {capacity / 2**30:,.0f} GiB = {capacity / GB:,.1f} GB")
+        ax.set_xticks(list(STAGES), [STAGE_NAMES[s] for s in STAGES], fontsize=8)
+        ax.set_ylabel("GB per GPU (10⁹ bytes)")
+        ax.set_title(f"Ψ = {self.num_params / 1e9:,.3g} B parameters, N_d = {v['dp']}", fontsize=10)
+        ax.legend(fontsize=8, loc="upper right")
+        show_figure(self.plot, fig)
         row, stage = self.rows[v["stage"]], v["stage"]
         fits = "fits" if row["total"] <= capacity else "does NOT fit"
         ratio = "3Ψ" if stage == 3 else "2Ψ"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest.register_assert_rewrite("grading_support")  # the chapters' shared grading tests: show what was compared
 
 
 # --- Jupyter: an isolated environment for kernels and servers (notebook and browser lanes) -------------

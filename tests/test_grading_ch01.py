@@ -6,105 +6,71 @@ a check that goes soft (e.g. a formula that stops distinguishing s from s²) fai
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
+from grading_support import Chapter, chapter_tests
 
 from lab.calc.params import count_params
 from lab.grading import checks
 from lab.grading.checks import ch01
-from lab.grading.notebook import answer_parts, read
 from lab.grading.runner import run_exercise, seed
 
-REPO = Path(__file__).resolve().parents[1]
-SOLUTIONS = read(REPO / "solutions" / "01_memory_and_compute.ipynb")
+EXERCISES = ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu")
 
-
-def _grade(exercise_id: str, replace: tuple[str, str] | None = None, secret: str | None = None):
-    """Grade the solution of `exercise_id`, with `replace` = (old, new) applied to its own cell."""
-    ex = checks.get(exercise_id)
-    parts = [part for i in ex.requires for part in answer_parts(SOLUTIONS, i)]
-    (label, source), = answer_parts(SOLUTIONS, exercise_id)
-    if replace:
-        assert replace[0] in source, f"mutant does not apply: {replace[0]!r} not in the {exercise_id} solution"
-        source = source.replace(*replace)
-    return run_exercise(ex, [*parts, (label, source)], secret=secret, wall_s=30)
-
-
-@pytest.mark.parametrize("secret", [None, "class-of-2026"])
-def test_solutions_score_full_marks(secret):
-    for exercise_id in ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu"):
-        result = _grade(exercise_id, secret=secret)
-        assert result.points == result.max_points == checks.get(exercise_id).points, result
-
-
-MUTANTS = {  # name: (exercise, (old, new) in the solution cell, checks that must fail)
-    "gqa_kv_as_many_heads_as_q": ("01.param_count", ("2 * d * cfg.n_kv_heads * head_dim",
-                                                     "2 * d * cfg.n_heads * head_dim"),
+MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
+    "gqa_kv_as_many_heads_as_q": ("01.param_count", [("2 * d * cfg.n_kv_heads * head_dim",
+                                                      "2 * d * cfg.n_heads * head_dim")],
                                   {"grouped-query attention: K and V have n_kv_heads heads"}),
-    "tied_embedding_counted_twice": ("01.param_count", ("0 if cfg.tie_embeddings else cfg.vocab_size * d",
-                                                        "cfg.vocab_size * d"), {"tied embeddings are counted once"}),
-    "norm_weights_forgotten": ("01.param_count", ("norms = 2 * d", "norms = 0"),
+    "tied_embedding_counted_twice": ("01.param_count", [("0 if cfg.tie_embeddings else cfg.vocab_size * d",
+                                                         "cfg.vocab_size * d")], {"tied embeddings are counted once"}),
+    "norm_weights_forgotten": ("01.param_count", [("norms = 2 * d", "norms = 0")],
                                {"multi-head attention, untied embeddings"}),
-    "head_dim_from_d_model": ("01.param_count", ("d, head_dim = cfg.d_model, cfg.head_dim",
-                                                 "d, head_dim = cfg.d_model, cfg.d_model // cfg.n_heads"),
+    "head_dim_from_d_model": ("01.param_count", [("d, head_dim = cfg.d_model, cfg.head_dim",
+                                                  "d, head_dim = cfg.d_model, cfg.d_model // cfg.n_heads")],
                               {"head_dim set independently of d_model / n_heads"}),
-    "gelu_mlp_two_matrices": ("01.param_count", ("ffn = 3 * d * cfg.d_ff", "ffn = 2 * d * cfg.d_ff"),
+    "gelu_mlp_two_matrices": ("01.param_count", [("ffn = 3 * d * cfg.d_ff", "ffn = 2 * d * cfg.d_ff")],
                               {"multi-head attention, untied embeddings"}),
-    "mixed_12_bytes_no_master_copy": ("01.state_bytes", ("per_param = 2 + 2 + 4 + 4 + 4", "per_param = 2 + 2 + 4 + 4"),
+    "mixed_12_bytes_no_master_copy": ("01.state_bytes", [("per_param = 2 + 2 + 4 + 4 + 4",
+                                                          "per_param = 2 + 2 + 4 + 4")],
                                       {"bf16 mixed precision with fp32 master weights"}),
-    "fp32_grad_accum_ignored": ("01.state_bytes", ("per_param += 4", "per_param += 0"),
+    "fp32_grad_accum_ignored": ("01.state_bytes", [("per_param += 4", "per_param += 0")],
                                 {"mixed precision with fp32 gradient accumulation"}),
-    "fp32_adam_one_moment": ("01.state_bytes", ("per_param = 4 + 4 + 4 + 4", "per_param = 4 + 4 + 4"),
+    "fp32_adam_one_moment": ("01.state_bytes", [("per_param = 4 + 4 + 4 + 4", "per_param = 4 + 4 + 4")],
                              {"fp32 training with Adam"}),
-    "scores_s_instead_of_s_squared": ("01.activation_bytes", ("5 * a * s * s * b", "5 * a * s * b"),
+    "scores_s_instead_of_s_squared": ("01.activation_bytes", [("5 * a * s * s * b", "5 * a * s * b")],
                                       {"no recompute: s·b·h·(34 + 5·a·s/h) per layer"}),
-    "scores_with_kv_heads": ("01.activation_bytes", ("cfg.d_model, cfg.n_heads", "cfg.d_model, cfg.n_kv_heads"),
+    "scores_with_kv_heads": ("01.activation_bytes", [("cfg.d_model, cfg.n_heads", "cfg.d_model, cfg.n_kv_heads")],
                              {"no recompute: s·b·h·(34 + 5·a·s/h) per layer"}),
-    "one_layer_only": ("01.activation_bytes", ("return cfg.n_layers * per_layer", "return per_layer"),
+    "one_layer_only": ("01.activation_bytes", [("return cfg.n_layers * per_layer", "return per_layer")],
                        {"no recompute: s·b·h·(34 + 5·a·s/h) per layer", "selective recompute keeps 34·s·b·h per layer",
                         "full recompute keeps each layer's input"}),
-    "selective_keeps_scores": ("01.activation_bytes", ("per_layer = 34 * s * b * h\n",
-                                                       "per_layer = 34 * s * b * h + 5 * a * s * s * b\n"),
+    "selective_keeps_scores": ("01.activation_bytes", [("per_layer = 34 * s * b * h\n",
+                                                        "per_layer = 34 * s * b * h + 5 * a * s * s * b\n")],
                                {"selective recompute keeps 34·s·b·h per layer"}),
-    "off_by_one_strict_less": ("01.max_micro_batch", ("return (budget_bytes - states) // per_sequence",
-                                                      "return (budget_bytes - states - 1) // per_sequence"),
+    "off_by_one_strict_less": ("01.max_micro_batch", [("return (budget_bytes - states) // per_sequence",
+                                                       "return (budget_bytes - states - 1) // per_sequence")],
                                {"a budget filled exactly still fits"}),
-    "off_by_one_plus_one": ("01.max_micro_batch", ("return (budget_bytes - states) // per_sequence",
-                                                   "return (budget_bytes - states) // per_sequence + 1"),
+    "off_by_one_plus_one": ("01.max_micro_batch", [("return (budget_bytes - states) // per_sequence",
+                                                    "return (budget_bytes - states) // per_sequence + 1")],
                             {"a budget with room for several micro-batches", "a budget filled exactly still fits",
                              "a budget too small for one sequence gives 0"}),
-    "model_states_ignored": ("01.max_micro_batch", ("states = model_state_bytes(param_count(cfg), precision)",
-                                                    "states = 0"),
+    "model_states_ignored": ("01.max_micro_batch", [("states = model_state_bytes(param_count(cfg), precision)",
+                                                     "states = 0")],
                              {"a budget with room for several micro-batches",
                               "a budget too small for one sequence gives 0"}),
-    "negative_when_nothing_fits": ("01.max_micro_batch", ("    if budget_bytes < states:\n        return 0\n", ""),
+    "negative_when_nothing_fits": ("01.max_micro_batch", [("    if budget_bytes < states:\n        return 0\n", "")],
                                    {"a budget too small for one sequence gives 0"}),
-    "forward_only_2n": ("01.mfu", ("6 * param_count(cfg)", "2 * param_count(cfg)"),
+    "forward_only_2n": ("01.mfu", [("6 * param_count(cfg)", "2 * param_count(cfg)")],
                         {"one GPU", "several GPUs", "long sequences: the attention term"}),
-    "attention_flops_forgotten": ("01.mfu", (" + 12 * cfg.n_layers * cfg.d_model * seq_len", ""),
+    "attention_flops_forgotten": ("01.mfu", [(" + 12 * cfg.n_layers * cfg.d_model * seq_len", "")],
                                   {"long sequences: the attention term"}),
-    "n_gpus_ignored": ("01.mfu", ("(step_time_s * n_gpus * peak_flops)", "(step_time_s * peak_flops)"),
+    "n_gpus_ignored": ("01.mfu", [("(step_time_s * n_gpus * peak_flops)", "(step_time_s * peak_flops)")],
                        {"several GPUs"}),
-    "hfu_8n_counts_recompute": ("01.mfu", ("6 * param_count(cfg)", "8 * param_count(cfg)"), {"one GPU"}),
+    "hfu_8n_counts_recompute": ("01.mfu", [("6 * param_count(cfg)", "8 * param_count(cfg)")], {"one GPU"}),
 }
 
 
-@pytest.mark.parametrize("name", MUTANTS)
-def test_mutant_fails_its_check(name):
-    exercise_id, replace, must_fail = MUTANTS[name]
-    result = _grade(exercise_id, replace)
-    failed = {c.name for c in result.checks if c.status == "failed"}
-    assert must_fail <= failed, f"{name}: expected {must_fail} to fail, failed: {failed}"
-    assert result.points < result.max_points
-    message = next(c.message for c in result.checks if c.name in must_fail)
-    assert "returned" in message and "expected" in message, message  # says what came back and what was due
-
-
-def test_every_exercise_has_a_mutant_and_every_check_catches_one():
-    caught = {name for _, _, names in MUTANTS.values() for name in names}
-    for ex in (e for e in checks.load_all().values() if e.chapter == "01"):
-        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+CHAPTER = Chapter("01_memory_and_compute.ipynb", EXERCISES, MUTANTS, wall_s=30,
+                  released_stubs=False)  # tests/test_grading_cli.py grades the released chapter-01 notebook
+globals().update(chapter_tests(CHAPTER))
 
 
 def test_answers_memorised_from_the_public_seed_fail_with_a_class_secret():

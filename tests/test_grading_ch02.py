@@ -10,51 +10,15 @@ the checks that must catch it are run, to keep this file fast.
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from pathlib import Path
 
-import pytest
+from grading_support import Chapter, chapter_tests
 
 from lab.grading import checks
 from lab.grading.checks import ch02
-from lab.grading.notebook import answer_parts, read
-from lab.grading.release import release_notebook
 from lab.grading.runner import run_exercise, seed
 
-REPO = Path(__file__).resolve().parents[1]
-SOLUTIONS = read(REPO / "solutions" / "02_collectives.ipynb")
 EXERCISES = ("02.ring_all_reduce", "02.reduce_scatter", "02.ring_bytes", "02.alpha_beta", "02.sharded_matmul")
-
-
-def _grade(exercise_id: str, replace: list[tuple[str, str]] = (), secret: str | None = None,
-           only: set[str] | None = None, notebook=SOLUTIONS):
-    """Grade `exercise_id`'s cell of `notebook` (after the cells it requires), with each (old, new) of `replace`
-    applied to its own cell, running only the checks named in `only` (all when None)."""
-    ex = checks.get(exercise_id)
-    if only is not None:
-        ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
-    parts = [part for i in ex.requires for part in answer_parts(notebook, i)]
-    (label, source), = answer_parts(notebook, exercise_id)
-    for old, new in replace:
-        assert source.count(old) == 1, f"mutant does not apply once: {old!r} in the {exercise_id} solution"
-        source = source.replace(old, new)
-    return run_exercise(ex, [*parts, (label, source)], secret=secret, wall_s=60)
-
-
-@pytest.mark.parametrize("secret", [None, "class-of-2026"])
-def test_solutions_score_full_marks(secret):
-    for exercise_id in EXERCISES:
-        result = _grade(exercise_id, secret=secret)
-        assert result.points == result.max_points == checks.get(exercise_id).points, result
-
-
-def test_released_stubs_score_nothing_and_say_not_attempted():
-    released = release_notebook(SOLUTIONS, "02_collectives.ipynb")
-    for exercise_id in EXERCISES:
-        result = _grade(exercise_id, notebook=released)
-        assert result.points == 0 and result.status == "not attempted", result
-
 
 RING_TWO = "2 ranks: every rank ends with the sum of every rank's tensor"
 RING_UNEVEN = "3 and 4 ranks, sizes the world size divides and sizes it does not"
@@ -131,22 +95,8 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
 }
 
 
-@pytest.mark.parametrize("name", MUTANTS)
-def test_mutant_fails_its_check(name):
-    exercise_id, replace, must_fail = MUTANTS[name]
-    result = _grade(exercise_id, replace, only=must_fail)
-    failed = {c.name for c in result.checks if c.status == "failed"}
-    assert must_fail == failed, f"{name}: expected {must_fail} to fail, failed: {failed}"
-    assert result.points == 0 and not result.reason, result
-    for check in result.checks:  # each failure says what came back and what was expected
-        assert "expected" in check.message, check.message
-
-
-def test_every_exercise_has_a_mutant_and_every_check_catches_one():
-    caught = {name for _, _, names in MUTANTS.values() for name in names}
-    for ex in (e for e in checks.load_all().values() if e.chapter == "02"):
-        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
-    assert {exercise_id for exercise_id, _, _ in MUTANTS.values()} == set(EXERCISES)
+CHAPTER = Chapter("02_collectives.ipynb", EXERCISES, MUTANTS)
+globals().update(chapter_tests(CHAPTER))
 
 
 def test_answers_memorised_from_the_public_seed_fail_with_a_class_secret():
@@ -175,5 +125,4 @@ def test_random_sizes_are_awkward_and_drivers_seed_ranks_as_the_checks_do():
         shapes = [ch02._random_shape(rng, world, uneven=False) for _ in range(50)]
         assert all(r * c % world == 0 and r * c >= world for r, c in shapes)
     for exercise_id in ("02.ring_all_reduce", "02.reduce_scatter"):
-        (_, source), = answer_parts(SOLUTIONS, exercise_id)
-        assert f"manual_seed(seed + {ch02.SEED_STRIDE} * rank)" in source, exercise_id
+        assert f"manual_seed(seed + {ch02.SEED_STRIDE} * rank)" in CHAPTER.cell(exercise_id), exercise_id

@@ -10,49 +10,12 @@ file fast.
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import pytest
+from grading_support import Chapter, chapter_tests
 
-from lab.grading import checks
 from lab.grading.checks import ch04
-from lab.grading.notebook import answer_parts, read
-from lab.grading.release import release_notebook
-from lab.grading.runner import run_exercise
 
-REPO = Path(__file__).resolve().parents[1]
-SOLUTIONS = read(REPO / "solutions" / "04_tensor_sequence_parallel.ipynb")
 EXERCISES = ("04.matmul_collective", "04.column_row_linear", "04.vocab_parallel_ce", "04.sequence_parallel")
-
-
-def _grade(exercise_id: str, replace: list[tuple[str, str]] = (), secret: str | None = None,
-           only: set[str] | None = None, notebook=SOLUTIONS):
-    """Grade `exercise_id`'s cell of `notebook`, with each (old, new) of `replace` applied to it, running only the
-    checks named in `only` (all when None)."""
-    ex = checks.get(exercise_id)
-    if only is not None:
-        ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
-    (label, source), = answer_parts(notebook, exercise_id)
-    for old, new in replace:
-        assert source.count(old) == 1, f"mutant does not apply once: {old!r} in the {exercise_id} solution"
-        source = source.replace(old, new)
-    return run_exercise(ex, [(label, source)], secret=secret, wall_s=60)
-
-
-@pytest.mark.parametrize("secret", [None, "class-of-2026"])
-def test_solutions_score_full_marks(secret):
-    for exercise_id in EXERCISES:
-        result = _grade(exercise_id, secret=secret)
-        assert result.points == result.max_points == checks.get(exercise_id).points, result
-
-
-def test_released_stubs_score_nothing_and_say_not_attempted():
-    released = release_notebook(SOLUTIONS, "04_tensor_sequence_parallel.ipynb")
-    for exercise_id in EXERCISES:
-        result = _grade(exercise_id, notebook=released)
-        assert result.points == 0 and result.status == "not attempted", result
-
 
 CASE_THREE = ('''    if aj is not None and aj == bj:  # case 3: both contracting dims split over the same axis
         if reduce_scatter and bk is None:
@@ -139,21 +102,8 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
 }
 
 
-@pytest.mark.parametrize("name", MUTANTS)
-def test_mutant_fails_its_check(name):
-    exercise_id, replace, must_fail = MUTANTS[name]
-    result = _grade(exercise_id, replace, only=must_fail)
-    failed = {c.name: c.message for c in result.checks if c.status == "failed"}
-    assert must_fail <= set(failed), f"{name}: expected {must_fail} to fail, failed: {failed}"
-    for message in failed.values():  # says what came back and what was due
-        assert "returned" in message and "expected" in message, message
-
-
-def test_every_exercise_has_a_mutant_and_every_check_catches_one():
-    caught = {name for _, _, names in MUTANTS.values() for name in names}
-    for ex in (e for e in checks.load_all().values() if e.chapter == "04"):
-        assert ex.id in {exercise_id for exercise_id, _, _ in MUTANTS.values()}, f"{ex.id}: no mutant"
-        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+CHAPTER = Chapter("04_tensor_sequence_parallel.ipynb", EXERCISES, MUTANTS)
+globals().update(chapter_tests(CHAPTER))
 
 
 def _lab_tp(shape, d_model, d_ff, vocab, seed, scale):

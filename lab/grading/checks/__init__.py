@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.grading.sandbox import Limits
+from lab.grading.sandbox import CallError, Limits
 
 _ID = re.compile(r"^\d\d\.[a-z][a-z0-9_]*$")
 REGISTRY: dict[str, Exercise] = {}
@@ -155,3 +155,107 @@ def expect_equal(got: Any, expected: int | list, what: str) -> None:
 def expect_close(got: Any, expected: float, what: str, rel: float = 1e-6) -> None:
     if not _number(got) or not math.isclose(got, expected, rel_tol=rel):
         raise CheckFailed(f"{what} returned {got!r}, expected {expected:.6g}")
+
+
+# --- helpers for checks that run torch or ranks: floats, drivers' dicts, crashes, messages ---------------------
+# torch is imported inside the functions: `lab.check` loads every chapter's checks, the grader imports this.
+
+RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+TORCH = {"modules": ("lab.config",), "packages": ("tomli_w", "torch"), "memory_mb": 2048}
+POINT_TO_POINT = ("send", "isend", "recv", "irecv")
+
+
+def preview(values: list) -> str:
+    """The first few values of a list and its length, for a message."""
+    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
+    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
+
+
+def close(got: Any, expected: float, tol: float) -> bool:
+    """|got − expected| ≤ tol·(1 + |expected|); an infinite `expected` only exactly; NaN never."""
+    if not _number(got):
+        return False
+    if math.isinf(expected):
+        return got == expected
+    return abs(got - expected) <= tol * (1 + abs(expected))  # False for NaN and inf
+
+
+def expect_number(got: Any, expected: float, what: str, tol: float = 1e-9) -> None:
+    if not close(got, expected, tol):
+        raise CheckFailed(f"{what} returned {got!r}, expected {expected:.10g}")
+
+
+def expect_allclose(got: Any, expected: list[float], what: str, tol: float = 1e-4) -> None:
+    """A list of numbers equal to `expected` within tol·(1 + |expected|) each (see `close`: ±inf only where it
+    is due, NaN never)."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        size = f"{len(got)} values" if isinstance(got, list) else repr(got)[:80]
+        raise CheckFailed(f"{what} returned {size}, expected {preview(expected)}")
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if not close(g, e, tol):
+            raise CheckFailed(f"{what} returned {preview(got)}, expected {preview(expected)}: "
+                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
+
+
+def expect_dict(got: Any, what: str) -> dict:
+    """What a driver returns: a dict."""
+    if not isinstance(got, dict):
+        raise CheckFailed(f"{what} returned {got!r:.200}, expected the driver's dict")
+    return got
+
+
+def per_rank(results: Any, world: int, what: str) -> list[dict]:
+    """What `student.ranks(...)` returns for a driver: one dict per rank."""
+    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
+        raise CheckFailed(f"{what} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
+    return results
+
+
+def explain(error: CallError, call: str, expected: str) -> CheckFailed:
+    """A call that raised (a rank that crashed or waited forever, a shape that did not fit) as a failed check
+    that says what was due; an answer left as released stays "not attempted"."""
+    if error.not_attempted:
+        raise error
+    return CheckFailed(f"{call} raised {error.message[:300]}, expected {expected}")
+
+
+def driver(what: str, expected: str, fn: Callable, *args: Any) -> dict:
+    """`fn(*args)`, a driver of the exercise cell (`student.name`): the dict it returns. A call that raised fails
+    the check with `explain`, which says what was `expected`."""
+    try:
+        got = fn(*args)
+    except CallError as error:
+        raise explain(error, what, expected) from None
+    return expect_dict(got, what)
+
+
+def expect_raises(error: str, what: str, fn: Callable, *args: Any, why: str = "") -> None:
+    """`fn(*args)`, a call into the student's code (`student.name`), must raise `error` (e.g. "ValueError");
+    `what` spells the call, `why` says why it must raise."""
+    try:
+        got = fn(*args)
+    except CallError as raised:
+        if raised.not_attempted:
+            raise
+        if not raised.message.startswith(error):
+            raise CheckFailed(f"{what} raised {raised.message}, expected a {error}") from None
+        return
+    raise CheckFailed(f"{what} returned {got!r:.120}, expected a {error}" + (f" ({why})" if why else ""))
+
+
+def point_to_point_sent(got: dict, rank: int, what: str) -> list[int]:
+    """[messages, bytes] a rank sent, from a driver's `calls` and `bytes` (`count_collectives`); fails if the
+    rank called anything but point-to-point operations."""
+    calls, nbytes = got.get("calls") or {}, got.get("bytes") or {}
+    others = {op: n for op, n in calls.items() if op not in POINT_TO_POINT and n}
+    if others:
+        raise CheckFailed(f"{what}: rank {rank}'s collectives returned {others}, expected point-to-point messages "
+                          f"only (dist.send / dist.recv or dist.isend / dist.irecv)")
+    return [calls.get("isend", 0) + calls.get("send", 0), nbytes.get("isend", 0) + nbytes.get("send", 0)]
+
+
+def generator(seed: int):
+    """The torch generator the drivers draw from (`torch.Generator().manual_seed(seed)`)."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)

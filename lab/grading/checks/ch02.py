@@ -20,10 +20,18 @@ import random
 
 from lab.calc.comms import collective_time
 from lab.calc.network import Link
-from lab.grading.checks import CheckFailed, exercise, expect_close, expect_equal
+from lab.grading.checks import (
+    RANKS,
+    CheckFailed,
+    exercise,
+    expect_allclose,
+    expect_close,
+    expect_dict,
+    expect_equal,
+    per_rank,
+    point_to_point_sent,
+)
 
-RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
-POINT_TO_POINT = ("send", "isend", "recv", "irecv")
 SEED_STRIDE = 7919  # rank r's tensor comes from seed + SEED_STRIDE * r: the drivers use the same rule
 
 
@@ -41,40 +49,10 @@ def rank_tensors(shape: list[int], seed: int, world: int) -> list:
             for rank in range(world)]
 
 
-def _preview(values: list) -> str:
-    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
-    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
-
-
-def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-5) -> None:
-    """A list of floats equal to `expected` within tol·(1 + |expected|) each."""
-    if not isinstance(got, list) or len(got) != len(expected):
-        size = f"{len(got)} values" if isinstance(got, list) else type(got).__name__
-        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        if not isinstance(g, (int, float)) or isinstance(g, bool) or not abs(g - e) <= tol * (1 + abs(e)):
-            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
-                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
-
-
-def _per_rank(results, world: int, what: str) -> list[dict]:
-    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
-        raise CheckFailed(f"{what} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
-    return results
-
-
 def _messages(results: list[dict], world: int, what: str) -> tuple[list[int], int]:
     """(messages each rank sent, bytes all ranks sent together); fails on any collective call."""
-    sent, total = [], 0
-    for rank, got in enumerate(results):
-        calls, nbytes = got.get("calls") or {}, got.get("bytes") or {}
-        others = {op: n for op, n in calls.items() if op not in POINT_TO_POINT and n}
-        if others:
-            raise CheckFailed(f"{what}: rank {rank} called {others}; expected point-to-point messages only "
-                              f"(dist.isend / dist.irecv or dist.send / dist.recv)")
-        sent.append(calls.get("isend", 0) + calls.get("send", 0))
-        total += nbytes.get("isend", 0) + nbytes.get("send", 0)
-    return sent, total
+    counted = [point_to_point_sent(got, rank, what) for rank, got in enumerate(results)]
+    return [messages for messages, _ in counted], sum(nbytes for _, nbytes in counted)
 
 
 def _random_shape(rng: random.Random, world: int, uneven: bool) -> list[int]:
@@ -94,7 +72,7 @@ RING = exercise("02.ring_all_reduce", entry=("ring_all_reduce", "run_ring"), **R
 def _ring(student, rng: random.Random, world: int, op: str = "sum", uneven: bool = False) -> tuple[list, dict]:
     shape, seed = _random_shape(rng, world, uneven), rng.randrange(10**6)
     call = f"run_ring(shape={shape}, seed={seed}, op={op!r}) on {world} ranks"
-    results = _per_rank(student.ranks("run_ring", world, shape, seed, op), world, call)
+    results = per_rank(student.ranks("run_ring", world, shape, seed, op), world, call)
     return results, {"shape": shape, "seed": seed, "call": call, "world": world}
 
 
@@ -105,7 +83,8 @@ def _ring_values(student, rng: random.Random, world: int, op: str = "sum", uneve
     total = torch.stack(rank_tensors(run["shape"], run["seed"], world)).double().sum(0)
     expected = (total / world if op == "avg" else total).flatten().tolist()
     for rank, got in enumerate(results):
-        expect_allclose(got.get("result"), expected, f"{run['call']}: rank {rank}'s tensor after the all-reduce")
+        expect_allclose(got.get("result"), expected, f"{run['call']}: rank {rank}'s tensor after the all-reduce",
+                        tol=1e-5)
 
 
 @RING.check(points=1, hint="reduce-scatter (W-1 steps: send a chunk right, add the chunk from the left into yours), "
@@ -153,7 +132,7 @@ REDUCE_SCATTER = exercise("02.reduce_scatter", entry=("ring_reduce_scatter", "ru
 def _reduce_scatter(student, rng: random.Random, world: int) -> tuple[list, dict]:
     block, seed = [rng.randrange(1, 5), rng.randrange(1, 41)], rng.randrange(10**6)
     call = f"run_reduce_scatter(block_shape={block}, seed={seed}) on {world} ranks"
-    results = _per_rank(student.ranks("run_reduce_scatter", world, block, seed), world, call)
+    results = per_rank(student.ranks("run_reduce_scatter", world, block, seed), world, call)
     return results, {"block": block, "seed": seed, "call": call, "world": world}
 
 
@@ -165,7 +144,7 @@ def _reduce_scatter_values(student, rng: random.Random, world: int) -> None:
     blocks = torch.stack(rank_tensors(shape, run["seed"], world)).double().sum(0).chunk(world)
     for rank, got in enumerate(results):
         expect_allclose(got.get("result"), blocks[rank].flatten().tolist(),
-                        f"{run['call']}: rank {rank}'s output (the sum of every rank's block {rank})")
+                        f"{run['call']}: rank {rank}'s output (the sum of every rank's block {rank})", tol=1e-5)
 
 
 @REDUCE_SCATTER.check(points=1, hint="rank r must end with block r: at step s send block (r - s - 1) % W to the "
@@ -278,9 +257,7 @@ def _matmul(student, rng: random.Random, n: int) -> tuple[dict, dict]:
     a = [[round(rng.uniform(-1, 1), 4) for _ in range(k)] for _ in range(m)]
     b = [[round(rng.uniform(-1, 1), 4) for _ in range(cols)] for _ in range(k)]
     call = f"run_matmul(a of shape ({m}, {k}), b of shape ({k}, {cols}), n_devices={n})"
-    got = student.run_matmul(a, b, n)
-    if not isinstance(got, dict):
-        raise CheckFailed(f"{call} returned {got!r:.200}, expected the driver's dict")
+    got = expect_dict(student.run_matmul(a, b, n), call)
     return got, {"a": a, "b": b, "m": m, "n_cols": cols, "n": n, "call": call}
 
 

@@ -19,36 +19,13 @@ from __future__ import annotations
 
 import random
 
-from lab.grading.checks import CheckFailed, exercise
+from lab.grading.checks import RANKS, CheckFailed, exercise, expect_allclose, generator, per_rank
 
-RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 
 
 # --- comparing what the ranks report -------------------------------------------------------------------------
-
-def _preview(values: list) -> str:
-    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
-    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
-
-
-def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-4) -> None:
-    """A list of floats equal to `expected` within tol·(1 + |expected|) each (NaN and inf never pass)."""
-    if not isinstance(got, list) or len(got) != len(expected):
-        size = f"{len(got)} values" if isinstance(got, list) else type(got).__name__
-        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        if not isinstance(g, (int, float)) or isinstance(g, bool) or not abs(g - e) <= tol * (1 + abs(e)):
-            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
-                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
-
-
-def _per_rank(results, world: int, what: str) -> list[dict]:
-    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
-        raise CheckFailed(f"{what} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
-    return results
-
 
 def _calls(counts) -> dict[str, list[int]]:
     """{op: [calls, bytes]} as the drivers report it, without the ops that were not called."""
@@ -60,12 +37,6 @@ def _chunk(t, world: int, dim: int, rank: int) -> list[float]:
     return t.chunk(world, dim)[rank].flatten().tolist()
 
 
-def _generator(seed: int):
-    import torch
-
-    return torch.Generator().manual_seed(seed)
-
-
 # --- 04.column_row_linear ------------------------------------------------------------------------------------
 
 COLUMN_ROW = exercise("04.column_row_linear", entry=("run_mlp",), **RANKS)
@@ -75,7 +46,7 @@ def mlp_inputs(shape: list[int], d_model: int, d_ff: int, seed: int) -> dict:
     """x, w1, w2 and the probe, drawn in the order the driver `run_mlp` draws them."""
     import torch
 
-    g = _generator(seed)
+    g = generator(seed)
     x = torch.randn(*shape, d_model, generator=g)
     w1 = torch.randn(d_ff, d_model, generator=g) / d_model**0.5
     w2 = torch.randn(d_model, d_ff, generator=g) / d_ff**0.5
@@ -97,7 +68,7 @@ def _mlp(student, rng: random.Random, world: int) -> tuple[list, dict]:
     shape = [rng.randrange(1, 4), rng.randrange(1, 8)]
     d_model, d_ff, seed = rng.randrange(3, 24), world * rng.randrange(1, 9), rng.randrange(10**6)
     call = f"run_mlp(shape={shape}, d_model={d_model}, d_ff={d_ff}, seed={seed}) on {world} ranks"
-    results = _per_rank(student.ranks("run_mlp", world, shape, d_model, d_ff, seed), world, call)
+    results = per_rank(student.ranks("run_mlp", world, shape, d_model, d_ff, seed), world, call)
     return results, {"call": call, "ref": mlp_reference(shape, d_model, d_ff, seed), "world": world,
                      "bytes": 4 * shape[0] * shape[1] * d_model}
 
@@ -159,7 +130,7 @@ def ce_reference(shape: list[int], vocab: int, seed: int, scale: float) -> dict:
     import torch
     import torch.nn.functional as F
 
-    g = _generator(seed)
+    g = generator(seed)
     logits = (torch.randn(*shape, vocab, generator=g) * scale).double().requires_grad_()
     targets = torch.randint(vocab, shape, generator=g)
     loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
@@ -171,7 +142,7 @@ def _cross_entropy(student, rng: random.Random, world: int, scale: float) -> tup
     shape, seed = [rng.randrange(1, 4), rng.randrange(1, 9)], rng.randrange(10**6)
     vocab = world * rng.randrange(2, 12)
     call = f"run_cross_entropy(shape={shape}, vocab={vocab}, seed={seed}, scale={scale!r}) on {world} ranks"
-    results = _per_rank(student.ranks("run_cross_entropy", world, shape, vocab, seed, scale), world, call)
+    results = per_rank(student.ranks("run_cross_entropy", world, shape, vocab, seed, scale), world, call)
     return results, {"call": call, "ref": ce_reference(shape, vocab, seed, scale), "world": world,
                      "tokens": shape[0] * shape[1], "local_bytes": 4 * shape[0] * shape[1] * vocab // world}
 
@@ -321,7 +292,7 @@ def sp_reference(shape: list[int], d_model: int, d_ff: int, seed: int, world: in
     driver `run_sp_block` draws them, the gradients, and the norm weight's gradient from each rank's tokens."""
     import torch
 
-    g = _generator(seed)
+    g = generator(seed)
     x = torch.randn(*shape, d_model, generator=g).double().requires_grad_()
     norm = (1 + 0.1 * torch.randn(d_model, generator=g)).double().requires_grad_()
     w1 = (torch.randn(d_ff, d_model, generator=g) / d_model**0.5).double().requires_grad_()
@@ -342,7 +313,7 @@ def _sp(student, rng: random.Random, world: int) -> tuple[list, dict]:
     shape = [world * rng.randrange(1, 3), world * rng.randrange(1, 4)]  # batch too: a scatter along it must not fit
     d_model, d_ff, seed = rng.randrange(3, 20), world * rng.randrange(1, 7), rng.randrange(10**6)
     call = f"run_sp_block(shape={shape}, d_model={d_model}, d_ff={d_ff}, seed={seed}) on {world} ranks"
-    results = _per_rank(student.ranks("run_sp_block", world, shape, d_model, d_ff, seed), world, call)
+    results = per_rank(student.ranks("run_sp_block", world, shape, d_model, d_ff, seed), world, call)
     return results, {"call": call, "ref": sp_reference(shape, d_model, d_ff, seed, world), "world": world,
                      "shard_bytes": 4 * shape[0] * shape[1] * d_model // world}
 

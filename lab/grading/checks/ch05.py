@@ -21,55 +21,22 @@ torch and `lab.parallel` are imported inside the functions: `lab.check` of other
 
 from __future__ import annotations
 
-import math
 import random
 
-from lab.grading.checks import CheckFailed, exercise, expect_equal
-from lab.grading.sandbox import CallError
-
-RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
-TORCH = {"modules": ("lab.config",), "packages": ("tomli_w", "torch"), "memory_mb": 2048}
-POINT_TO_POINT = ("send", "isend", "recv", "irecv")
-
-
-# --- comparing what comes back ---------------------------------------------------------------------------
-
-def _preview(values: list) -> str:
-    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
-    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
-
-
-def _close(got, expected: float, tol: float) -> bool:
-    if not isinstance(got, (int, float)) or isinstance(got, bool):
-        return False
-    if math.isinf(expected):
-        return got == expected
-    return abs(got - expected) <= tol * (1 + abs(expected))  # False for NaN and inf
-
-
-def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-4) -> None:
-    """A list of floats equal to `expected` within tol·(1 + |expected|) each; −inf only where −inf is due;
-    NaN never passes."""
-    if not isinstance(got, list) or len(got) != len(expected):
-        size = f"{len(got)} values" if isinstance(got, list) else type(got).__name__
-        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        if not _close(g, e, tol):
-            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
-                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
-
-
-def _per_rank(results, world: int, what: str) -> list[dict]:
-    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
-        raise CheckFailed(f"{what} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
-    return results
-
-
-def _generator(seed: int):
-    import torch
-
-    return torch.Generator().manual_seed(seed)
-
+from lab.grading.checks import (
+    RANKS,
+    TORCH,
+    CheckFailed,
+    exercise,
+    expect_allclose,
+    expect_dict,
+    expect_equal,
+    expect_number,
+    expect_raises,
+    generator,
+    per_rank,
+    point_to_point_sent,
+)
 
 # --- 05.lse_merge ----------------------------------------------------------------------------------------
 
@@ -100,7 +67,7 @@ def merge_case(rng: random.Random, n_blocks: int = 2, offset: float = 0.0, maske
     heads, rows, dim = rng.randrange(1, 4), rng.randrange(3, 9), rng.randrange(1, 7)
     sizes = [rng.randrange(1, 7) for _ in range(n_blocks)]
     bounds = [sum(sizes[:i]) for i in range(n_blocks + 1)]
-    g = _generator(rng.randrange(10**6))
+    g = generator(rng.randrange(10**6))
     scores = torch.randn(heads, rows, bounds[-1], generator=g, dtype=torch.float64) * rng.uniform(1.0, 3.0)
     if offset:
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -120,9 +87,7 @@ def merge_case(rng: random.Random, n_blocks: int = 2, offset: float = 0.0, maske
 
 
 def _merge(student, a: tuple, b: tuple, what: str) -> tuple[list, list]:
-    got = student.run_merge(a[0].tolist(), a[1].tolist(), b[0].tolist(), b[1].tolist())
-    if not isinstance(got, dict):
-        raise CheckFailed(f"{what} returned {got!r:.200}, expected the driver's dict")
+    got = expect_dict(student.run_merge(a[0].tolist(), a[1].tolist(), b[0].tolist(), b[1].tolist()), what)
     return got.get("out"), got.get("lse")
 
 
@@ -249,17 +214,8 @@ def zigzag_rejects_bad_lengths(student, rng):
     for _ in range(2):
         cp = rng.randrange(2, 9)
         seq_len = 2 * cp * rng.randrange(1, 10) + rng.randrange(1, 2 * cp)
-        call = f"zigzag_positions(rank=0, cp={cp}, seq_len={seq_len})"
-        try:
-            got = student.zigzag_positions(0, cp, seq_len)
-        except CallError as error:
-            if error.not_attempted:
-                raise
-            if not error.message.startswith("ValueError"):
-                raise CheckFailed(f"{call} raised {error.message}, expected a ValueError") from None
-            continue
-        raise CheckFailed(f"{call} returned {got!r:.120}, expected a ValueError (2·cp = {2 * cp} does not divide "
-                          f"{seq_len})")
+        expect_raises("ValueError", f"zigzag_positions(rank=0, cp={cp}, seq_len={seq_len})", student.zigzag_positions,
+                      0, cp, seq_len, why=f"2·cp = {2 * cp} does not divide {seq_len}")
 
 
 # --- 05.ring_forward -------------------------------------------------------------------------------------
@@ -274,7 +230,7 @@ def ring_reference(shape: list[int], causal: bool, seed: int):
 
     from lab.parallel.ring_attention import DIAGONAL, FULL, block_forward
 
-    g = _generator(seed)
+    g = generator(seed)
     q, k, v = (torch.randn(shape, generator=g).double() for _ in range(3))
     out, _ = block_forward(q, k, v, DIAGONAL if causal else FULL, shape[-1] ** -0.5)
     return out
@@ -308,7 +264,7 @@ def _ring(student, rng: random.Random, world: int, kind: str, causal: bool) -> t
     shape = [rng.randrange(1, 3), rng.randrange(1, 4), n * rng.randrange(2, 5), rng.randrange(2, 9)]
     seed = rng.randrange(10**6)
     call = f"run_ring_attention(shape={shape}, chunks={chunks}, causal={causal}, seed={seed}) on {world} ranks"
-    results = _per_rank(student.ranks("run_ring_attention", world, shape, chunks, causal, seed), world, call)
+    results = per_rank(student.ranks("run_ring_attention", world, shape, chunks, causal, seed), world, call)
     return results, {"call": call, "shape": shape, "chunks": chunks, "seed": seed, "world": world, "causal": causal}
 
 
@@ -353,13 +309,7 @@ def ring_point_to_point(student, rng):
     batch, heads, seq, dim = run["shape"]
     kv_bytes = 2 * batch * heads * (seq // world) * dim * 4
     for rank, got in enumerate(results):
-        calls, nbytes = got.get("calls") or {}, got.get("bytes") or {}
-        others = {op: n for op, n in calls.items() if op not in POINT_TO_POINT and n}
-        if others:
-            raise CheckFailed(f"{run['call']}: rank {rank}'s collectives returned {others}, expected point-to-point "
-                              f"messages only (dist.isend / dist.irecv)")
-        sent = [calls.get("isend", 0) + calls.get("send", 0), nbytes.get("isend", 0) + nbytes.get("send", 0)]
-        expect_equal(sent, [world - 1, (world - 1) * kv_bytes],
+        expect_equal(point_to_point_sent(got, rank, run["call"]), [world - 1, (world - 1) * kv_bytes],
                      f"{run['call']}: rank {rank}'s [messages sent, bytes sent] (its K and V are {kv_bytes} bytes)")
 
 
@@ -414,11 +364,8 @@ def work_imbalance(student, rng):
     for layout in ("contiguous", "zigzag"):
         for cp, seq_len in _work_cases(rng, layout, 2):
             work = attention_work(seq_len, cp, layout)
-            got = student.imbalance(seq_len, cp, layout)
-            expected = max(work) / (sum(work) / cp)
-            if not _close(got, expected, 1e-9):
-                raise CheckFailed(f"imbalance(seq_len={seq_len}, cp={cp}, layout={layout!r}) returned {got!r}, "
-                                  f"expected {expected:.6g}")
+            expect_number(student.imbalance(seq_len, cp, layout), max(work) / (sum(work) / cp),
+                          f"imbalance(seq_len={seq_len}, cp={cp}, layout={layout!r})")
 
 
 @WORK.check(points=1, hidden=True, hint="count with integers: L·(L+1)/2 for a diagonal block, L² for a full one")

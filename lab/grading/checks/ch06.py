@@ -23,55 +23,21 @@ from __future__ import annotations
 
 import random
 
-from lab.grading.checks import CheckFailed, exercise, expect_equal
+from lab.grading.checks import (
+    RANKS,
+    TORCH,
+    CheckFailed,
+    driver,
+    exercise,
+    expect_allclose,
+    expect_equal,
+    expect_number,
+    explain,
+    generator,
+    per_rank,
+    point_to_point_sent,
+)
 from lab.grading.sandbox import CallError
-
-RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
-TORCH = {"modules": ("lab.config",), "packages": ("tomli_w", "torch"), "memory_mb": 2048}
-POINT_TO_POINT = ("send", "isend", "recv", "irecv")
-
-
-# --- comparing what comes back ---------------------------------------------------------------------------
-
-def _preview(values: list) -> str:
-    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
-    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
-
-
-def _close(got, expected: float, tol: float) -> bool:
-    if not isinstance(got, (int, float)) or isinstance(got, bool):
-        return False
-    return abs(got - expected) <= tol * (1 + abs(expected))  # False for NaN and inf
-
-
-def expect_number(got, expected: float, what: str, tol: float = 1e-9) -> None:
-    if not _close(got, expected, tol):
-        raise CheckFailed(f"{what} returned {got!r}, expected {expected:.10g}")
-
-
-def expect_allclose(got, expected: list[float], what: str, tol: float = 1e-4) -> None:
-    """A list of numbers equal to `expected` within tol·(1 + |expected|) each (NaN and inf never pass)."""
-    if not isinstance(got, list) or len(got) != len(expected):
-        size = f"{len(got)} values" if isinstance(got, list) else repr(got)[:80]
-        raise CheckFailed(f"{what} returned {size}, expected {_preview(expected)}")
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        if not _close(g, e, tol):
-            raise CheckFailed(f"{what} returned {_preview(got)}, expected {_preview(expected)}: "
-                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
-
-
-def _generator(seed: int):
-    import torch
-
-    return torch.Generator().manual_seed(seed)
-
-
-def _explain(error: CallError, call: str, expected: str) -> CheckFailed:
-    """A call that raised (a rank that crashed or waited forever, a shape that did not fit) as a failed check."""
-    if error.not_attempted:
-        raise error
-    return CheckFailed(f"{call} raised {error.message[:300]}, expected {expected}")
-
 
 # --- 06.one_f_one_b_order --------------------------------------------------------------------------------
 
@@ -284,7 +250,7 @@ def weight_grad_reference(kind: str, lead: list[int], d_in: int, d_out: int, eps
     import torch
     import torch.nn.functional as F
 
-    g = _generator(seed)
+    g = generator(seed)
     x = torch.randn(*lead, d_in, generator=g).double()
     grad_y = torch.randn(*lead, d_out, generator=g).double()
     if kind == "linear":
@@ -305,12 +271,8 @@ def _expect_weight_grad(student, rng: random.Random, kind: str, lead: list[int])
     eps = rng.choice([1e-6, round(rng.uniform(0.05, 0.5), 3)])
     seed = rng.randrange(10**6)
     call = f"run_weight_grad({kind!r}, lead={lead}, d_in={d_in}, d_out={d_out}, eps={eps}, seed={seed})"
-    try:
-        got = student.run_weight_grad(kind, lead, d_in, d_out, eps, seed)
-    except CallError as error:
-        raise _explain(error, call, f"the weight gradients of the {kind} layer") from None
-    if not isinstance(got, dict):
-        raise CheckFailed(f"{call} returned {got!r:.200}, expected the driver's dict")
+    got = driver(call, f"the weight gradients of the {kind} layer", student.run_weight_grad, kind, lead, d_in, d_out,
+                 eps, seed)
     expected = weight_grad_reference(kind, lead, d_in, d_out, eps, seed)
     for name, grad in expected.items():
         expect_equal(got.get(f"{name}_shape"), list(grad.shape), f"{call}: the shape of the {name} gradient")
@@ -349,7 +311,7 @@ def split_reference(d_model: int, d_hidden: int, lead: list[int], microbatches: 
     the parameter gradients summed over the micro-batches."""
     import torch
 
-    g = _generator(seed)
+    g = generator(seed)
     shapes = [(d_hidden, d_model), (d_hidden,), (d_hidden,), (d_model, d_hidden)]
     params = [(torch.randn(*s, generator=g) / s[-1] ** 0.5).double().requires_grad_() for s in shapes]
     xs = [torch.randn(*lead, d_model, generator=g).double().requires_grad_() for _ in range(microbatches)]
@@ -377,13 +339,8 @@ def _split(student, rng: random.Random, microbatches: int, ops: list[str], what:
     eps, seed = round(rng.uniform(1e-3, 0.2), 3), rng.randrange(10**6)
     call = (f"run_split_backward(d_model={d_model}, d_hidden={d_hidden}, lead={lead}, eps={eps}, seed={seed}, "
             f"ops={' '.join(ops)}) ({what})")
-    try:
-        got = student.run_split_backward(d_model, d_hidden, lead, eps, seed, ops)
-    except CallError as error:
-        raise _explain(error, call, "each micro-batch's input gradient and the parameters' gradients (a .grad "
-                                    "must have its parameter's shape)") from None
-    if not isinstance(got, dict):
-        raise CheckFailed(f"{call} returned {got!r:.200}, expected the driver's dict")
+    got = driver(call, "each micro-batch's input gradient and the parameters' gradients (a .grad must have its "
+                       "parameter's shape)", student.run_split_backward, d_model, d_hidden, lead, eps, seed, ops)
     return got, split_reference(d_model, d_hidden, lead, microbatches, eps, seed), call
 
 
@@ -429,7 +386,7 @@ def afab_reference(world: int, d: int, layers: int, batch: int, seed: int) -> di
     float64: the loss (mean squared error) and each stage's parameter gradients, in `stage.parameters()` order."""
     import torch
 
-    g = _generator(seed)
+    g = generator(seed)
     stages = [[(torch.randn(d, d, generator=g) / d**0.5).double().requires_grad_(),
                (torch.randn(d, generator=g) / d**0.5).double().requires_grad_()] for _ in range(world * layers)]
     x = torch.randn(batch, d, generator=g).double()
@@ -451,12 +408,10 @@ def _afab(student, rng: random.Random, world: int, m: int) -> tuple[list[dict], 
         results = student.ranks("run_afab", world, d, layers, batch, m, seed)
     except CallError as error:
         hang = "timed out" in error.message.lower()
-        raise _explain(error, call, "every rank to finish" + (" (a rank that waits forever for a message: its peer "
+        raise explain(error, call, "every rank to finish" + (" (a rank that waits forever for a message: its peer "
                                                               "sent it elsewhere, or never)" if hang else "")) from None
-    if not isinstance(results, list) or len(results) != world or not all(isinstance(r, dict) for r in results):
-        raise CheckFailed(f"{call} returned {results!r:.200}, expected the driver's dict from each of {world} ranks")
     run = {"d": d, "layers": layers, "batch": batch, "m": m, "world": world, "seed": seed}
-    return results, run, call
+    return per_rank(results, world, call), run, call
 
 
 def _expect_afab(student, rng: random.Random, world: int, m: int) -> None:
@@ -501,13 +456,7 @@ def afab_point_to_point(student, rng):
     results, run, call = _afab(student, rng, world, m)
     message = run["batch"] // m * run["d"] * 4  # one micro-batch's activations (or their gradient), float32
     for rank, got in enumerate(results):
-        calls, nbytes = got.get("calls") or {}, got.get("bytes") or {}
-        others = {op: n for op, n in calls.items() if op not in POINT_TO_POINT and n}
-        if others:
-            raise CheckFailed(f"{call}: rank {rank}'s collectives returned {others}, expected point-to-point "
-                              f"messages only (dist.send / dist.recv)")
         sends = (rank < world - 1) * m + (rank > 0) * m
-        sent = [calls.get("isend", 0) + calls.get("send", 0), nbytes.get("isend", 0) + nbytes.get("send", 0)]
-        expect_equal(sent, [sends, sends * message],
+        expect_equal(point_to_point_sent(got, rank, call), [sends, sends * message],
                      f"{call}: rank {rank}'s [messages sent, bytes sent] (one micro-batch is {message} bytes)")
 

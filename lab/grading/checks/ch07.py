@@ -1,0 +1,493 @@
+"""Chapter 07, expert parallelism. Routing, the balancing losses and capacity, checked against `lab.model.MoE`; the
+dispatch plan against the layout of `lab.parallel.ep`; a whole MoE layer on real ranks against the layer in one
+process.
+
+The routing, loss and capacity exercises get plain lists — router logits, chosen experts — and their references
+run through `lab.model.MoE` itself: a layer whose router is the identity (d_model = n_experts), so that its logits
+are the check's. Logits are drawn on a grid with random jitter, so that no two of a token's experts tie and the
+top-k is the same however a correct answer computes it.
+
+The dispatch exercise's functions get random routings with experts that no token chose, one expert that most
+chose, and assignments dropped, at ep up to 64; they are compared with the permutation, counts and split sizes
+that `MoE.forward` and `lab.parallel.ep.ExpertParallelCompute` compute.
+
+The expert-parallel exercise's driver (`run_ep_moe`) draws the router and every expert from a seed on every rank,
+and the rank's own tokens, keeps its experts and runs the student's layer inside `count_collectives`. The check
+draws the same tensors, runs `lab.model.MoE` on each rank's tokens in float64 and compares every rank's output; it
+counts what went to `all_to_all_single` with `lab.calc.moe.layer_all_to_all_bytes`. Inputs whose routing is
+nearly tied (two experts' logits within 1e-4 at the top-k boundary) are drawn again.
+
+torch and `lab.model` are imported inside the functions: `lab.check` of other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import random
+
+from lab.grading.checks import (
+    RANKS,
+    TORCH,
+    CheckFailed,
+    driver,
+    exercise,
+    expect_allclose,
+    expect_equal,
+    expect_number,
+    explain,
+    generator,
+    per_rank,
+)
+from lab.grading.sandbox import CallError
+
+SEED_STRIDE = 7919  # rank r's tokens come from seed + SEED_STRIDE * (r + 1): the driver uses the same rule
+
+
+def moe_layer(d_model: int, n_experts: int, top_k: int, gating: str = "softmax", d_ff: int = 2,
+              capacity_factor: float = 0.0):
+    """`lab.model.MoE` of that shape (its attention fields are placeholders: only the MoE is built), float64.
+    Without further ado its router is the identity (d_model must then be n_experts): its logits are its input."""
+    import torch
+
+    from lab.config import ModelConfig
+    from lab.model import MoE
+
+    cfg = ModelConfig(d_model=d_model, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, n_experts=n_experts,
+                      top_k=top_k, d_ff_expert=d_ff, moe_gating=gating, capacity_factor=capacity_factor)
+    moe = MoE(cfg).double()
+    if d_model == n_experts:
+        with torch.no_grad():
+            moe.router.weight.copy_(torch.eye(n_experts))
+    return moe
+
+
+def random_logits(rng: random.Random, n_tokens: int, n_experts: int, width: float = 4.0,
+                  offset: float = 0.0) -> list[list[float]]:
+    """Router logits without ties, in offset ± width: each token's are distinct points of a grid of 10·n_experts
+    points, jittered by less than a third of a step (so that even float32 sigmoids of them differ)."""
+    step = width / (5 * n_experts)
+    return [[round(offset + step * (v - 5 * n_experts + rng.uniform(-0.3, 0.3)), 6)
+             for v in rng.sample(range(10 * n_experts), n_experts)] for _ in range(n_tokens)]
+
+
+def reference_route(logits: list[list[float]], top_k: int, gating: str):
+    """`MoE.route` of these logits: (weights, experts, aux_loss, z_loss)."""
+    import torch
+
+    moe = moe_layer(len(logits[0]), len(logits[0]), top_k, gating)
+    with torch.no_grad():
+        weights, experts = moe.route(torch.tensor(logits, dtype=torch.float64))
+    return weights, experts, moe.aux_loss.item(), moe.z_loss.item()
+
+
+def random_routing(rng: random.Random, n_tokens: int, n_experts: int, top_k: int, hot: tuple[int, ...] = (),
+                   cold: tuple[int, ...] = ()) -> list[list[int]]:
+    """Each token's top_k distinct experts, best first: drawn from `hot` with probability 0.7 each, never from
+    `cold`."""
+    allowed = [e for e in range(n_experts) if e not in cold]
+    routing = []
+    for _ in range(n_tokens):
+        chosen: list[int] = []
+        while len(chosen) < top_k:
+            pool = [e for e in (hot if hot and rng.random() < 0.7 else allowed) if e not in chosen]
+            chosen.append(rng.choice(pool or [e for e in allowed if e not in chosen]))
+        routing.append(chosen)
+    return routing
+
+
+# --- 07.top_k_routing ------------------------------------------------------------------------------------------
+
+ROUTING = exercise("07.top_k_routing", entry=("route", "run_route"), **TORCH)
+
+
+def _logits(rng: random.Random, n_experts: int, gating: str, offset: float = 0.0, max_tokens: int = 13) -> list:
+    """Random logits for `gating`, within ±2 to ±8 (softmax) or ±2 to ±4 (sigmoid: float32 sigmoids of larger
+    logits come too close to 1 to be told apart)."""
+    width = rng.uniform(2, 8) if gating == "softmax" else rng.uniform(2, 4)
+    return random_logits(rng, rng.randrange(3, max_tokens), n_experts, width, offset)
+
+
+def _expect_route(student, rng: random.Random, n_experts: int, top_k: int, gating: str, offset: float = 0.0) -> None:
+    logits = _logits(rng, n_experts, gating, offset)
+    weights, experts, _, _ = reference_route(logits, top_k, gating)
+    where = ", in the hundreds" if offset else ""
+    call = f"run_route(<{len(logits)} tokens' logits over {n_experts} experts{where}>, top_k={top_k}, {gating!r})"
+    got = driver(call, "the weights and the experts", student.run_route, logits, top_k, gating)
+    expect_equal(got.get("experts"), experts.tolist(), f"{call}: the experts of each token, best first")
+    expect_allclose(got.get("weights"), weights.flatten().tolist(), f"{call}: the weights, token by token", tol=1e-5)
+
+
+@ROUTING.check(points=2, hint="scores = softmax(logits) over the experts (dim=-1); scores.topk(top_k, dim=-1) gives "
+                              "the best first; divide the top_k scores by their sum so that they add up to one")
+def route_softmax(student, rng):
+    """softmax gating, top-1 to top-4: the experts, best first, and weights that sum to one"""
+    for top_k in (1, 2, rng.randrange(3, 5)):
+        _expect_route(student, rng, rng.randrange(max(4, top_k + 1), 17), top_k, "softmax")
+
+
+@ROUTING.check(points=1, hint="sigmoid gating scores each expert on its own: σ(logit); the top_k scores, divided "
+                              "by their sum (they do not sum to one as softmax scores would)")
+def route_sigmoid(student, rng):
+    """sigmoid gating (DeepSeek-V3): the chosen experts' σ(logit), renormalised"""
+    for top_k in (2, rng.randrange(3, 7)):
+        _expect_route(student, rng, rng.randrange(top_k + 2, 17), top_k, "sigmoid")
+
+
+@ROUTING.check(points=1, hint="exp(logit) overflows float32 above 88: use torch's softmax (it subtracts each row's "
+                              "max first), never exp(x) / exp(x).sum()")
+def route_large_logits(student, rng):
+    """router logits in the hundreds: no overflow"""
+    _expect_route(student, rng, rng.randrange(4, 17), rng.randrange(2, 4), "softmax", offset=rng.uniform(150, 400))
+
+
+@ROUTING.check(points=1, hidden=True, hint="nothing may depend on the number of experts: topk over the last dimension")
+def route_many_experts(student, rng):
+    """64 to 256 experts, top-8, both gatings"""
+    for gating in ("softmax", "sigmoid"):
+        _expect_route(student, rng, rng.choice([64, 128, 256]), 8, gating)
+
+
+# --- 07.balancing_loss -----------------------------------------------------------------------------------------
+
+BALANCING = exercise("07.balancing_loss", entry=("load_balancing_loss", "router_z_loss", "run_balancing_loss",
+                                                 "run_z_loss"), **TORCH)
+
+
+def _expect_aux(student, rng: random.Random, gating: str, uniform: bool = False) -> None:
+    """The loss of random logits (all 0 when `uniform`) and their top-2 to top-4 experts, against `MoE.route`'s."""
+    n_experts, top_k = rng.randrange(4, 17), rng.randrange(2, 5)
+    logits = ([[0.0] * n_experts for _ in range(rng.randrange(3, 20))] if uniform
+              else _logits(rng, n_experts, gating, max_tokens=30))
+    _, experts, aux, _ = reference_route(logits, top_k, gating)
+    where = ", all 0" if uniform else ""
+    call = (f"run_balancing_loss(<{len(logits)} tokens' logits over {n_experts} experts{where}>, <their top-{top_k} "
+            f"experts>, {gating!r})")
+    got = driver(call, "the loss", student.run_balancing_loss, logits, experts.tolist(), gating)
+    expect_number(got.get("aux"), aux, f"{call}: the loss", tol=1e-5)
+
+
+@BALANCING.check(points=1, hint="with equal router probabilities P_e = 1/n, n·Σ f_e·P_e = Σ f_e = 1 if f_e is the "
+                                "share of all n_tokens·top_k assignments (they sum to one), whatever the routing")
+def aux_uniform_router(student, rng):
+    """a router with equal probabilities: the loss is 1, however the tokens are assigned"""
+    for _ in range(2):
+        _expect_aux(student, rng, "softmax", uniform=True)
+
+
+@BALANCING.check(points=1, hint="f_e = assignments to e / (n_tokens·top_k); P_e = mean over tokens of e's softmax "
+                                "probability; loss = n_experts · Σ_e f_e·P_e (1 when balanced, up to n_experts)")
+def aux_softmax(student, rng):
+    """softmax gating, random routings: n_experts·Σ f_e·P_e"""
+    for _ in range(2):
+        _expect_aux(student, rng, "softmax")
+
+
+@BALANCING.check(points=1, hint="sigmoid scores do not sum to one over the experts: divide each token's scores by "
+                                "their sum before averaging them into P_e")
+def aux_sigmoid(student, rng):
+    """sigmoid gating: P_e from each token's scores normalised to sum to one"""
+    _expect_aux(student, rng, "sigmoid")
+
+
+@BALANCING.check(points=1, hint="z = mean over tokens of logsumexp(logits)²; torch.logsumexp subtracts the max first "
+                                "— log(exp(x).sum()) overflows above 88")
+def z_loss_large_logits(student, rng):
+    """the router z-loss, logits around 0 and in the hundreds: mean of logsumexp², no overflow"""
+    for offset in (0.0, rng.uniform(150, 400)):
+        logits = _logits(rng, rng.randrange(4, 17), "softmax", offset, max_tokens=30)
+        _, _, _, z = reference_route(logits, 1, "softmax")
+        call = f"run_z_loss(<{len(logits)} tokens' logits over {len(logits[0])} experts, around {offset:.0f}>)"
+        expect_number(driver(call, "the z-loss", student.run_z_loss, logits).get("z"), z, call, tol=1e-5)
+
+
+# --- 07.capacity -----------------------------------------------------------------------------------------------
+
+CAPACITY = exercise("07.capacity", entry=("capacity_mask", "run_capacity"), **TORCH)
+
+
+def _expect_capacity(student, routing: list[list[int]], capacity_factor: float, n_experts: int, what: str) -> None:
+    import torch
+
+    moe = moe_layer(n_experts, n_experts, len(routing[0]), capacity_factor=capacity_factor)
+    keep = moe.capacity_mask(torch.tensor(routing)).tolist()
+    shown = routing if len(routing) <= 8 else f"<{len(routing)} tokens' top-{len(routing[0])} experts{what}>"
+    call = f"run_capacity({shown}, {n_experts}, {capacity_factor})"
+    got = driver(call, "which assignments are kept", student.run_capacity, routing, n_experts, capacity_factor)
+    expect_equal(got.get("keep"), [int(k) for row in keep for k in row], f"{call}: kept (1) or dropped (0), token by "
+                                                                          "token")
+
+
+def _capacity_case(rng: random.Random, n_experts: int, top_k: int, skewed: bool, whole: bool) -> tuple[list, float]:
+    """A routing and a capacity factor whose capacity c·n·k/E is whole (c = 1 or 2 and E divides n), or is at
+    least 1/E away from a whole number (so that any order of the arithmetic rounds it up alike); some assignments
+    are dropped (c·k < E: an expert may get more than its capacity)."""
+    factors = [c for c in ([1.0, 2.0] if whole else [0.25, 0.5, 0.75, 1.25, 1.5]) if c * top_k < n_experts]
+    while True:
+        n_tokens = n_experts * rng.randrange(1, 5) if whole else rng.randrange(4, 40)
+        factor = rng.choice(factors)
+        exact = factor * n_tokens * top_k / n_experts
+        if whole or exact != int(exact):
+            hot = tuple(rng.sample(range(n_experts), 2)) if skewed else ()
+            routing = random_routing(rng, n_tokens, n_experts, top_k, hot)
+            counts = [sum(row.count(e) for row in routing) for e in range(n_experts)]
+            if max(counts) > exact:  # something is dropped
+                return routing, factor
+
+
+@CAPACITY.check(points=1, hint="capacity = ceil(c · n_tokens · top_k / n_experts); walk the assignments token by "
+                               "token (a token's choices in order) and keep one while its expert has room")
+def capacity_first_come(student, rng):
+    """capacity factor 1 and 2: c·n·k/E per expert, first come first served"""
+    for top_k in (rng.randrange(2, 5), 1):
+        n_experts = rng.randrange(max(top_k + 1, 3), 13)
+        _expect_capacity(student, *_capacity_case(rng, n_experts, top_k, skewed=False, whole=True), n_experts, "")
+
+
+@CAPACITY.check(points=1, hint="first come, first served means token order first: token 0's choices, then token "
+                               "1's, ... — not every token's first choice before any second choice")
+def capacity_skewed(student, rng):
+    """skewed routings: most tokens want the same two experts, the latest assignments are dropped"""
+    for whole in (True, False):
+        n_experts, top_k = rng.randrange(4, 13), rng.randrange(2, 4)
+        _expect_capacity(student, *_capacity_case(rng, n_experts, top_k, skewed=True, whole=whole), n_experts,
+                         ", most to two experts")
+
+
+@CAPACITY.check(points=1, hint="a capacity that is not whole rounds up (math.ceil): an expert takes a whole "
+                               "number of assignments, at least the fair share times c")
+def capacity_rounds_up(student, rng):
+    """capacity factors below 1 and capacities that are not whole: rounded up"""
+    for _ in range(3):
+        n_experts, top_k = rng.randrange(3, 13), rng.randrange(1, 3)
+        _expect_capacity(student, *_capacity_case(rng, n_experts, top_k, skewed=rng.random() < 0.5, whole=False),
+                         n_experts, "")
+
+
+# --- 07.dispatch_plan ------------------------------------------------------------------------------------------
+
+DISPATCH = exercise("07.dispatch_plan", entry=("dispatch_plan", "receive_plan", "run_dispatch_plan",
+                                               "run_receive_plan"), **TORCH)
+
+
+def dispatch_reference(experts: list[int], n_experts: int, ep: int) -> dict:
+    """What `MoE.forward` and `ExpertParallelCompute` compute for these assignments (in token order): the stable
+    sort by expert, the counts per expert, the rows for each rank's block of experts."""
+    import torch
+
+    flat = torch.tensor(experts)
+    counts = torch.bincount(flat, minlength=n_experts)
+    return {"order": flat.argsort(stable=True).tolist(), "counts": counts.tolist(),
+            "send_splits": counts.view(ep, n_experts // ep).sum(dim=1).tolist()}
+
+
+def receive_reference(arriving: list[list[int]]) -> dict:
+    """`ExpertParallelCompute`'s receive side: rows arrive by source rank, then local expert (arriving[s][j] rows);
+    `regroup` lists them by expert, then source rank — the order the local experts run them in."""
+    ep, local = len(arriving), len(arriving[0])
+    start, starts = 0, {}
+    for s in range(ep):
+        for j in range(local):
+            starts[s, j], start = start, start + arriving[s][j]
+    return {"recv_splits": [sum(row) for row in arriving],
+            "regroup": [starts[s, j] + i for j in range(local) for s in range(ep) for i in range(arriving[s][j])]}
+
+
+def _routing_case(rng: random.Random, ep: int, local: int, max_tokens: int = 40) -> tuple[list[int], str]:
+    """Kept assignments in token order: one expert that most tokens choose, the last expert and others that none
+    chooses, a few assignments dropped."""
+    n_experts = ep * local
+    cold = {n_experts - 1, *rng.sample(range(n_experts - 1), rng.randrange(0, n_experts // 3 + 1))}
+    hot = rng.choice([e for e in range(n_experts) if e not in cold])
+    top_k = rng.randrange(1, min(4, n_experts - len(cold)) + 1)
+    routing = random_routing(rng, rng.randrange(3, max_tokens), n_experts, top_k, (hot,), tuple(cold))
+    experts = [e for row in routing for e in row if rng.random() > 0.1]
+    return experts or routing[0], f"{len(experts)} assignments, top-{top_k}, experts {sorted(cold)} chosen by none"
+
+
+def _expect_dispatch(student, experts: list[int], n_experts: int, ep: int, what: str, keys: tuple[str, ...]) -> None:
+    expected = dispatch_reference(experts, n_experts, ep)
+    call = f"run_dispatch_plan({experts if len(experts) <= 12 else f'<{what}>'}, n_experts={n_experts}, ep={ep})"
+    got = driver(call, "the order, the counts and the send splits", student.run_dispatch_plan, experts, n_experts, ep)
+    for key in keys:
+        expect_equal(got.get(key), expected[key], f"{call}: {key}")
+
+
+def _expect_receive(student, arriving: list[list[int]]) -> None:
+    expected = receive_reference(arriving)
+    call = f"run_receive_plan(arriving={arriving})"
+    got = driver(call, "the receive splits and the regroup permutation", student.run_receive_plan, arriving)
+    for key in ("recv_splits", "regroup"):
+        expect_equal(got.get(key), expected[key], f"{call}: {key}")
+
+
+def _arriving(rng: random.Random, ep: int, local: int) -> list[list[int]]:
+    return [[rng.choice([0, 0, rng.randrange(1, 6)]) for _ in range(local)] for _ in range(ep)]
+
+
+@DISPATCH.check(points=1, hint="order = experts.argsort(stable=True): order[i] is the index of the assignment that "
+                               "goes i-th (rows = tokens[token_of[order]]), not the place assignment i goes to")
+def dispatch_order(student, rng):
+    """the order: assignments sorted by expert, token order kept within each expert"""
+    for ep, local in ((2, 2), (rng.randrange(2, 5), rng.randrange(2, 4)), (rng.randrange(3, 9), 1)):
+        experts, what = _routing_case(rng, ep, local)
+        _expect_dispatch(student, experts, ep * local, ep, what, ("order",))
+
+
+@DISPATCH.check(points=2, hint="counts = torch.bincount(experts, minlength=n_experts): experts nobody chose count 0 "
+                               "too; rank j holds experts j·local ... (j+1)·local − 1, so send_splits = "
+                               "counts.view(ep, local).sum(dim=1)")
+def dispatch_counts_and_send_splits(student, rng):
+    """counts per expert (0 for experts no token chose) and the rows for each EP rank's block of experts"""
+    for ep, local in ((2, 2), (rng.randrange(2, 5), rng.randrange(2, 4)), (rng.randrange(3, 9), rng.randrange(2, 5))):
+        experts, what = _routing_case(rng, ep, local)
+        _expect_dispatch(student, experts, ep * local, ep, what, ("counts", "send_splits"))
+
+
+@DISPATCH.check(points=2, hint="rows arrive from rank 0 first (its rows for local expert 0, then 1, ...), then from "
+                               "rank 1 ...: block s·local + j holds arriving[s][j] rows; regroup lists, for each "
+                               "local expert j, its blocks from rank 0, 1, ... in turn")
+def receive_splits_and_regroup(student, rng):
+    """the receive side: rows from each rank, regrouped by local expert, then by source rank"""
+    for ep, local in ((2, 2), (rng.randrange(3, 7), rng.randrange(2, 5)), (rng.randrange(2, 5), 3)):
+        arriving = _arriving(rng, ep, local)
+        while len({tuple(row) for row in arriving}) == 1 or not any(map(any, arriving)):  # not all alike, not empty
+            arriving = _arriving(rng, ep, local)
+        _expect_receive(student, arriving)
+
+
+@DISPATCH.check(points=1, hidden=True, hint="nothing may assume few ranks or experts, or that every expert is chosen")
+def dispatch_at_scale(student, rng):
+    """64 ranks of 4 experts, most of them chosen by no token"""
+    experts, what = _routing_case(rng, 64, 4, max_tokens=400)
+    _expect_dispatch(student, experts, 256, 64, what, ("order", "counts", "send_splits"))
+    _expect_receive(student, _arriving(rng, 64, 4))
+
+
+# --- 07.ep_forward ---------------------------------------------------------------------------------------------
+
+EP = exercise("07.ep_forward", entry=("run_ep_moe",), requires=("07.top_k_routing", "07.dispatch_plan"), **RANKS)
+
+
+def ep_inputs(d_model: int, d_ff: int, n_experts: int, tilt: list[float], tokens_per_rank: list[int], seed: int):
+    """The router, every expert's (w1, w3, w2) and every rank's tokens, as `run_ep_moe` draws them (float32)."""
+    import torch
+
+    g = generator(seed)
+    rows = torch.randn(n_experts, d_model, generator=g)
+    router = (rows - rows.mean(dim=1, keepdim=True) + torch.tensor(tilt)[:, None]) / d_model**0.5
+    experts = [[torch.randn(shape, generator=g) / shape[1] ** 0.5 for shape in ((d_ff, d_model), (d_ff, d_model),
+                                                                                  (d_model, d_ff))]
+               for _ in range(n_experts)]
+    tokens = [torch.randn(n, d_model, generator=generator(seed + SEED_STRIDE * (rank + 1))) + 1.0
+              for rank, n in enumerate(tokens_per_rank)]
+    return router, experts, tokens
+
+
+def ep_reference(d_model: int, d_ff: int, n_experts: int, top_k: int, gating: str, tilt: list[float],
+                 tokens_per_rank: list[int], seed: int) -> dict:
+    """`lab.model.MoE` with the driver's weights, in float64, on each rank's tokens: the outputs, the assignments
+    per expert (`load`), and whether any token's top-k is nearly tied (at its boundary, logits within 1e-4, or
+    float32 sigmoid scores within 1e-6)."""
+    import torch
+
+    router, experts, tokens = ep_inputs(d_model, d_ff, n_experts, tilt, tokens_per_rank, seed)
+    moe = moe_layer(d_model, n_experts, top_k, gating, d_ff)
+    with torch.no_grad():
+        moe.router.weight.copy_(router)
+        for e, weights in enumerate(experts):
+            ffn = moe.experts[str(e)]
+            for linear, weight in zip((ffn.w1, ffn.w3, ffn.w2), weights, strict=True):
+                linear.weight.copy_(weight)
+        outs, loads, tied = [], [], False
+        for x in tokens:
+            outs.append(moe(x.double()))
+            loads.append(moe.load.tolist())
+            logits = (x.double() @ router.double().T).sort(-1, descending=True).values
+            if top_k < n_experts:  # softmax keeps the logits' order; float32 sigmoids near 1 may tie
+                scores = logits if gating == "softmax" else logits.float().sigmoid()
+                tied |= bool((logits[:, top_k - 1] - logits[:, top_k]).lt(1e-4).any()
+                             or (scores[:, top_k - 1] - scores[:, top_k]).lt(1e-6).any())
+    return {"out": outs, "load": loads, "tied": tied}
+
+
+def _ep(student, rng: random.Random, world: int, local: int, top_k: int, gating: str,
+        skewed: bool) -> tuple[list[dict], dict, dict]:
+    """Run `run_ep_moe` on `world` ranks of `local` experts each; (results, reference, run: the call and its args)."""
+    n_experts = world * local
+    d_model, d_ff = rng.randrange(4, 13), rng.randrange(4, 13)
+    tokens_per_rank = [rng.randrange(2, 13) for _ in range(world)]
+    for _ in range(100):
+        tilt = [0.0] * n_experts
+        if skewed:  # one expert most tokens choose; a third of the others none
+            hot, *cold = rng.sample(range(n_experts), 1 + n_experts // 3)
+            tilt[hot] = 4.0
+            for e in cold:
+                tilt[e] = -4.0
+        seed = rng.randrange(10**6)
+        args = (d_model, d_ff, n_experts, top_k, gating, tilt, tokens_per_rank, seed)
+        reference = ep_reference(*args)
+        if not reference["tied"]:
+            break
+    else:
+        raise RuntimeError(f"no routing without near-ties in 100 draws of {n_experts} experts, top-{top_k}")
+    call = (f"run_ep_moe(d_model={d_model}, d_ff={d_ff}, n_experts={n_experts}, top_k={top_k}, {gating!r}, "
+            f"tilt={tilt}, tokens_per_rank={tokens_per_rank}, seed={seed}) on {world} ranks")
+    try:
+        results = student.ranks("run_ep_moe", world, *args)
+    except CallError as error:
+        hang = "timed out" in error.message.lower()
+        raise explain(error, call, "every rank's output" + (" (a rank that waits forever: the ranks disagree on the "
+                                                            "split sizes, or on how many all-to-alls there are)"
+                                                            if hang else "")) from None
+    return per_rank(results, world, call), reference, {"call": call, "d_model": d_model, "n_experts": n_experts}
+
+
+def _expect_ep(student, rng: random.Random, world: int, local: int, top_k: int, gating: str, skewed: bool) -> None:
+    results, reference, run = _ep(student, rng, world, local, top_k, gating, skewed)
+    call = run["call"]
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("out"), reference["out"][rank].flatten().tolist(),
+                        f"{call}: rank {rank}'s output (the MoE layer on its {len(reference['out'][rank])} tokens)")
+
+
+@EP.check(points=2, hint="count rows per rank, exchange the counts (all_to_all_single of counts.view(ep, local)), "
+                         "dispatch tokens[token_of[order]], run each local expert on its rows, send them back, and "
+                         "add weight · row into token token_of[order[i]] — the sorted order, undone")
+def ep_two_ranks(student, rng):
+    """2 ranks of 2 experts: every rank's output equals the whole layer on its tokens"""
+    _expect_ep(student, rng, 2, 2, 2, "softmax", skewed=False)
+
+
+@EP.check(points=2, hint="row j of the counts you send is rank j's block of experts; what arrives, row s, is what "
+                         "rank s sends to each of your experts: receive splits are its row sums, and the rows come "
+                         "grouped by source rank — regroup them by expert before running the experts, and back after")
+def ep_imbalanced(student, rng):
+    """3 and 4 ranks, imbalanced routing: experts that no token chooses, one that most choose, uneven token counts"""
+    _expect_ep(student, rng, 3, 2, 2, "softmax", skewed=True)
+    _expect_ep(student, rng, 4, rng.randrange(2, 4), rng.randrange(1, 3), "softmax", skewed=True)
+
+
+@EP.check(points=1, hint="three dist.all_to_all_single per rank and nothing else: the int64 counts (n_experts "
+                         "values), the dispatch (your rows) and the combine (your experts' rows)")
+def ep_all_to_all_bytes(student, rng):
+    """only all_to_all_single: the counts, then the rows both ways, the bytes lab.calc.moe predicts"""
+    from lab.calc.moe import layer_all_to_all_bytes
+
+    world, local = rng.choice([2, 3]), 2
+    results, reference, run = _ep(student, rng, world, local, 2, "softmax", skewed=True)
+    call = run["call"]
+    rows_to = [[sum(load[j * local:(j + 1) * local]) for j in range(world)] for load in reference["load"]]
+    for rank, got in enumerate(results):
+        calls = {op: n for op, n in (got.get("calls") or {}).items() if n}
+        if calls != {"all_to_all_single": 3}:
+            raise CheckFailed(f"{call}: rank {rank}'s collectives returned {calls}, expected "
+                              f"{{'all_to_all_single': 3}} (the counts, the dispatch, the combine)")
+        predicted = layer_all_to_all_bytes(rows_to[rank], [rows_to[s][rank] for s in range(world)], rank,
+                                           run["d_model"], run["n_experts"], dtype_bytes=4)
+        expect_equal((got.get("bytes") or {}).get("all_to_all_single"), predicted["forward"],
+                     f"{call}: rank {rank}'s bytes handed to all_to_all_single (float32 rows, int64 counts)")
+
+
+@EP.check(points=1, hidden=True, hint="nothing may assume softmax, top-2 or two experts per rank")
+def ep_sigmoid_top3(student, rng):
+    """sigmoid gating, top-3, 4 ranks of 3 experts"""
+    _expect_ep(student, rng, 4, 3, 3, "sigmoid", skewed=rng.random() < 0.5)

@@ -193,3 +193,17 @@ def test_bad_constructor_arguments_raise():
 def test_importing_the_widget_imports_no_torch():
     code = "import sys, lab.widgets, lab.widgets.pipeline; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_layers_that_do_not_split_into_equal_stages_are_an_inline_error():
+    """The issue's "layers not divisible": 30 layers cannot make 4 stages, nor 8 interleaved ones; 32 can."""
+    widget = pipeline_explorer()
+    widget.controls["layers"].value = 30
+    assert "layers=30 must be divisible by the 4 stages" in widget.error.value and widget.simulation is None
+    widget.controls["layers"].value = 32
+    assert widget.error.value == "" and widget.simulation is not None
+    widget.controls["schedule"].value = "interleaved"  # v = 2: 8 virtual stages
+    widget.controls["layers"].value = 12
+    assert "layers=12 must be divisible by the 8 stages" in widget.error.value
+    widget.controls["layers"].value = 0  # no model depth given: nothing to check
+    assert widget.error.value == ""

@@ -29,6 +29,7 @@ from lab.widgets.base import Explorer, note, show_figure, slider
 
 MIN_PP, MAX_PP = 2, 16
 MAX_MICROBATCHES, MAX_CHUNKS = 64, 8
+MAX_LAYERS = 128  # an optional model depth: it must split into equal stages
 IDLE = "#e6e6e6"
 HATCH = {F: None, B: None, W: "////"}
 
@@ -134,6 +135,7 @@ class PipelineExplorer(Explorer):
             "tb": slider(widgets.FloatSlider, tb, 0.0, 8.0, 0.25, "t_b backward"),
             "tw": slider(widgets.FloatSlider, tw, 0.0, 4.0, 0.25, "t_w (part of t_b)"),
             "p2p": slider(widgets.FloatSlider, p2p, 0.0, 2.0, 0.05, "p2p latency"),
+            "layers": slider(widgets.IntSlider, 0, 0, MAX_LAYERS, 1, "layers (0: any)"),
         })
         self.simulation: Simulation | None = None
         self.closed_form: dict | None = None
@@ -157,6 +159,10 @@ class PipelineExplorer(Explorer):
         v = self.values()
         try:
             sim = explore(v["schedule"], v["pp"], v["microbatches"], v["chunks"], v["tf"], v["tb"], v["tw"], v["p2p"])
+            stages = sim.schedule.virtual_stages
+            if v["layers"] and v["layers"] % stages:
+                raise ValueError(f"layers={v['layers']} must be divisible by the {stages} stages a micro-batch goes "
+                                 f"through (every stage the same number of layers)")
             closed = closed_form(v["schedule"], v["pp"], v["microbatches"], v["chunks"], v["tf"], v["tb"], v["tw"],
                                  v["p2p"])
         except ValueError as err:

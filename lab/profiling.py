@@ -96,12 +96,26 @@ def memory_timeline(step: Callable[[], None], steps: int = 2, device: str | torc
     times_ms = [max(t - origin, 0) / 1000 for t in times_us]
     columns = list(zip(*sizes, strict=True))[1:]
     by_category = {name: list(col) for name, col in zip(CATEGORIES, columns, strict=True)}
-    # events are timed in µs from the trace start; the memory timeline in absolute µs
-    trace_start_us = prof.profiler.kineto_results.trace_start_ns() / 1000
-    phase_events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.name in PHASES)
     phases, counts = [], dict.fromkeys(PHASES, 0)
-    for start, end, name in phase_events:
+    for start_ns, end_ns, name in sorted(_phase_events(prof.profiler.kineto_results.experimental_event_tree())):
         counts[name] += 1
-        phases.append((counts[name], name, (trace_start_us + start - origin) / 1000,
-                       (trace_start_us + end - origin) / 1000))
+        phases.append((counts[name], name, (start_ns / 1000 - origin) / 1000, (end_ns / 1000 - origin) / 1000))
     return MemoryTimeline(times_ms, by_category, phases)
+
+
+def _phase_events(nodes) -> list[tuple[int, int, str]]:
+    """(start, end, name) of the `record_function` phases in the profiler's event tree, in the memory timeline's
+    clock (ns). Walked by hand rather than through `prof.events()`: torch's parser now and then meets a corrupt
+    event name there (UnicodeDecodeError); such a node is skipped here, ours never are."""
+    found, stack = [], list(nodes)
+    while stack:
+        node = stack.pop()
+        try:
+            name = node.name
+        except UnicodeDecodeError:
+            name = None
+        if name in PHASES:
+            found.append((node.start_time_ns, node.end_time_ns, name))
+        else:
+            stack.extend(node.children)
+    return found

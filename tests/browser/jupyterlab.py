@@ -198,9 +198,10 @@ class NotebookPage:
         errors = self.error_outputs()
         assert not errors, f"{self.path}: {len(errors)} cell(s) failed in the browser:\n\n" + "\n\n".join(errors)
 
-    def output(self, selector: str) -> Locator:
-        """The cell output area that contains `selector` (e.g. a widget's table)."""
-        return self.page.locator(".jp-OutputArea-output", has=self.page.locator(selector))
+    def output(self, selector: str, has_text: str | None = None) -> Locator:
+        """The cell output area that contains `selector` (e.g. a widget's table), or the one whose `selector`
+        element says `has_text` (e.g. `output(".widget-label", "ring step")`: the widget with that control)."""
+        return self.page.locator(".jp-OutputArea-output", has=self.page.locator(selector, has_text=has_text))
 
 
 @contextmanager

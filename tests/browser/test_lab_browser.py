@@ -137,8 +137,7 @@ def test_ring_attention_explorer_follows_the_step_slider_and_the_layout(browser,
         notebook.run_all(timeout_s=240)
         notebook.assert_no_errors()
         # the output area holding the widget, found by a control's label (the summary vanishes on an error)
-        widget = notebook.page.locator(".jp-OutputArea-output",
-                                       has=notebook.page.locator(".widget-label", has_text="ring step"))
+        widget = notebook.output(".widget-label", "ring step")
         step_line, balance = widget.locator(".lab-cp-step"), widget.locator(".lab-cp-balance")
         assert step_line.inner_text().startswith("step 0 of 3:")  # the default: cp=4, contiguous, causal
         assert "max/mean work per rank: 1.750" in balance.inner_text()
@@ -182,8 +181,7 @@ def test_zero_ladder_follows_the_stage_and_the_number_of_ranks(browser, lab_serv
     with open_notebook(browser, lab_server, "chapters/03_data_parallel_zero.ipynb", ARTIFACTS) as notebook:
         notebook.run_all(timeout_s=300)
         notebook.assert_no_errors()
-        widget = notebook.page.locator(".jp-OutputArea-output",
-                                       has=notebook.page.locator(".widget-label", has_text="ZeRO stage"))
+        widget = notebook.output(".widget-label", "ZeRO stage")
         total = widget.locator(".lab-zero-total")
         # the ZeRO paper's Figure 1: Ψ = 7.5 B on N_d = 64 GPUs, stage 3
         assert total.inner_text().startswith("ZeRO-3 (P_os+g+p): 1.88 GB per GPU")
@@ -222,8 +220,7 @@ def test_pipeline_explorer_redraws_for_each_schedule(browser, lab_server: LabSer
         notebook.run_all(timeout_s=240)
         notebook.assert_no_errors()
         # the chapter shows the explorer twice; the first opens on the playbook's exercise: 1F1B, p = 4, m = 8
-        widget = notebook.page.locator(".jp-OutputArea-output",
-                                       has=notebook.page.locator(".widget-label", has_text="pp (ranks)")).first
+        widget = notebook.output(".widget-label", "pp (ranks)").first
         bubble, activations = widget.locator(".lab-pp-bubble"), widget.locator(".lab-pp-activations")
         assert "bubble ratio (idle / useful) 0.375" in bubble.inner_text()  # (p-1)/m
         assert "rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1" in activations.inner_text()
@@ -273,8 +270,7 @@ def test_capacity_explorer_drops_more_as_the_capacity_shrinks(browser, lab_serve
     with open_notebook(browser, lab_server, "chapters/07_expert_parallel.ipynb", ARTIFACTS) as notebook:
         notebook.run_all(timeout_s=240)
         notebook.assert_no_errors()
-        widget = notebook.page.locator(".jp-OutputArea-output",
-                                       has=notebook.page.locator(".widget-label", has_text="capacity factor")).first
+        widget = notebook.output(".widget-label", "capacity factor").first
         dropped = widget.locator(".lab-moe-dropped")
 
         def count() -> int:

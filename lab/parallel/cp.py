@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lab.collectives.p2p import group_info
 from lab.config import CP_IMPLS
 from lab.model import Transformer, causal_attention
+from lab.parallel.a2a import all_to_all
 from lab.parallel.ring_attention import block_kind, block_work, ring_attention
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -102,22 +103,13 @@ def attention_work(seq_len: int, cp: int, layout: str, causal: bool = True) -> l
             for r in range(cp)]
 
 
-class _AllToAll(torch.autograd.Function):
-    """Split dim `scatter` into world pieces, send piece j to rank j, concatenate what arrives along
-    dim `gather`. Its gradient is the same exchange the other way round."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.scatter, ctx.gather, ctx.group = scatter, gather, group
-        world = dist.get_world_size(group)
-        send = torch.stack(x.chunk(world, dim=scatter)).contiguous()  # piece j for rank j
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
-        return torch.cat(received.unbind(0), dim=gather)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _AllToAll.apply(grad, ctx.gather, ctx.scatter, ctx.group), None, None, None
+def _swap(x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Split dim `scatter` into world pieces, send piece j to rank j, concatenate what arrives along `gather`."""
+    world = dist.get_world_size(group)
+    pieces = torch.stack(x.chunk(world, dim=scatter))  # piece j for rank j
+    rows = pieces.flatten(0, 1)  # the all-to-all splits rows: world equal blocks
+    received = all_to_all(rows, [pieces.shape[1]] * world, [pieces.shape[1]] * world, group)
+    return torch.cat(received.view_as(pieces).unbind(0), dim=gather)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
@@ -130,8 +122,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         raise ValueError(f"ulysses needs cp={cp} to divide the attention heads on this rank ({n_heads})")
     if k.shape[1] % cp:  # too few KV heads to split: give every query head its own copy first
         k, v = (x.repeat_interleave(n_heads // x.shape[1], dim=1) for x in (k, v))
-    q, k, v = (_AllToAll.apply(x, 1, 2, group) for x in (q, k, v))
-    return _AllToAll.apply(causal_attention(q, k, v, scale), 2, 1, group)
+    q, k, v = (_swap(x, 1, 2, group) for x in (q, k, v))
+    return _swap(causal_attention(q, k, v, scale), 2, 1, group)
 
 
 def _ring_core(q, k, v, scale=None, *, group, chunks):

@@ -157,9 +157,11 @@ def test_a_result_that_cannot_be_sent_back_is_an_error(no_leftovers):
 
 
 def _forks_without_end(pid_dir: str) -> None:
-    """Rank 0 starts a process that keeps forking sleepers, waits for a few, then raises."""
+    """Rank 0 starts a process that keeps forking sleepers, waits for a few, then raises. Every process it starts
+    writes its pid to `pid_dir` (the forker's as `forker-<pid>`), so that the test can kill them if `run` did not."""
     if dist.get_rank() == 0:
         if os.fork() == 0:
+            Path(pid_dir, f"forker-{os.getpid()}").touch()
             for _ in range(200):  # bounded, in case the test fails to kill it
                 if os.fork() == 0:
                     Path(pid_dir, str(os.getpid())).touch()
@@ -168,16 +170,37 @@ def _forks_without_end(pid_dir: str) -> None:
                 time.sleep(0.02)
             time.sleep(600)
             os._exit(0)
-        while len(os.listdir(pid_dir)) < 5:
+        while len(os.listdir(pid_dir)) < 6:  # the forker and five sleepers
             time.sleep(0.02)
         raise RuntimeError("left its children behind")
     dist.barrier()
 
 
+def _pids(pid_dir: Path) -> list[int]:
+    """The forker first: killed before its sleepers, it cannot start new ones."""
+    return sorted((int(name.removeprefix("forker-")) for name in os.listdir(pid_dir)),
+                  key=lambda pid: f"forker-{pid}" not in os.listdir(pid_dir))
+
+
+def _kill_started_since(pids: list[int], since: float) -> None:
+    """SIGKILL these pids, skipping any that ended and whose number went to a process started before the test."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).create_time() >= since - 1:
+                os.kill(pid, signal.SIGKILL)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+
+
 def test_processes_started_by_a_rank_die_with_it(tmp_path, no_leftovers):
-    with pytest.raises(RankError, match="^rank 0 failed: RuntimeError: left its children behind"):
-        run(_forks_without_end, 2, str(tmp_path))
-    _wait_until_gone([int(name) for name in os.listdir(tmp_path)])
+    since = time.time()
+    try:
+        with pytest.raises(RankError, match="^rank 0 failed: RuntimeError: left its children behind"):
+            run(_forks_without_end, 2, str(tmp_path))
+        _wait_until_gone(_pids(tmp_path))
+    finally:  # if run left them running, they must not outlive the test (they hold its output open)
+        _kill_started_since(_pids(tmp_path), since)
+        _kill_started_since(_pids(tmp_path), since)  # sleepers forked while the first pass ran
 
 
 def test_the_deadline_kills_ranks_that_never_return(no_leftovers):

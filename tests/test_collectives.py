@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from lab import collectives as lc
+from lab.collectives.p2p import REDUCE_OPS
 from lab.dist import run
 from lab.dist.comm import count_collectives
 
@@ -19,6 +20,23 @@ def _data(shape, dtype, seed):
     return torch.randint(-4, 5, shape, generator=g).to(dtype)
 
 
+def _op_data(t: torch.Tensor, op: str) -> torch.Tensor:
+    """Inputs on which every op is exact: products of values in 1..3, averages in float32."""
+    if op == "product":
+        return t.clamp(-1, 1) + 2
+    return t.float() if op == "avg" else t
+
+
+def _reduce_scatter(input: torch.Tensor):
+    return lambda output, op: dist.reduce_scatter_tensor(output, input, op=op)
+
+
+def _torch_reduce(collective, t: torch.Tensor, op: str) -> torch.Tensor:
+    """torch's result for `op`; gloo has no AVG, so the reference average is the sum divided by the world size."""
+    collective(t, dist.ReduceOp.SUM if op == "avg" else TORCH_OPS[op])
+    return t / dist.get_world_size() if op == "avg" else t
+
+
 def _check_all_ops(numel: int, dtype: torch.dtype) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     failures = []
@@ -28,33 +46,25 @@ def _check_all_ops(numel: int, dtype: torch.dtype) -> list[str]:
             failures.append(f"{name} rank {rank}: {ours.tolist()} != {theirs.tolist()}")
 
     x = _data((numel,), dtype, seed=rank)
-    for op in ("sum", "max", "min"):
-        theirs = x.clone()
-        dist.all_reduce(theirs, TORCH_OPS[op])
-        expect(f"ring_all_reduce[{op}]", lc.ring_all_reduce(x.clone(), op), theirs)
-        expect(f"tree_all_reduce[{op}]", lc.tree_all_reduce(x.clone(), op), theirs)
-    small = _data((numel,), dtype, seed=rank).clamp(-1, 1) + 2  # products stay exact
-    theirs = small.clone()
-    dist.all_reduce(theirs, dist.ReduceOp.PRODUCT)
-    expect("ring_all_reduce[product]", lc.ring_all_reduce(small.clone(), "product"), theirs)
-    theirs = x.clone().float()
-    dist.all_reduce(theirs)
-    expect("ring_all_reduce[avg]", lc.ring_all_reduce(x.clone().float(), "avg"), theirs / world)
-
     root = world - 1  # not rank 0, to exercise the renumbering
+    block = _data((world * numel,), dtype, seed=10 + rank)
+    for op in REDUCE_OPS:  # every op of every reducing collective: a wrong op passes for no other
+        a, b = _op_data(x, op), _op_data(block, op)
+        theirs = _torch_reduce(dist.all_reduce, a.clone(), op)
+        expect(f"ring_all_reduce[{op}]", lc.ring_all_reduce(a.clone(), op), theirs)
+        expect(f"tree_all_reduce[{op}]", lc.tree_all_reduce(a.clone(), op), theirs)
+        theirs = _torch_reduce(lambda t, o: dist.reduce(t, dst=root, op=o), a.clone(), op)
+        ours = lc.tree_reduce(a.clone(), dst=root, op=op)
+        if rank == root:
+            expect(f"tree_reduce[{op}]", ours, theirs)
+        theirs = _torch_reduce(_reduce_scatter(b.clone()), torch.empty(numel, dtype=b.dtype), op)
+        ours = lc.ring_reduce_scatter(torch.empty(numel, dtype=b.dtype), b.clone(), op)
+        expect(f"ring_reduce_scatter[{op}]", ours, theirs)
+
     theirs = x.clone()
     dist.broadcast(theirs, src=root)
     expect("tree_broadcast", lc.tree_broadcast(x.clone(), src=root), theirs)
-    theirs = x.clone()
-    dist.reduce(theirs, dst=root)
-    ours = lc.tree_reduce(x.clone(), dst=root)
-    if rank == root:
-        expect("tree_reduce", ours, theirs)
 
-    block = _data((world * numel,), dtype, seed=10 + rank)
-    theirs = torch.empty(numel, dtype=dtype)
-    dist.reduce_scatter_tensor(theirs, block)
-    expect("ring_reduce_scatter", lc.ring_reduce_scatter(torch.empty(numel, dtype=dtype), block), theirs)
     theirs = torch.empty(world * numel, dtype=dtype)
     dist.all_gather_into_tensor(theirs, x)
     expect("ring_all_gather", lc.ring_all_gather(torch.empty(world * numel, dtype=dtype), x), theirs)

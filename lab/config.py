@@ -24,6 +24,7 @@ import tomli_w
 
 ATTENTION_KINDS = ("gqa", "mla")
 MOE_GATINGS = ("softmax", "sigmoid")
+MOE_GATE_NORMS = ("auto", "none", "topk")  # see ModelConfig.renormalizes_gates
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")  # lab.calc.schedules builds them
 RECOMPUTE_MODES = ("none", "selective", "full")
 DP_MODES = ("naive", "overlapped", "bucketed")
@@ -78,6 +79,8 @@ class ModelConfig:
     n_shared_experts: int = 0
     n_dense_layers: int = 0
     moe_gating: str = "softmax"  # softmax over experts (Mixtral, Switch) or per-expert sigmoid (DeepSeek-V3)
+    moe_gate_norm: str = "auto"  # "topk": the chosen scores divided by their sum; "none": raw; "auto": by top_k
+    moe_route_scale: float = 1.0  # multiplies every gate (DeepSeek-V3's routed_scaling_factor: 2.5)
     capacity_factor: float = 0.0  # 0: no token dropped; c: an expert takes at most c·tokens·top_k/n_experts
     aux_loss_coef: float = 0.0  # weight of the load-balancing loss (Switch/GShard) in the training loss
     z_loss_coef: float = 0.0  # weight of the router z-loss (ST-MoE)
@@ -103,6 +106,16 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.n_dense_layers
 
+    @property
+    def renormalizes_gates(self) -> bool:
+        """Whether the chosen experts' scores are divided by their sum before weighting the experts' outputs.
+
+        GShard's top-2, Mixtral and DeepSeek-V3 do; Switch Transformer's top-1 gates with the raw probability.
+        "auto" (the default) follows them: renormalise for top_k > 1, not for top-1 — where a renormalised gate
+        is identically 1 and the router would learn nothing from the language-model loss.
+        """
+        return self.moe_gate_norm == "topk" or (self.moe_gate_norm == "auto" and self.top_k > 1)
+
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                   "max_seq_len")
@@ -121,6 +134,12 @@ class ModelConfig:
         if self.is_moe:
             _positive(self, "top_k", "d_ff_expert")
             _one_of("moe_gating", self.moe_gating, MOE_GATINGS)
+            _one_of("moe_gate_norm", self.moe_gate_norm, MOE_GATE_NORMS)
+            _require(self.moe_gate_norm != "topk" or self.top_k > 1,
+                     "moe_gate_norm='topk' with top_k=1 makes every gate 1 and leaves the router no gradient from the "
+                     "loss: use 'none' (Switch) or 'auto' for top-1")
+            _require(isinstance(self.moe_route_scale, int | float) and self.moe_route_scale > 0,
+                     f"moe_route_scale={self.moe_route_scale!r} must be a number > 0")
             for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
                 _require(getattr(self, name) >= 0, f"{name}={getattr(self, name)!r} must be >= 0")
             _require(self.top_k <= self.n_experts,
@@ -283,7 +302,7 @@ class Config:
         model_data = dict(data.get("model", {}))
         preset = model_data.pop("preset", None)
         base = ModelConfig.from_preset(preset) if preset else ModelConfig()
-        model = _replace_checked(base, model_data, "model")
+        model = _replace_checked(base, model_data, "model", also_valid=("preset",))
         parallel = _replace_checked(ParallelConfig(), data.get("parallel", {}), "parallel")
         train = _replace_checked(TrainConfig(), data.get("train", {}), "train")
         config = cls(model=model, parallel=parallel, train=train)
@@ -291,12 +310,14 @@ class Config:
         return config
 
 
-def _replace_checked(obj: Any, values: dict, section: str) -> Any:
-    """`dataclasses.replace` with a clear message for unknown keys and wrongly typed values."""
+def _replace_checked(obj: Any, values: dict, section: str, also_valid: tuple[str, ...] = ()) -> Any:
+    """`dataclasses.replace` with a clear message for unknown keys and wrongly typed values. `also_valid` names
+    keys the caller has already taken out (the model's `preset`), so that the message lists them too."""
     valid = {f.name for f in fields(obj)}
     clean = {}
     for key, value in values.items():
-        _require(key in valid, f"unknown field {section}.{key}; valid fields: {', '.join(sorted(valid))}")
+        _require(key in valid, f"unknown field {section}.{key}; valid fields: "
+                               f"{', '.join(sorted(valid | set(also_valid)))}")
         expected = type(getattr(obj, key))
         ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -355,6 +376,8 @@ def _preset(**kwargs: Any) -> None:
 
 # Tiny models for tests and laptops: every degree the chapters use (2 and 4) divides heads (4), KV heads
 # (2 for tp=2), d_ff, vocab and the 8 layers; seq_len 32 splits into 2*cp zig-zag chunks for cp <= 4.
+# tiny-moe gates with moe_gate_norm="auto": top-2 renormalised as GShard and Mixtral, and a chapter or a
+# command line that sets top_k=1 gets Switch's raw probability instead of a constant gate of 1.
 _preset(name="tiny", vocab_size=256, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128,
         max_seq_len=256)
 _preset(name="tiny-moe", vocab_size=256, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
@@ -374,10 +397,13 @@ _preset(name="llama3-405b", vocab_size=128256, d_model=16384, n_layers=126, n_he
         d_ff=53248, max_seq_len=131072, rope_theta=500000.0)
 # mistralai/Mixtral-8x7B-v0.1
 _preset(name="mixtral-8x7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
-        max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2)
+        max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2,
+        moe_gate_norm="topk")
 # deepseek-ai/DeepSeek-V3 (without the multi-token-prediction module): MLA, 3 dense layers, then
-# 256 routed experts (top-8) plus 1 shared expert.
+# 256 routed experts (top-8, sigmoid scores; the chosen 8 normalised to sum to one, then times the
+# routed_scaling_factor 2.5) plus 1 shared expert.
 _preset(name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128,
         d_ff=18432, max_seq_len=163840, rope_theta=10000.0, norm_eps=1e-6, n_experts=256, top_k=8,
-        d_ff_expert=2048, n_shared_experts=1, n_dense_layers=3, attention="mla", q_lora_rank=1536,
+        d_ff_expert=2048, n_shared_experts=1, n_dense_layers=3, moe_gating="sigmoid", moe_gate_norm="topk",
+        moe_route_scale=2.5, attention="mla", q_lora_rank=1536,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=192)

@@ -144,11 +144,15 @@ class MoE(nn.Module):
     """Top-k routed SwiGLU experts (plus optional always-on shared experts).
 
     Each token's router scores (softmax over experts, or DeepSeek-V3's per-expert sigmoid) pick its top_k
-    experts, whose weights are renormalised to sum to one. With a `capacity_factor` c an expert takes at
-    most c·tokens·top_k/n_experts assignments, first come first served, and the rest are dropped (their
-    token keeps only the residual). The expert computation is grouped: assignments are sorted by expert so
-    that each expert runs once on a contiguous block — the layout expert parallelism sends over all-to-all,
-    which is why `compute` is a swappable step (`lab.parallel.ep` replaces it).
+    experts and weight their outputs (the *gates*). The gates are the chosen scores, divided by their sum
+    when `cfg.renormalizes_gates` (GShard's top-2, Mixtral, DeepSeek-V3; not Switch's top-1, whose gate is
+    the raw probability — a renormalised single gate is 1 and carries no gradient to the router), times
+    `cfg.moe_route_scale` (DeepSeek-V3: 2.5). With a `capacity_factor` c an expert takes at most
+    c·tokens·top_k/n_experts assignments, first come first served in token order (a token's choices best
+    first), and the rest are dropped (their token keeps only the residual). The expert computation is
+    grouped: assignments are sorted by expert so that each expert runs once on a contiguous block — the
+    layout expert parallelism sends over all-to-all, which is why `compute` is a swappable step
+    (`lab.parallel.ep` replaces it).
 
     Every forward leaves, for the trainer and the logs, `aux_loss` (Switch/GShard: n_experts·Σ_e f_e·P_e,
     f_e the share of assignments and P_e the mean score of expert e; 1 when perfectly balanced), `z_loss`
@@ -160,6 +164,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.n_experts = cfg.top_k, cfg.n_experts
         self.gating, self.capacity_factor = cfg.moe_gating, cfg.capacity_factor
+        self.renormalize, self.route_scale = cfg.renormalizes_gates, cfg.moe_route_scale
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         # keyed by the global expert index: an expert-parallel rank keeps only its own, under the same names
         self.experts = nn.ModuleDict({str(e): FeedForward(cfg.d_model, cfg.d_ff_expert) for e in range(cfg.n_experts)})
@@ -170,7 +175,7 @@ class MoE(nn.Module):
         self.dropped = 0
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (weights, expert ids), both (n_tokens, top_k); record the router losses."""
+        """Return (gates, expert ids), both (n_tokens, top_k), best expert first; record the router losses."""
         logits = self.router(tokens).float()
         scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
         weights, chosen = scores.topk(self.top_k, dim=-1)
@@ -179,7 +184,9 @@ class MoE(nn.Module):
         probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
         self.aux_loss = self.n_experts * (share * probability).sum()
         self.z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return (weights / weights.sum(dim=-1, keepdim=True)).type_as(tokens), chosen
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.route_scale).type_as(tokens), chosen
 
     def capacity_mask(self, chosen: torch.Tensor) -> torch.Tensor:
         """(n_tokens, top_k) bool: which assignments fit their expert's capacity (all, without a factor)."""

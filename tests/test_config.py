@@ -70,3 +70,30 @@ def test_tiny_shapes_divide_every_degree_the_chapters_use():
                 for cp in (1, 2, 4):
                     Config(ModelConfig.from_preset(name), ParallelConfig(tp=tp, pp=pp, cp=cp), TrainConfig()).validate()
     Config(ModelConfig.from_preset("tiny-moe"), ParallelConfig(dp=4, ep=4), TrainConfig()).validate()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe_gate_norm='softmax'"], "moe_gate_norm='softmax' must be one of 'auto', 'none', 'topk'"),
+    (["model.moe_gate_norm='topk'", "model.top_k=1"], "moe_gate_norm='topk' with top_k=1 makes every gate 1"),
+    (["model.moe_route_scale=0"], "moe_route_scale=0.0 must be a number > 0"),
+    (["model.moe_gating='relu'"], "moe_gating='relu' must be one of 'softmax', 'sigmoid'"),
+])
+def test_invalid_moe_gates_fail_with_one_clear_line(overrides, message):
+    with pytest.raises(ValueError) as err:
+        load_config("configs/tiny-moe.toml", overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_gate_norm_overrides_and_the_top1_default():
+    assert load_config("configs/tiny-moe.toml").model.renormalizes_gates  # top-2: GShard, Mixtral
+    assert not load_config("configs/tiny-moe.toml", ["model.top_k=1"]).model.renormalizes_gates  # Switch
+    assert not load_config("configs/tiny-moe.toml", ["model.moe_gate_norm='none'"]).model.renormalizes_gates
+
+
+def test_preset_is_listed_among_the_valid_model_fields():
+    """`--set model.preset=...` works, so the message for an unknown model field lists it (issue 14, item 12)."""
+    assert load_config("configs/tiny.toml", ["model.preset='tiny-moe'"]).model == PRESETS["tiny-moe"]
+    with pytest.raises(ValueError, match=r"unknown field model\.colour; valid fields: .*\bpreset\b"):
+        load_config("configs/tiny.toml", ["model.colour=1"])
+    with pytest.raises(ValueError, match=r"unknown field train\.colour; valid fields: (?!.*preset)"):
+        load_config("configs/tiny.toml", ["train.colour=1"])

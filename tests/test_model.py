@@ -96,3 +96,52 @@ def test_moe_every_expert_gets_a_gradient():
     model = materialize(build_model(cfg), seed=0)
     model(torch.randint(0, cfg.vocab_size, (1, 4))).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+
+def test_top1_router_learns_from_the_lm_loss_alone():
+    """Switch Transformer (Fedus et al. 2021, §2.1) gates its one expert with the raw router probability p_i(x):
+    that is what carries the language-model loss's gradient to the router. Renormalised, a single gate is
+    p/p = 1 and the router would learn only from the aux and z losses (here 0)."""
+    cfg = dataclasses.replace(PRESETS["tiny-moe"], n_layers=1, top_k=1, aux_loss_coef=0.0, z_loss_coef=0.0)
+    assert not cfg.renormalizes_gates
+    model = materialize(build_model(cfg), seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    router, expert = model.layers["0"].ffn.router.weight.grad, model.layers["0"].ffn.experts["0"].w2.weight.grad
+    assert router.abs().max() > 1e-3 * expert.abs().max(), (router.abs().max(), expert.abs().max())
+
+
+MLA = dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+
+
+@pytest.mark.parametrize("name, gate_norm, top_k, renormalizes, scale", [
+    ("tiny-moe", "auto", 2, True, 1.0),  # GShard top-2 / Mixtral: the two gates sum to one
+    ("tiny-moe", "auto", 1, False, 1.0),  # Switch: the raw probability
+    ("tiny-moe", "none", 2, False, 1.0),  # e.g. Qwen1.5-MoE's norm_topk_prob=false
+    ("mixtral-8x7b", "topk", 2, True, 1.0),
+    ("deepseek-v3", "topk", 8, True, 2.5),  # sigmoid scores, normalised, times routed_scaling_factor 2.5
+])
+def test_gates_follow_the_architecture(name, gate_norm, top_k, renormalizes, scale):
+    """The presets' gates: Mixtral's config (HF MixtralSparseMoeBlock) renormalises its top-2; DeepSeek-V3's
+    (scoring_func=sigmoid, norm_topk_prob=true, routed_scaling_factor=2.5) normalises its top-8 sigmoid scores
+    and scales them; tiny-moe's "auto" renormalises top-2 and leaves top-1 raw (Switch)."""
+    assert PRESETS[name].moe_gate_norm == gate_norm or name == "tiny-moe"
+    cfg = _small(name, n_heads=4, n_kv_heads=4, n_experts=8, top_k=top_k, d_ff_expert=16, n_dense_layers=0,
+                 moe_gate_norm=gate_norm, **(MLA if name == "deepseek-v3" else {}))
+    assert cfg.renormalizes_gates == renormalizes and cfg.moe_route_scale == scale
+    moe = materialize(build_model(cfg), seed=0).layers["0"].ffn
+    x = torch.randn(12, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gates, chosen = moe.route(x)
+        logits = moe.router(x)
+    scores = logits.softmax(-1) if cfg.moe_gating == "softmax" else logits.sigmoid()
+    raw = scores.gather(1, chosen)
+    want = raw / raw.sum(-1, keepdim=True) if renormalizes else raw
+    torch.testing.assert_close(gates, want * scale)
+
+
+def test_renormalised_top1_is_refused():
+    with pytest.raises(ValueError, match="moe_gate_norm='topk' with top_k=1 makes every gate 1"):
+        dataclasses.replace(PRESETS["mixtral-8x7b"], top_k=1)

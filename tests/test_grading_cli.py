@@ -62,11 +62,13 @@ def test_class_grading_is_deterministic_with_an_assignment_and_late_policy(tmp_p
     cell = next(c for c in partial.cells if is_answer(c, "01.state_bytes"))
     cell.source = "def model_state_bytes(*args):\n    return 0\n"
     nbformat.write(partial, subs / "partial.ipynb")
-    named = read(SOLUTION)
-    named.metadata["lab"] = {"student": "ada"}
-    nbformat.write(named, subs / "whatever.ipynb")
-    (tmp_path / "times.csv").write_text("student,submitted_at\nperfect0,2026-10-11T10:00:00Z\n")
-    args = [str(subs), "--jobs", "2", "--quiet", "--assignment", "A1",
+    (subs / "ada").mkdir()  # a folder per student: the folder names the student
+    shutil.copy(SOLUTION, subs / "ada" / "whatever.ipynb")
+    times = {"perfect0": "2026-10-11T10:00:00Z"} | {s: "2026-10-09T12:00:00Z" for s in
+                                                     ["ada", "partial", *(f"{k}{i}" for k in ("perfect", "blank")
+                                                                          for i in range(1, 4)), "blank0"]}
+    (tmp_path / "times.csv").write_text("student,submitted_at\n" + "".join(f"{k},{v}\n" for k, v in times.items()))
+    args = [str(subs), "--jobs", "2", "--quiet", "--assignment", "A1", "--strict", "--seed-secret", "s3cret",
             "--submission-times", str(tmp_path / "times.csv")]
     assert grade.main([*args, "--out", str(tmp_path / "a.csv"), "--feedback-dir", str(tmp_path / "fb")]) == 0
     assert grade.main([*args, "--out", str(tmp_path / "b.csv")]) == 0
@@ -78,6 +80,79 @@ def test_class_grading_is_deterministic_with_an_assignment_and_late_policy(tmp_p
     assert rows["partial"]["total"] == "10"
     assert rows["perfect0"]["late_days"] == "2" and rows["perfect0"]["total"] == "12.8"
     assert "A1" in (tmp_path / "fb" / "ada.html").read_text()
+
+
+def test_identity_comes_from_file_names_never_from_notebook_metadata(tmp_path):
+    """A notebook that names another student in its metadata changes nobody's identity: the late penalty of the
+    student it names still applies, and feedback pages carry student ids, not the instructor's paths."""
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    impostor = read(SOLUTION)
+    impostor.metadata["lab"] = {"student": "bob"}
+    nbformat.write(impostor, subs / "alice.ipynb")
+    shutil.copy(SOLUTION, subs / "bob.ipynb")
+    (tmp_path / "times.csv").write_text("student,submitted_at\nalice,2026-10-09T10:00:00Z\n"
+                                        "bob,2026-10-12T10:00:00Z\n")  # 3 days late: x0.7
+    assert grade.main([str(subs), "--quiet", "--assignment", "A1", "--strict", "--seed-secret", "s3cret",
+                       "--submission-times", str(tmp_path / "times.csv"), "--out", str(tmp_path / "g.csv"),
+                       "--feedback-dir", str(tmp_path / "fb")]) == 0
+    rows = {r["student"]: r for r in csv.DictReader((tmp_path / "g.csv").open())}
+    assert set(rows) == {"alice", "bob"}
+    assert (rows["bob"]["late_days"], rows["bob"]["total"]) == ("3", "11.2")
+    assert (rows["alice"]["late_days"], rows["alice"]["total"]) == ("0", "16")
+    pages = sorted(p.name for p in (tmp_path / "fb").iterdir())
+    assert pages == ["alice.html", "bob.html"]
+    assert not any(str(tmp_path) in (tmp_path / "fb" / p).read_text() for p in pages)
+
+
+def _class(tmp_path: Path, *, clash: bool = True, unknown_row: bool = True, no_time: bool = True) -> list[str]:
+    """A class of blank notebooks where each thing that could make a grade silently wrong happens once: ada
+    handed in two notebooks, the times have a row for a typo (karol), carol has no time."""
+    subs = tmp_path / "subs"
+    for path in [subs / "ada" / "first.ipynb", subs / "carol.ipynb", *([subs / "ada" / "second.ipynb"] * clash)]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(EXERCISE, path)
+    rows = ["ada", *(["karol"] * unknown_row), *(["carol"] * (not no_time))]
+    (tmp_path / "times.csv").write_text("student,submitted_at\n" + "".join(f"{r},2026-10-09T10:00:00Z\n"
+                                                                              for r in rows))
+    return [str(subs), "--quiet", "--assignment", "A1", "--submission-times", str(tmp_path / "times.csv"),
+            "--out", str(tmp_path / "g.csv")]
+
+
+WARNINGS = {"clash": "2 notebooks belong to student 'ada'", "unknown_row": "row(s) match no submission ('karol')",
+            "no_time": "no submission time for 1 student(s) ('carol')", "no_secret": "no class secret"}
+
+
+def test_what_could_make_a_grade_wrong_is_a_visible_warning(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LAB_SEED_SECRET", raising=False)
+    assert grade.main(_class(tmp_path)) == 0
+    err = capsys.readouterr().err
+    for message in WARNINGS.values():
+        assert sum(message in line and line.startswith("warning: ") for line in err.splitlines()) == 1, err
+    assert "learners have seen these very inputs and expected values" in err
+    rows = {r["student"]: r for r in csv.DictReader((tmp_path / "g.csv").open())}
+    assert set(rows) == {"ada/first", "ada/second", "carol"}  # both kept, under their path below subs/
+
+
+@pytest.mark.parametrize("case", WARNINGS)
+def test_strict_refuses_what_would_be_a_warning(case, tmp_path, capsys, monkeypatch):
+    """Each case alone: the rest of the class is in order."""
+    monkeypatch.delenv("LAB_SEED_SECRET", raising=False)
+    args = _class(tmp_path, **{c: c == case for c in ("clash", "unknown_row", "no_time")})
+    secret = [] if case == "no_secret" else ["--seed-secret", "s3cret"]
+    assert grade.main([*args, *secret, "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert WARNINGS[case] in err and err.startswith("python -m lab grade: error: "), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "g.csv").exists()
+
+
+def test_results_json_says_why_an_exercise_was_not_attempted(tmp_path):
+    done = _lab("grade", str(EXERCISE), "--results-json", str(tmp_path / "r.json"), "--seed-secret", "s3cret")
+    assert done.returncode == 0, done.stderr
+    tests = json.loads((tmp_path / "r.json").read_text())["tests"]
+    param_count = [t for t in tests if t["name"].startswith("01.param_count")]
+    assert param_count and all("not attempted: param_count raises NotImplementedError" in t["output"]
+                               for t in param_count)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -91,13 +91,6 @@ def answer_parts(nb: nbformat.NotebookNode, exercise_id: str) -> list[tuple[str,
             for index, cell in enumerate(nb.cells) if is_answer(cell, exercise_id)]
 
 
-def student_id(path: Path, nb: nbformat.NotebookNode | None) -> str:
-    """`metadata.lab.student` when the notebook names its student, else the file name without .ipynb."""
-    lab_meta = nb.metadata.get("lab") if nb is not None else None
-    named = lab_meta.get("student") if isinstance(lab_meta, dict) else None
-    return named.strip() if isinstance(named, str) and named.strip() else path.stem
-
-
 def write(nb: nbformat.NotebookNode, path: Path) -> bool:
     """Write `nb` as nbformat does; return whether the file changed (the release is deterministic)."""
     text = nbformat.writes(nb) + "\n"

@@ -104,8 +104,10 @@ def gradescope(student: StudentResult) -> dict:
     tests = []
     for number, result in enumerate(student.exercises, 1):
         for sub, check in enumerate(result.checks, 1):
-            text = "\n".join(filter(None, [check.message, f"hint: {check.hint}" if check.status != "passed"
-                                           and check.hint else ""]))
+            failed = check.status != "passed"
+            reason = result.reason if failed and result.reason not in check.message else ""  # e.g. "not attempted"
+            text = "\n".join(filter(None, [reason, check.message, f"hint: {check.hint}" if failed and check.hint
+                                           else ""]))
             tests.append({"name": f"{result.id}: {check.name}", "number": f"{number}.{sub}",
                           "score": check.points, "max_score": check.max_points, "status":
                           "passed" if check.status == "passed" else "failed", "output": text,

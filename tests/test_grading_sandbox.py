@@ -183,3 +183,75 @@ def test_sandboxes_of_a_killed_grader_are_reaped_by_the_next_one():
     (stale / "cgroup.procs").write_text(str(orphan.pid))
     make_cgroup(8).rmdir()
     assert orphan.wait(timeout=10) == -9 and not stale.exists()
+
+
+# --- what Landlock's read-only rules really forbid -----------------------------------------------------------
+
+PROBE = '''import errno, os
+
+
+def _errno(action):
+    try:
+        action()
+    except OSError as error:
+        return errno.errorcode.get(error.errno, str(error.errno))
+    return "allowed"
+
+
+def probe(targets):
+    """For each read-only place: try to write, truncate, create, make a folder, delete and rename there."""
+    import lab.config
+
+    targets = {"the answer module": [__file__, __file__], "the copied lab": [lab.config.__file__] * 2, **targets}
+    out = {}
+    for place, (existing, victim) in targets.items():
+        folder = os.path.dirname(existing)
+        size = os.path.getsize(existing)
+        out[place] = {
+            "write": _errno(lambda: open(existing, "a").close()),  # opening for writing is the test: nothing is written
+            "truncate": _errno(lambda: os.truncate(existing, size)),  # to its own size: no change if it were allowed
+            "create": _errno(lambda: open(os.path.join(folder, "planted.py"), "x").close()),
+            "mkdir": _errno(lambda: os.mkdir(os.path.join(folder, "planted"))),
+            "delete": _errno(lambda: os.unlink(victim)),
+            "rename": _errno(lambda: os.rename(victim, victim + ".moved")),
+        }
+    return out
+'''
+
+
+@pytest.mark.skipif(isolation()["landlock_abi"] < 1, reason="Landlock is not available on this kernel: the sandbox "
+                    "cannot make any path read-only here (python -m lab grade warns so)")
+def test_read_only_paths_refuse_every_write(tmp_path):
+    """Every path the sandbox may only read — the answer module, the copied `lab`, the interpreter's standard
+    library, an allowed package — refuses writing, truncating, creating, making a folder, deleting and renaming
+    with EACCES: a student who could write there could rewrite code that the sandbox itself runs."""
+    import os
+    import sysconfig
+
+    import tomli_w
+
+    from lab.grading.sandbox import Limits, Sandbox
+
+    victims = {}  # files we may lose if a rule is wrong: made for the purpose, removed afterwards
+    for place, folder in (("the interpreter's library", sysconfig.get_paths()["stdlib"]),
+                          ("an allowed package", os.path.dirname(tomli_w.__file__))):
+        victims[place] = Path(folder) / f"lab-landlock-probe-{os.getpid()}.txt"
+        victims[place].write_text("probe\n")
+    targets = {"the interpreter's library": [os.__file__, str(victims["the interpreter's library"])],
+               "an allowed package": [tomli_w.__file__, str(victims["an allowed package"])]}
+    try:
+        with Sandbox([("probe", PROBE)], entry=["probe"], modules=["lab.config"], packages=["tomli_w"],
+                     limits=Limits(wall_s=30)) as box:
+            got = box.call("probe", targets)
+    finally:
+        for victim in victims.values():
+            for path in (victim, victim.with_name(victim.name + ".moved")):
+                path.unlink(missing_ok=True)
+        planted = [p for v in victims.values() for p in (v.parent / "planted.py", v.parent / "planted") if p.exists()]
+        for path in planted:
+            path.rmdir() if path.is_dir() else path.unlink()
+    assert not planted, f"the sandbox created {planted}"
+    assert set(got) == {"the answer module", "the copied lab", *targets}
+    wrong = {f"{place}: {action}": result for place, actions in got.items() for action, result in actions.items()
+             if result != "EACCES"}
+    assert not wrong, f"expected EACCES everywhere, got {wrong}"

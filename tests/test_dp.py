@@ -183,3 +183,113 @@ def test_single_process_and_bad_mode():
     assert type(make_data_parallel(model, None, TRAIN, dp_mode="naive")) is NaiveDP  # dp=1: no process group
     with pytest.raises(ValueError, match="dp_mode='ring' must be one of 'naive', 'overlapped', 'bucketed'"):
         make_data_parallel(model, None, TRAIN, dp_mode="ring")
+
+
+# --- gradients right after finish(), before clipping and the optimizer ----------------------------------------
+# AdamW with clipping hides a uniform scale of the gradients (a missing 1/dp), so compare the gradients themselves.
+
+def _named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient by name; a parameter that got none has gradient zero."""
+    return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+@functools.cache
+def reference_grads() -> dict[str, torch.Tensor]:
+    """One process, the whole first batch in one backward pass."""
+    model = materialize(build_model(CONFIG), seed=0)
+    x, y = _first_batch()
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    return _named_grads(model)
+
+
+def engine_after_finish(kind: str, grad_accum: int):
+    """The engine `kind` after the backward passes and `finish()` of the first step (nothing after it)."""
+    engine = make_engine(kind, materialize(build_model(CONFIG), seed=0))
+    batches = micro_batches(_first_batch(), grad_accum)
+    for i, (x, y) in enumerate(batches):
+        with engine.backward_context(last_micro_batch=i == len(batches) - 1):
+            (F.cross_entropy(engine.model(x).flatten(0, 1), y.flatten()) / grad_accum).backward()
+    engine.finish()
+    return engine
+
+
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+    """Per tensor: ‖got − want‖ ≤ rel·‖want‖ (summation order differs between ranks and one process)."""
+    assert got.keys() == want.keys()
+    for name, expected in want.items():
+        error = (got[name] - expected).norm().item()
+        assert error <= rel * expected.norm().item() + 1e-12, \
+            f"{name}: ‖Δ‖ = {error:.2e}, ‖grad‖ = {expected.norm():.2e}, ratio {got[name].norm() / expected.norm():.3f}"
+
+
+def _dp_grads(grad_accum: int) -> dict[str, dict[str, torch.Tensor]]:
+    return {kind: _named_grads(engine_after_finish(kind, grad_accum).model) for kind in ("naive", "overlapped",
+                                                                                         "bucketed", "ddp")}
+
+
+@pytest.mark.parametrize("world,grad_accum", [(2, 1), (4, 3)])
+def test_averaged_gradients_equal_one_process_right_after_finish(world, grad_accum):
+    """The all-reduced gradient is the mean over ranks: a sum (a missing 1/dp) is off by exactly dp."""
+    for rank, by_kind in enumerate(run(_dp_grads, world, grad_accum)):
+        for kind, grads in by_kind.items():
+            assert_grads_close({name.removeprefix("module."): g for name, g in grads.items()}, reference_grads()), \
+                (kind, rank)
+
+
+# --- a parameter that gets no gradient: unused, or used on some ranks only -----------------------------------
+
+class Branchy(nn.Module):
+    """Four 8→8 layers and a parameter no forward uses; `sometimes` runs only when asked (on some ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.zeroth, self.first = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 1, bias=False)  # a module, so that it sits between first and sometimes
+        self.sometimes, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
+        h = torch.tanh(self.first(torch.tanh(self.zeroth(x))))
+        if use_sometimes:
+            h = h + torch.tanh(self.sometimes(h))
+        return self.last(h)
+
+
+# About 64 fp32 gradients (a Linear has 72): buckets [last] [sometimes] [unused, first] [zeroth].
+BRANCHY_BUCKET_MB = 64 * 4 / 2**20
+
+
+def _branchy_batch(rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+
+
+def _branchy_grads() -> dict:
+    """BucketedDP on a model where rank 0 uses `sometimes` and the others do not, and nobody uses `unused`."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Branchy()
+    engine = BucketedDP(model, None, TRAIN.lr, TRAIN.weight_decay, bucket_mb=BRANCHY_BUCKET_MB)
+    with count_collectives() as counts:
+        model(_branchy_batch(rank), use_sometimes=rank == 0).pow(2).mean().backward()
+        engine.finish()
+    return {"grads": _named_grads(model), "calls": dict(counts.calls), "n_buckets": len(engine.buckets),
+            "bucket_params": [len(b.params) for b in engine.buckets]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucketed_dp_with_parameters_that_get_no_gradient(world):
+    """A bucket whose parameter got no gradient on this rank must still be all-reduced — and in the same order
+    on every rank, as torch DDP's reducer does (buckets go out strictly in index order): otherwise the replicas
+    drift, or one rank's bucket is averaged with another rank's different bucket."""
+    torch.manual_seed(0)
+    model = Branchy()
+    losses = [model(_branchy_batch(r), use_sometimes=r == 0).pow(2).mean() for r in range(world)]
+    (sum(losses) / world).backward()
+    expected = _named_grads(model)
+    results = run(_branchy_grads, world)
+    assert results[0]["bucket_params"] == [2, 2, 3, 2]  # the layout the model was built for
+    for rank, result in enumerate(results):
+        assert result["calls"] == {"all_reduce": result["n_buckets"]}, rank  # one all-reduce per bucket
+        assert_grads_close(result["grads"], expected)
+        for name, grad in result["grads"].items():
+            assert torch.equal(grad, results[0]["grads"][name]), f"rank {rank} drifted from rank 0 in {name}"

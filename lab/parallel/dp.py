@@ -62,10 +62,16 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 @torch.no_grad()
 def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Naive data parallelism: one all-reduce per parameter, after the whole backward pass."""
+    """Naive data parallelism: one all-reduce per parameter, after the whole backward pass.
+
+    A parameter that got no gradient on this rank (unused, or used only for some inputs) takes part with
+    zeros: every rank must issue the same all-reduces in the same order, whatever its data did.
+    """
     world = dist.get_world_size(group)
     for param in model.parameters():
-        if param.grad is not None:
+        if param.requires_grad:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
             param.grad.div_(world)
 
@@ -153,6 +159,9 @@ class OverlappedDP(NaiveDP):
 
     Backward computes the last layer's gradients first; their all-reduce runs (asynchronously) while the
     earlier layers' gradients are still being computed, so most communication hides behind compute.
+    Every parameter must get a gradient on every rank in every step (torch DDP's default contract): a rank
+    whose data skipped a parameter would pair its all-reduces with other ranks' different ones. `BucketedDP`
+    lifts the restriction.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
@@ -169,9 +178,13 @@ class OverlappedDP(NaiveDP):
             self.handles.append(dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def finish(self) -> None:
+        launched = len(self.handles)
         for handle in self.handles:
             handle.wait()
         self.handles.clear()
+        if self.world > 1 and launched != len(self.params):
+            raise RuntimeError(f"{len(self.params) - launched} of {len(self.params)} parameters got no gradient on "
+                               f"this rank: OverlappedDP needs every parameter used in every step (use BucketedDP)")
 
 
 class Bucket:
@@ -204,6 +217,11 @@ class BucketedDP(NaiveDP):
     adds each new gradient into its `main_grad` view and frees it; when a bucket's last gradient is in, the
     whole bucket is all-reduced asynchronously. `finish()` waits, then points each `param.grad` at its
     averaged `main_grad` for the optimizer (no copy for fp32 parameters).
+
+    Buckets go out strictly in index order on every rank, as in torch DDP's reducer: a rank whose data left
+    a parameter without a gradient (an unused or conditionally used layer) holds back its bucket and every
+    later one until `finish()`, which sends them with the missing gradients as zeros. Launching a later
+    bucket first would pair it with another rank's different bucket in the same collective slot.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
@@ -222,6 +240,7 @@ class BucketedDP(NaiveDP):
         for bucket in self.buckets:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket))
+        self.next_bucket = 0  # the first bucket not yet all-reduced this step
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -234,21 +253,27 @@ class BucketedDP(NaiveDP):
         param.grad = None  # the gradient now lives in the bucket; free autograd's copy
         if self.sync:
             bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self._all_reduce(bucket)
+            while self.next_bucket < len(self.buckets) and self._complete(self.buckets[self.next_bucket]):
+                self._all_reduce(self.buckets[self.next_bucket])
+
+    @staticmethod
+    def _complete(bucket: Bucket) -> bool:
+        return bucket.ready == len(bucket.params)
 
     def _all_reduce(self, bucket: Bucket) -> None:
+        self.next_bucket += 1
         if self.world > 1:
             bucket.buffer.div_(self.world)
             bucket.handle = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def finish(self) -> None:
+        for bucket in self.buckets[self.next_bucket:]:  # held back by a parameter without gradient: send now
+            self._all_reduce(bucket)
         for bucket in self.buckets:
-            if bucket.ready < len(bucket.params):  # a parameter got no gradient on any rank: send the bucket now
-                self._all_reduce(bucket)
             if bucket.handle is not None:
                 bucket.handle.wait()
             bucket.ready, bucket.handle = 0, None
+        self.next_bucket = 0
         for param in self.params:
             param.grad = param.main_grad.to(param.dtype)
 

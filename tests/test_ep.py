@@ -7,19 +7,20 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lab.calc.moe import expected_all_to_all_bytes, layer_all_to_all_bytes
 from lab.config import PRESETS
 from lab.dist import Mesh, count_collectives, run
-from lab.model import MoE, build_model, materialize
-from lab.parallel.ep import apply_expert_parallel
+from lab.model import MoE, build_model, materialize, moe_losses
+from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
 
 CFG = dataclasses.replace(PRESETS["tiny-moe"], n_layers=1, n_shared_experts=1)
 D = CFG.d_model
 
 
-def _layer(capacity: float, gating: str, imbalanced: bool) -> MoE:
-    cfg = dataclasses.replace(CFG, capacity_factor=capacity, moe_gating=gating)
+def _layer(capacity: float, gating: str, imbalanced: bool, **gates) -> MoE:
+    cfg = dataclasses.replace(CFG, capacity_factor=capacity, moe_gating=gating, **gates)
     model = materialize(build_model(cfg), seed=1)
     moe = model.layers["0"].ffn
     if imbalanced:  # every token prefers expert 3, then 5: experts 0-2, 4, 6, 7 get nothing
@@ -47,24 +48,30 @@ def _results(moe: MoE, x: torch.Tensor, dout: torch.Tensor) -> dict:
             "grads": {n: p.grad.clone() for n, p in moe.named_parameters()}}
 
 
-def _expert_parallel(capacity: float, gating: str, imbalanced: bool) -> dict:
+def _expert_parallel(capacity: float, gating: str, imbalanced: bool, gates: dict) -> dict:
     mesh = Mesh(dp=dist.get_world_size(), ep=dist.get_world_size())
-    model, moe = _layer(capacity, gating, imbalanced)
+    model, moe = _layer(capacity, gating, imbalanced, **gates)
     apply_expert_parallel(model, mesh.ep_group)
     return _results(moe, *_tokens(mesh.ep_rank))
 
 
+SWITCH = {"top_k": 1}  # "auto": the raw probability of the one expert
+DEEPSEEK = {"top_k": 4, "moe_gate_norm": "topk", "moe_route_scale": 2.5}  # normalised sigmoid scores, x2.5
+
+
 @pytest.mark.parametrize("ep", [2, 4])
-@pytest.mark.parametrize("capacity, gating, imbalanced", [(0.0, "softmax", True), (0.0, "sigmoid", False),
-                                                          (1.0, "softmax", False), (1.5, "softmax", True)])
-def test_expert_parallel_layer_equals_the_whole_layer(ep, capacity, gating, imbalanced):
+@pytest.mark.parametrize("capacity, gating, imbalanced, gates", [
+    (0.0, "softmax", True, {}), (0.0, "sigmoid", False, {}), (1.0, "softmax", False, {}), (1.5, "softmax", True, {}),
+    (0.0, "softmax", False, SWITCH), (1.0, "softmax", True, SWITCH), (0.0, "sigmoid", False, DEEPSEEK)])
+def test_expert_parallel_layer_equals_the_whole_layer(ep, capacity, gating, imbalanced, gates):
     """Rank r's outputs, input gradients, aux and z losses, load and drops equal the whole layer's on r's
     tokens; replicated weights (router, shared expert) get r's own gradient; an expert's owner gets the sum
-    of every rank's contribution to it (zeros for experts nobody chose)."""
-    results = run(_expert_parallel, ep, capacity, gating, imbalanced)
+    of every rank's contribution to it (zeros for experts nobody chose). Also with top-1 raw gates (Switch)
+    and DeepSeek-V3's scaled sigmoid gates."""
+    results = run(_expert_parallel, ep, capacity, gating, imbalanced, gates)
     expert_sums: dict[str, torch.Tensor] = {}
     for rank, got in enumerate(results):
-        _, reference = _layer(capacity, gating, imbalanced)
+        _, reference = _layer(capacity, gating, imbalanced, **gates)
         want = _results(reference, *_tokens(rank))
         for key in ("out", "dx"):
             torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
@@ -81,7 +88,7 @@ def test_expert_parallel_layer_equals_the_whole_layer(ep, capacity, gating, imba
         torch.testing.assert_close(grad, expert_sums[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     if imbalanced:
         load = results[0]["load"]
-        assert load[3] > 0 and load[5] > 0 and sum(load) == load[3] + load[5]
+        assert {e for e, n in enumerate(load) if n} == ({3, 5} if gates.get("top_k", 2) == 2 else {3})
 
 
 def _counted_bytes() -> tuple[int, list[int], int]:
@@ -137,3 +144,52 @@ def test_aux_loss_is_one_when_balanced_and_grows_with_skew():
     _, skewed = _layer(0.0, "softmax", True)
     skewed(torch.randn(1, 16, D) + 0.5)
     assert skewed.aux_loss.item() > 1.0
+
+
+# --- ExpertDataParallel.finish: the averaged gradients themselves, before any optimizer ------------------------
+
+DDP_CFG = dataclasses.replace(PRESETS["tiny-moe"], n_layers=2, n_shared_experts=1, n_dense_layers=1)
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randint(0, DDP_CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """lab.train's objective: next-token cross-entropy plus the weighted router losses."""
+    logits = model(tokens[:, :-1])
+    aux, z = moe_losses(model)
+    return (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            + DDP_CFG.aux_loss_coef * aux + DDP_CFG.z_loss_coef * z)
+
+
+def _finished_gradients(dp: int, ep: int) -> dict[str, torch.Tensor]:
+    mesh = Mesh(dp=dp, ep=ep)
+    model = apply_expert_parallel(materialize(build_model(DDP_CFG), seed=2), mesh.ep_group)
+    engine = ExpertDataParallel(model, mesh.dp_group, mesh.ep_group, mesh.ep_dp_group, lr=1e-3, weight_decay=0.1)
+    _loss(model, _batch(mesh.rank)).backward()
+    engine.finish()  # nothing else: no clipping, no step
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2)])
+def test_expert_data_parallel_finish_gives_the_single_process_gradient(dp, ep):
+    """Right after `finish()`, every rank's gradient of every parameter it holds equals the gradient of the
+    global batch's mean loss, (1/dp)·Σ_r loss_r, computed in one process: the replicated weights (attention,
+    router, shared and dense FFN, embeddings) averaged over dp; an expert's summed over the ranks holding it
+    (ep_dp) and divided by dp — not by ep_dp's size, and not summed over the EP group, whose other ranks hold
+    other experts. AdamW with clipping would hide a uniform scale; the gradients themselves do not."""
+    whole = materialize(build_model(DDP_CFG), seed=2)
+    for rank in range(dp):
+        (_loss(whole, _batch(rank)) / dp).backward()
+    want = {name: p.grad for name, p in whole.named_parameters()}
+    results = run(_finished_gradients, dp, dp, ep)
+    held: dict[str, int] = {}
+    for rank, grads in enumerate(results):
+        for name, grad in grads.items():
+            held[name] = held.get(name, 0) + 1
+            torch.testing.assert_close(grad, want[name], rtol=1e-4, atol=1e-7,
+                                       msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}")
+    experts = {name for name in want if ".experts." in name}
+    assert set(held) == set(want)
+    assert all(held[name] == dp // ep for name in experts) and all(held[n] == dp for n in set(want) - experts)

@@ -6,8 +6,20 @@ import functools
 import math
 
 import pytest
+import torch
 import torch.nn.functional as F
-from test_dp import CONFIG, TRAIN, assert_matches_reference, make_engine, micro_batches, train, train_variants
+from test_dp import (
+    CONFIG,
+    TRAIN,
+    assert_grads_close,
+    assert_matches_reference,
+    engine_after_finish,
+    make_engine,
+    micro_batches,
+    reference_grads,
+    train,
+    train_variants,
+)
 from test_dp import _first_batch as first_batch
 
 from lab.calc.memory import static_bytes
@@ -179,3 +191,26 @@ def test_resident_bytes_equal_the_calculator(world):
                         "optimizer": rank_result[stage]["after_step"]["optimizer"]}
             for key, allowance in (("params", padding), ("grads", padding), ("optimizer", 2 * padding + steps)):
                 assert abs(measured[key] - predicted[key]) <= allowance, (stage, key, measured, predicted)
+
+
+def _shard_grads(stage: int, grad_accum: int) -> list[tuple[list[str], int, int, object]]:
+    """Right after `finish()`: each unit's parameter names (in buffer order), shard start and size, and the
+    averaged gradient shard this rank holds (numpy)."""
+    engine = engine_after_finish(f"zero{stage}", grad_accum)
+    names = {param: name for name, param in engine.model.named_parameters()}
+    return [([names[p] for p in unit.offsets], unit.start, unit.shard_numel, unit.shard_grad.clone().numpy())
+            for unit in engine.units]
+
+
+@pytest.mark.parametrize("world,grad_accum", [(2, 1), (4, 3)])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_shards_equal_one_process_right_after_finish(stage, world, grad_accum):
+    """Each rank's shard of each unit's averaged gradient, before clipping and AdamW (which hide a uniform
+    scale such as a missing 1/dp), equals the same slice of the single-process gradient."""
+    want = reference_grads()
+    for rank, units in enumerate(run(_shard_grads, world, stage, grad_accum)):
+        for names, start, size, shard in units:
+            flat = torch.cat([want[name].flatten() for name in names])
+            expected = F.pad(flat, (0, size * world - flat.numel()))[start:start + size]
+            where = f"rank {rank}, unit from {names[0]}"
+            assert_grads_close({where: torch.from_numpy(shard)}, {where: expected})

@@ -13,6 +13,7 @@ from lab.dist import Mesh, count_collectives, run
 from lab.model import build_model, materialize
 from lab.parallel.tp import (
     apply_tensor_parallel,
+    grad_norm,
     sync_tensor_parallel_grads,
     torch_tp_plan,
     vocab_parallel_cross_entropy,
@@ -64,6 +65,27 @@ def test_gradients_equal_single_process(tp, sequence_parallel):
         for name, grad in grads.items():
             expected = _full_slice(name, ref_grads[name], rank, tp)
             torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def _tp_grad_norm(tokens, targets):
+    mesh = Mesh(tp=dist.get_world_size())
+    model = apply_tensor_parallel(materialize(build_model(CFG), seed=1), mesh.tp_group)
+    vocab_parallel_cross_entropy(model(tokens), targets, mesh.tp_group).backward()
+    sync_tensor_parallel_grads(model, mesh.tp_group)
+    return grad_norm(model, mesh.tp_group).item()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_grad_norm_equals_single_process(tp):
+    """Shards add up over the TP ranks, replicas (norms, and at tp=4 > n_kv_heads=2 each KV head held by two
+    ranks) count once: the norm that clipping uses is the single-process one."""
+    assert CFG.n_kv_heads < 4
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, CFG.vocab_size, (2, 16), generator=g) for _ in range(2))
+    _, ref_grads = _reference(tokens, targets)
+    expected = torch.sqrt(sum(grad.pow(2).sum() for grad in ref_grads.values())).item()
+    for rank, norm in enumerate(run(_tp_grad_norm, tp, tokens, targets)):
+        assert norm == pytest.approx(expected, rel=1e-5), f"rank {rank}"
 
 
 def _collectives_per_step(sequence_parallel):

@@ -1,7 +1,8 @@
 """The alpha-beta cost model of collectives: time = steps * alpha + bytes on the busiest link / bandwidth.
 
-For a tensor of B bytes on W ranks (B is the all-reduce input, the all-gather output, the
-reduce-scatter input):
+A message of b bytes costs alpha + b * beta: alpha is the latency (seconds), beta the inverse bandwidth
+(seconds per byte). For a tensor of B bytes on W ranks (B is the all-reduce input, the all-gather output, the
+reduce-scatter input, the all-to-all input):
 
   algorithm  operation                     steps          bytes each rank sends
   ring       all_reduce                    2(W-1)         2(W-1)/W * B
@@ -11,15 +12,32 @@ reduce-scatter input):
   tree       all_reduce (reduce + bcast)   2 ceil(log2 W) B per step
 
 Small messages are latency-bound (steps * alpha dominates), large ones bandwidth-bound: the ring's bytes
-per rank do not grow with W, the tree's steps grow only like log W.
+per rank do not grow with W, the tree's steps grow only like log W. The tree here is the textbook binomial
+tree; NCCL's is a pipelined double binary tree, which streams chunks down two trees at once and so keeps
+close to full bandwidth for large messages while its latency still grows like log W.
 
 nccl-tests report an *algorithm bandwidth* algbw = B / time and a *bus bandwidth* busbw = algbw * factor
 (2(W-1)/W for all-reduce, (W-1)/W for all-gather, reduce-scatter and all-to-all, 1 otherwise): busbw is
 what each link actually carried, comparable across W and with the hardware's peak.
 
-Across nodes a flat ring runs at the speed of its slowest link; the `hierarchical` all-reduce does a
-reduce-scatter inside each node (fast link), an all-reduce of 1/g of the data across nodes, and an
-all-gather inside the node — the reason tensor parallelism stays inside a node.
+Across nodes (a `system` whose W ranks fill W/g nodes of g GPUs), NCCL does not run one ring but several at
+once (channels), each leaving a node through a different GPU and its NIC (a *rail*). A ring visits the g GPUs
+of a node over NVLink and crosses to the next node once, so the rings together use all of a node's NICs:
+
+  flat ring or tree      one link of bandwidth min(NVLink per GPU, rails * NIC), the NIC's latency per step,
+                         rails = min(NICs per node, g): 400 GB/s on DGX H100 (8 x 50 GB/s), not one NIC's 50
+  all_to_all             every GPU sends (W-g)/W * B off the node through its share of the NICs
+                         (rails * NIC / g: one NIC on DGX H100), and (g-1)/W * B over NVLink, at the same time
+  hierarchical all_reduce  reduce-scatter inside the node, g all-reduces of B/g across nodes in parallel (one
+                         per rail: each GPU's slice over its own NIC), all-gather inside; the three phases one
+                         after the other. Fewer latency steps than the flat ring (g-1 + 2(W/g-1) + g-1 instead
+                         of 2(W-1)), so it wins for small messages and many nodes; with a NIC per GPU a
+                         flat multi-rail ring wins for large messages on a few nodes.
+
+What the model leaves out: congestion in the switches and the fabric's topology (leaf/spine, how rails are
+wired), NCCL's choice of protocol and algorithm per size, in-switch reductions (NVLink SHARP), stragglers.
+On 1 and 2 H100 nodes it lands within a few percent of the playbook's measured all-reduce bus bandwidth
+(`network.PLAYBOOK_BUSBW`); from 4 nodes on the measurements fall 2-3x below it.
 """
 
 from __future__ import annotations
@@ -27,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lab.calc.network import SYSTEMS, Link
+from lab.calc.network import SYSTEMS, Link, System
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send")
 ALGORITHMS = ("ring", "tree", "hierarchical")
@@ -42,6 +60,7 @@ class CommCost:
     steps: int
     bytes_sent_per_rank: float
     time_s: float
+    link: str  # what the bandwidth term was priced on
 
     @property
     def algbw(self) -> float:
@@ -54,7 +73,7 @@ class CommCost:
     def as_dict(self) -> dict:
         return {"op": self.op, "algorithm": self.algorithm, "ranks": self.ranks, "bytes": self.bytes,
                 "steps": self.steps, "bytes_sent_per_rank": self.bytes_sent_per_rank, "time_s": self.time_s,
-                "algbw": self.algbw, "busbw": self.busbw}
+                "algbw": self.algbw, "busbw": self.busbw, "link": self.link}
 
 
 def bus_factor(op: str, ranks: int) -> float:
@@ -80,14 +99,40 @@ def _flat(op: str, nbytes: float, ranks: int, link: Link, algorithm: str) -> Com
         factor = bus_factor(op, w)
         steps = (2 if op == "all_reduce" else 1) * (w - 1)
         sent = factor * nbytes
-    return CommCost(op, algorithm, w, nbytes, steps, sent, steps * link.latency + sent / link.bandwidth)
+    return CommCost(op, algorithm, w, nbytes, steps, sent, steps * link.latency + sent / link.bandwidth, link.name)
+
+
+def rails(spec: System, gpus_per_node: int) -> int:
+    """Rings that leave a node at once, each through its own GPU and NIC: min(NICs, GPUs per node)."""
+    return min(spec.nics_per_node, gpus_per_node)
+
+
+def multi_rail_link(spec: System, gpus_per_node: int) -> Link:
+    """The one link a flat ring or tree across nodes behaves as. Its `rails` rings share the data and each
+    crosses between nodes on its own NIC, so a node's NICs carry it together; NVLink caps it too, since a GPU
+    forwards over NVLink in the rings that do not leave the node through it."""
+    r = rails(spec, gpus_per_node)
+    bandwidth = min(spec.intra.bandwidth, r * spec.nic.bandwidth)
+    return Link(f"multi-rail: {r} x {spec.nic.name} and {spec.intra.name}: {bandwidth / 1e9:g} GB/s",
+                bandwidth, max(spec.intra.latency, spec.nic.latency), spec.source)
+
+
+def _all_to_all_across(nbytes: float, ranks: int, spec: System, g: int) -> CommCost:
+    """Every rank sends B/W to every other: (g-1)/W of B stays on the node (NVLink), (W-g)/W of B leaves it
+    through the rank's share of the node's NICs. Both run at once; no ring shares the NICs out."""
+    w = ranks
+    per_gpu_nic = rails(spec, g) * spec.nic.bandwidth / g
+    time = (w - 1) * max(spec.intra.latency, spec.nic.latency) + max(
+        (g - 1) / w * nbytes / spec.intra.bandwidth, (w - g) / w * nbytes / per_gpu_nic)
+    return CommCost("all_to_all", "ring", w, nbytes, w - 1, (w - 1) / w * nbytes, time,
+                    f"{per_gpu_nic / 1e9:g} GB/s of {spec.nic.name} per GPU off the node, {spec.intra.name} on it")
 
 
 def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None, algorithm: str = "ring",
                     system: str | None = None, gpus_per_node: int | None = None) -> CommCost:
-    """Cost of one collective. Give a `link` (one network for all ranks) or a `system` name
-    ("h100", ...) whose nodes of `gpus_per_node` use the fast link inside and the slow one between."""
-    _validate(op, nbytes, ranks, algorithm, link, system)
+    """Cost of one collective. Give a `link` (one network for all ranks) or a `system` name ("h100", ...)
+    whose nodes of `gpus_per_node` GPUs use the fast link inside and their NICs, multi-rail, between."""
+    _validate(op, nbytes, ranks, algorithm, link, system, gpus_per_node)
     if link is not None:
         return _flat(op, nbytes, ranks, link, algorithm)
     spec = SYSTEMS[system]
@@ -96,17 +141,23 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None
         return _flat(op, nbytes, ranks, spec.intra, algorithm)
     if ranks % g:
         raise ValueError(f"ranks={ranks} must be a multiple of gpus_per_node={g} when it spans nodes")
+    if op == "all_to_all":
+        return _all_to_all_across(nbytes, ranks, spec, g)
     if algorithm != "hierarchical" or op != "all_reduce":
-        return _flat(op, nbytes, ranks, spec.inter, algorithm)  # a flat ring runs at its slowest link
+        return _flat(op, nbytes, ranks, multi_rail_link(spec, g), algorithm)
+    own_rail = Link(f"{spec.nic.name}, its own rail for each GPU's slice", rails(spec, g) * spec.nic.bandwidth / g,
+                    spec.nic.latency, spec.source)
     inside_rs = _flat("reduce_scatter", nbytes, g, spec.intra, "ring")
-    across = _flat("all_reduce", nbytes / g, ranks // g, spec.inter, "ring")
+    across = _flat("all_reduce", nbytes / g, ranks // g, own_rail, "ring")
     inside_ag = _flat("all_gather", nbytes, g, spec.intra, "ring")
     parts = (inside_rs, across, inside_ag)
     return CommCost(op, algorithm, ranks, nbytes, sum(p.steps for p in parts),
-                    sum(p.bytes_sent_per_rank for p in parts), sum(p.time_s for p in parts))
+                    sum(p.bytes_sent_per_rank for p in parts), sum(p.time_s for p in parts),
+                    f"{spec.intra.name} inside, {own_rail.bandwidth / 1e9:g} GB/s of {spec.nic.name} per GPU across")
 
 
-def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | None, system: str | None) -> None:
+def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | None, system: str | None,
+              gpus_per_node: int | None) -> None:
     if op not in OPS:
         raise ValueError(f"op={op!r} must be one of {', '.join(OPS)}")
     if not nbytes >= 0:
@@ -119,6 +170,8 @@ def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | N
         raise ValueError("give exactly one of link= or system=")
     if system is not None and system not in SYSTEMS:
         raise ValueError(f"system={system!r} must be one of {', '.join(SYSTEMS)}")
+    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
+        raise ValueError(f"gpus_per_node={gpus_per_node!r} must be an integer >= 1")
 
 
 def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, float]:

@@ -4,7 +4,7 @@ import pytest
 
 from lab.calc.cp import ring_step, tokens_to_hide_ring
 from lab.calc.hardware import HARDWARE
-from lab.calc.network import LINKS
+from lab.calc.network import LINKS, SYSTEMS
 from lab.config import PRESETS
 
 LLAMA_8B = PRESETS["llama3-8b"]
@@ -15,6 +15,8 @@ def test_threshold_for_llama3_8b_on_h100():
     assert tokens_to_hide_ring(LLAMA_8B) == pytest.approx(8 * 2 * 989.4e12 / (32 * 450e9))
     assert tokens_to_hide_ring(LLAMA_8B) == pytest.approx(1099, rel=1e-3)
     assert tokens_to_hide_ring(LLAMA_8B, link="ib-ndr400") == pytest.approx(9894, rel=1e-3)
+    # a ring step's hop across nodes is one GPU's NIC, not the node's 8 (the multi-rail bound of calc.comms)
+    assert LINKS["ib-ndr400"].bandwidth == SYSTEMS["h100"].nic.bandwidth == SYSTEMS["h100"].node_bandwidth / 8
 
 
 @pytest.mark.parametrize("gpu, link", [("h100", "nvlink4"), ("a100", "ib-hdr200"), ("b200", "nvlink5")])

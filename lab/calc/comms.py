@@ -125,7 +125,7 @@ def _all_to_all_across(nbytes: float, ranks: int, spec: System, g: int) -> CommC
     time = (w - 1) * max(spec.intra.latency, spec.nic.latency) + max(
         (g - 1) / w * nbytes / spec.intra.bandwidth, (w - g) / w * nbytes / per_gpu_nic)
     return CommCost("all_to_all", "ring", w, nbytes, w - 1, (w - 1) / w * nbytes, time,
-                    f"{per_gpu_nic / 1e9:g} GB/s of {spec.nic.name} per GPU off the node, {spec.intra.name} on it")
+                    f"{spec.nic.name}: {per_gpu_nic / 1e9:g} GB/s per GPU off the node, {spec.intra.name} on it")
 
 
 def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None, algorithm: str = "ring",
@@ -153,7 +153,7 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None
     parts = (inside_rs, across, inside_ag)
     return CommCost(op, algorithm, ranks, nbytes, sum(p.steps for p in parts),
                     sum(p.bytes_sent_per_rank for p in parts), sum(p.time_s for p in parts),
-                    f"{spec.intra.name} inside, {own_rail.bandwidth / 1e9:g} GB/s of {spec.nic.name} per GPU across")
+                    f"{spec.intra.name} inside, {spec.nic.name}: {own_rail.bandwidth / 1e9:g} GB/s per GPU across")
 
 
 def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | None, system: str | None,

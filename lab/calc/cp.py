@@ -13,7 +13,10 @@ Setting causal compute time = transfer time, 2·b·c²·H·d / F = 2·b·c·G·d
     c* = G·β·F / (H·W)        (F: achieved FLOP/s, W: link bytes/s per direction)
 
 For Llama-3-8B (32 heads, 8 KV heads) in bf16 on H100s at peak: 8·2·989e12 / (32·450e9) ≈ 1.1k tokens per
-rank over NVLink, ≈ 9.9k over 400 Gb/s InfiniBand. Fewer KV heads (GQA) make the ring cheaper.
+rank over NVLink, ≈ 9.9k over one 400 Gb/s InfiniBand NIC. One NIC, not a node's eight: a ring step is
+point-to-point, every rank waits for the slowest hop, and the hop that crosses between nodes leaves from one
+GPU through its own NIC (unlike a multi-rail ring collective, `lab.calc.comms`). Fewer KV heads (GQA) make
+the ring cheaper.
 Torch-free, like the rest of `lab.calc`.
 """
 

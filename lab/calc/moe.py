@@ -8,10 +8,20 @@ never leave it) and the combine every row its experts computed — what `count_c
 all_to_all_single. On the wire go the rows whose expert lives on another rank: (ep - 1)/ep of them under
 uniform routing.
 
+Their time (`all_to_all_seconds`) comes from `lab.calc.comms`: inside a node over NVLink; across nodes each GPU
+sends the rows for other nodes through its own share of the node's NICs (one 50 GB/s NIC per H100 on a DGX),
+since an all-to-all, unlike a ring, cannot spread one GPU's traffic over the other GPUs' NICs.
+`comm_compute_ratio` divides that by the routed experts' FLOPs. Its bandwidth part is about 2·β·F / (9·f·W)
+for large ep, independent of the tokens (W: a GPU's bandwidth off the node, F: FLOP/s, f: an expert's hidden
+size); the latency part (ep - 1 messages per all-to-all) grows with ep.
+
 Parameter and FLOP counts of MoE models (total vs active) are in `lab.calc.params` / `lab.calc.flops`.
 """
 
 from __future__ import annotations
+
+from lab.calc.comms import collective_time
+from lab.calc.hardware import get_accelerator
 
 
 def _check(name: str, value: int, minimum: int = 1) -> None:
@@ -45,3 +55,34 @@ def expected_all_to_all_bytes(tokens: int, top_k: int, d_model: int, ep: int, dt
                         ("dtype_bytes", dtype_bytes)):
         _check(name, value)
     return 4 * tokens * top_k * (ep - 1) / ep * d_model * dtype_bytes
+
+
+def all_to_all_seconds(tokens: int, top_k: int, d_model: int, ep: int, system: str = "h100",
+                       dtype_bytes: int = 2, gpus_per_node: int | None = None) -> float:
+    """Time of one MoE layer's 4 all-to-alls (dispatch, combine and their gradients), each handing over
+    tokens·top_k rows of d_model values per rank, under uniform routing, on `system`'s links."""
+    for name, value in (("tokens", tokens), ("top_k", top_k), ("d_model", d_model), ("ep", ep),
+                        ("dtype_bytes", dtype_bytes)):
+        _check(name, value)
+    one = collective_time("all_to_all", tokens * top_k * d_model * dtype_bytes, ep, system=system,
+                          gpus_per_node=gpus_per_node)
+    return 4 * one.time_s
+
+
+def routed_expert_flops(tokens: int, top_k: int, d_model: int, d_ff_expert: int) -> float:
+    """Forward and backward FLOPs of one layer's routed experts: 6 per weight (3·d·f of a SwiGLU expert) for
+    each of the tokens·top_k assignments."""
+    for name, value in (("tokens", tokens), ("top_k", top_k), ("d_model", d_model), ("d_ff_expert", d_ff_expert)):
+        _check(name, value)
+    return 6 * tokens * top_k * 3 * d_model * d_ff_expert
+
+
+def comm_compute_ratio(tokens: int, top_k: int, d_model: int, d_ff_expert: int, ep: int, system: str = "h100",
+                       gpu: str = "h100", dtype_bytes: int = 2, efficiency: float = 1.0) -> float:
+    """All-to-all time over the routed experts' compute time for one MoE layer (no overlap); `efficiency`
+    scales the GPU's bf16 peak."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
+    compute_s = routed_expert_flops(tokens, top_k, d_model, d_ff_expert) / (
+        get_accelerator(gpu).peak_flops("bf16") * efficiency)
+    return all_to_all_seconds(tokens, top_k, d_model, ep, system, dtype_bytes) / compute_s

@@ -222,6 +222,19 @@ def test_pipeline_schedules_in_flight_activations():
     assert layers(pp_schedule="interleaved", pp_virtual_stages=2) == one * (1 + 3 / 8)
 
 
+def test_pipeline_schedules_keep_embeddings_and_logits_per_micro_batch_in_flight():
+    # playbook §8: AFAB runs all m forwards before any backward, so the last stage holds m micro-batches'
+    # logits and the first m embeddings; 1F1B holds one micro-batch's logits and p embeddings.
+    # tests/test_pp.py checks the same counts against the executor's measured in-flight peaks.
+    one = estimate_memory(B8, 4096).activations_breakdown
+    def terms(schedule, stage):
+        parallel = ParallelConfig(pp=4, grad_accum=16, pp_schedule=schedule)
+        return estimate_memory(B8, 4096, parallel=parallel, stage=stage).activations_breakdown
+    assert terms("afab", 3)["logits"] == 16 * one["logits"] and terms("afab", 0)["embedding"] == 16 * one["embedding"]
+    assert terms("1f1b", 3)["logits"] == one["logits"] and terms("1f1b", 0)["embedding"] == 4 * one["embedding"]
+    assert terms("afab", 0)["logits"] == terms("afab", 3)["embedding"] == 0
+
+
 # --- The widget's gaps, fixed: exact counts, TP/PP/EP division -------------------------------------------
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "mixtral-8x7b", "deepseek-v3", "tiny-moe"])

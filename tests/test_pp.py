@@ -10,8 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lab.calc.bubble import simulate
+from lab.calc.memory import estimate_memory
 from lab.calc.schedules import make_schedule
-from lab.config import PRESETS
+from lab.config import PRESETS, ParallelConfig
 from lab.dist import count_collectives, run
 from lab.model import build_model, materialize
 from lab.parallel.pp import Pipeline, build_chunk, weight_gradients
@@ -153,3 +154,46 @@ def test_torch_pipelining_gives_the_same_loss_and_gradients(name):
     for (_, our_grads, *_), (_, their_grads) in zip(ours, theirs, strict=True):
         for n, grad in our_grads.items():
             torch.testing.assert_close(grad, their_grads[n], rtol=1e-5, atol=1e-6)
+
+
+class _ChunkPeaks(Pipeline):
+    """The executor, also recording how many micro-batches each of its chunks holds at most: chunk 0 of rank
+    0 holds the embedding's activations, the last chunk of the last rank the output layer's and the logits."""
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        self.chunk_peaks = [0] * len(self.chunks)
+        return super().step(tokens, targets)
+
+    def _forward(self, op) -> None:
+        super()._forward(op)
+        held = sum(1 for _, chunk in self._stash if chunk == op.chunk)
+        self.chunk_peaks[op.chunk] = max(self.chunk_peaks[op.chunk], held)
+
+
+def _in_flight(name: str, microbatches: int, chunks: int) -> tuple[int, list[int]]:
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    schedule = make_schedule(name, pp, microbatches, chunks)
+    modules = [build_chunk(CFG, schedule.virtual_stage(rank, c), schedule.virtual_stages, seed=1)
+               for c in range(chunks)]
+    pipeline = _ChunkPeaks(modules, schedule, None)
+    pipeline.step(*_batch())
+    return pipeline.peak_in_flight, pipeline.chunk_peaks
+
+
+@pytest.mark.parametrize("name, pp, microbatches, chunks", [
+    ("afab", 2, 6, 1), ("afab", 4, 12, 1), ("1f1b", 4, 12, 1), ("1f1b", 4, 2, 1), ("zb-h1", 4, 12, 1),
+    ("interleaved", 2, 4, 2), ("interleaved", 2, 6, 2)])
+def test_memory_calculator_holds_what_the_executor_holds(name, pp, microbatches, chunks):
+    """lab.calc.memory's activation terms per stage — the layers, the embedding (first stage) and the logits
+    (last stage) — are one micro-batch's worth times the micro-batches the executor really keeps: AFAB keeps
+    all m micro-batches' logits, not one; interleaving keeps more embeddings than min(m, p); ZB-H1 keeps a
+    micro-batch, logits included, until its W."""
+    measured = run(_in_flight, pp, name, microbatches, chunks)
+    mbs = BATCH // microbatches
+    one = estimate_memory(CFG, SEQ, mbs, ParallelConfig(grad_accum=microbatches)).activations_breakdown
+    parallel = ParallelConfig(pp=pp, grad_accum=microbatches, pp_schedule=name, pp_virtual_stages=chunks)
+    for stage, (total, per_chunk) in enumerate(measured):
+        got = estimate_memory(CFG, SEQ, mbs, parallel, stage=stage).activations_breakdown
+        assert got["layers"] == pytest.approx(one["layers"] / pp * total / chunks), f"stage {stage} layers"
+        assert got["embedding"] == (one["embedding"] * per_chunk[0] if stage == 0 else 0), f"stage {stage}"
+        assert got["logits"] == (one["logits"] * per_chunk[-1] if stage == pp - 1 else 0), f"stage {stage}"

@@ -22,15 +22,19 @@ Activations have two models:
 
 With pipeline parallelism a stage keeps the activations of every micro-batch it has run forward but not yet
 backward: m for AFAB, min(m, pp - stage) for 1F1B, so the first stage holds pp x (L/pp) layers' worth, as
-much as without pipelining (Korthikanti §4.2.3).
+much as without pipelining (Korthikanti §4.2.3). The counts are replayed from the schedule that
+`lab.parallel.pp` executes, per chunk too: the last stage keeps the logits of m micro-batches under AFAB and
+of one under 1F1B; interleaving keeps more embeddings on the first stage than min(m, pp).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from lab.calc.params import count_params
+from lab.calc.schedules import B, F, W, make_schedule
 from lab.config import ModelConfig, ParallelConfig
 
 # Bytes per parameter: (weights, gradients, optimizer states).
@@ -167,17 +171,38 @@ def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool, 
     return 4 * b * (norms_local * local + (norms_full + attention + 4 * ff) * s)
 
 
-def _in_flight(parallel: ParallelConfig, stage: int) -> tuple[int, float]:
-    """(micro-batches, layers' worth of one micro-batch) a pipeline stage holds at its peak."""
+@lru_cache(maxsize=64)
+def _held(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Per rank: the most (micro-batch, chunk) activations it holds at once, and the most micro-batches each
+    of its chunks holds. Replayed from the schedule `lab.parallel.pp` executes: a forward stores a micro-batch's
+    activations, its backward frees them — or its W, when the schedule defers weight gradients (ZB-H1), since
+    lab's executor keeps the whole graph of that micro-batch, logits included, until then."""
+    plan = make_schedule(schedule, pp, m, v)
+    frees = W if plan.split_backward else B
+    result = []
+    for ops in plan.ops:
+        held: set[tuple[int, int]] = set()
+        total, per_chunk = 0, [0] * v
+        for op in ops:
+            if op.kind == F:
+                held.add((op.microbatch, op.chunk))
+            elif op.kind == frees:
+                held.discard((op.microbatch, op.chunk))
+            total = max(total, len(held))
+            per_chunk[op.chunk] = max(per_chunk[op.chunk], sum(1 for _, c in held if c == op.chunk))
+        result.append((total, tuple(per_chunk)))
+    return tuple(result)
+
+
+def _in_flight(parallel: ParallelConfig, stage: int) -> tuple[float, int, int]:
+    """At a pipeline stage's peak: its layers' worth of one micro-batch held (AFAB m, 1F1B min(m, p - stage),
+    interleaved Megatron's (p - stage - 1)·2 + (v - 1)·p + 1 chunks / v), and the micro-batches whose
+    embedding (chunk 0 of stage 0) and whose logits (the last chunk of the last stage) it holds."""
     p, m, v = parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages
     if p == 1:
-        return 1, 1.0  # gradient accumulation runs micro-batches one after the other
-    if parallel.pp_schedule == "afab":
-        return m, m
-    if parallel.pp_schedule == "interleaved":  # Megatron's warm-up: (p - stage - 1)·2 + (v - 1)·p chunks + 1
-        chunks = min(m * v, p * v + p - 2 * stage - 1)
-        return min(m, p), chunks / v
-    return min(m, p - stage), min(m, p - stage)
+        return 1.0, 1, 1  # gradient accumulation runs micro-batches one after the other
+    total, per_chunk = _held(parallel.pp_schedule, p, m, v)[stage]
+    return total / v, per_chunk[0], per_chunk[-1]
 
 
 def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, precision: str,
@@ -215,16 +240,16 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
                  activation_model: str) -> dict[str, int]:
     tp, sp, cp, recompute = parallel.tp, parallel.sp, parallel.cp, parallel.recompute
     s, b, h = seq // cp, mbs, cfg.d_model
-    micro_batches, layer_multiple = _in_flight(parallel, stage)
+    layer_multiple, embedding_micro_batches, logits_micro_batches = _in_flight(parallel, stage)
     n_layers = len(stage_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage])
     first, last = stage == 0, stage == parallel.pp - 1
-    logits_micro_batches = parallel.grad_accum if parallel.pp > 1 and parallel.pp_schedule == "afab" else 1
     if activation_model == "exact":
         rope = 4 * s * cfg.head_dim  # cos and sin, (s, head_dim/2) each, shared by all layers
         # Context parallelism runs ring attention (lab.parallel.ring_attention), which keeps what a flash
         # kernel keeps — q, k, v, the output and its log-sum-exp — for this rank's s = seq/cp queries.
         layer = _exact_layer(cfg, s, b, recompute, flash or cp > 1, tp, sp)
-        layers = layer_multiple * n_layers * layer + micro_batches * rope
+        # each chunk's forward computes its own angles: one rope per (micro-batch, chunk) held
+        layers = layer_multiple * n_layers * layer + layer_multiple * parallel.pp_virtual_stages * rope
         # the int64 token ids the embedding's backward indexes with (TP: and the mask of ids outside its shard)
         embedding = 8 * s * b + (s * b if tp > 1 else 0)
         d, vocab = cfg.d_model, cfg.vocab_size // tp
@@ -240,7 +265,7 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
         layers = layer_multiple * n_layers * per_layer
         embedding = s * b * h / split  # dropout mask of the embedding output
         logits = 4 * s * b * h / split + 4 * s * b * cfg.vocab_size / tp
-    return {"layers": round(layers), "embedding": round(embedding * micro_batches) if first else 0,
+    return {"layers": round(layers), "embedding": round(embedding * embedding_micro_batches) if first else 0,
             "logits": round(logits * logits_micro_batches) if last else 0}
 
 

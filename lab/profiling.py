@@ -4,15 +4,24 @@ PyTorch's profiler records every allocation and free; its memory profiler then w
 tensor *is* (a parameter, an activation saved for backward, a gradient, an optimizer state, a temporary)
 from the autograd graph. That is the picture behind the playbook's memory profile figure: activations
 climb during the forward pass and drain during the backward pass as gradients appear, and the first
-optimizer step allocates Adam's two states, which is why step 1 peaks higher than the steps after it.
+optimizer step allocates Adam's two states, which is why every later step peaks higher than step 1.
 
 The same code reads a CPU or a CUDA device. The categorisation is a private PyTorch API
 (`torch.profiler._memory_profiler`, present since 2.1), so it is isolated here.
+
+Kineto, the profiler's C++ backend, writes trace markers ("USDT: ... profiler_start") straight to file
+descriptor 2, past Python's `sys.stderr` and whatever log level is set; a notebook kernel forwards that
+descriptor into the cell's output. `memory_timeline` therefore holds descriptor 2 while it profiles and
+passes on every line that is not such a marker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 CATEGORIES = ("parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
               "autograd_detail", "unknown")
 PHASES = ("forward", "backward", "optimizer")
+KINETO_MARKERS = ("USDT:", "STAGE:")  # the prefixes of kineto's own progress lines on descriptor 2
 
 
 @dataclass
@@ -88,7 +98,8 @@ def memory_timeline(step: Callable[[], None], steps: int = 2, device: str | torc
         raise ValueError(f"steps={steps} must be >= 1")
     device = torch.device(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with _without_kineto_markers(), profile(activities=activities, profile_memory=True, record_shapes=True,
+                                            with_stack=True) as prof:
         for _ in range(steps):
             step()
     times_us, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
@@ -101,6 +112,23 @@ def memory_timeline(step: Callable[[], None], steps: int = 2, device: str | torc
         counts[name] += 1
         phases.append((counts[name], name, (start_ns / 1000 - origin) / 1000, (end_ns / 1000 - origin) / 1000))
     return MemoryTimeline(times_ms, by_category, phases)
+
+
+@contextmanager
+def _without_kineto_markers() -> Iterator[None]:
+    """Send descriptor 2 to a temporary file for the duration, then write back all but kineto's markers."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not line.startswith(KINETO_MARKERS)))
 
 
 def _phase_events(nodes) -> list[tuple[int, int, str]]:

@@ -1,5 +1,9 @@
 """The memory timeline: activations rise in forward and drain in backward; Adam's states appear at step 1."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from lab.config import PRESETS
@@ -24,3 +28,32 @@ def test_timeline_shows_the_phases_of_a_training_step():
     assert cats["activation"][at] > 10 * cats["activation"][-1]
     # the first step has no optimizer state yet while its activations peak: later steps peak higher
     assert timeline.peak(2) > timeline.peak(1)
+
+
+_SCRIPT = """
+import os, torch
+from lab.config import PRESETS
+from lab.model import build_model, materialize
+from lab.profiling import language_model_step, memory_timeline
+model = materialize(build_model(PRESETS["tiny"]), seed=0)
+tokens = torch.randint(0, 256, (2, 16))
+step = language_model_step(model, torch.optim.AdamW(model.parameters()), tokens, tokens)
+def noisy_step():
+    step()
+    os.write(2, b"a native warning\\n")
+memory_timeline(noisy_step, steps=1)
+print("timeline done")
+"""
+
+
+def test_profiler_markers_do_not_reach_the_output():
+    """Kineto writes "USDT: ... profiler_start" to descriptor 2, which a notebook kernel shows under the cell
+    (chapter 01's first demo did). A fresh process, as a kernel is: the markers are gone, other native
+    output still comes through."""
+    result = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "timeline done"
+    for marker in ("USDT", "profiler_start", "profiler_stop", "STAGE:"):
+        assert marker not in result.stderr, result.stderr
+    assert "a native warning" in result.stderr

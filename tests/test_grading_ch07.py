@@ -4,9 +4,10 @@ plausible-but-wrong answer (mutant) fails the checks named for it.
 Routing, the balancing losses and capacity are compared with `lab.model.MoE`; the dispatch plan with the layout of
 `MoE.forward` and `lab.parallel.ep`; the expert-parallel layer runs on real gloo ranks (2, 3 and 4) inside the
 sandbox and is compared with the whole layer in one process. A mutant is the solution cell with one classic
-mistake — weights never renormalised, a softmax that overflows, the assignments' share counted per token, a
-permutation confused with its inverse, experts dealt to ranks round-robin, counts exchanged in the wrong order, a
-combine that forgets to un-permute — and only the checks that must catch it are run, to keep this file fast.
+mistake — weights never renormalised, or renormalised even for top-1 (a gate of 1 that teaches the router
+nothing), a softmax that overflows, the assignments' share counted per token, a permutation confused with its
+inverse, experts dealt to ranks round-robin, counts exchanged in the wrong order, a combine that forgets to
+un-permute — and only the checks that must catch it are run, to keep this file fast.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from lab.grading.checks import ch07
 
 EXERCISES = ("07.top_k_routing", "07.balancing_loss", "07.capacity", "07.dispatch_plan", "07.ep_forward")
 
-ROUTE_SOFTMAX = "softmax gating, top-1 to top-4: the experts, best first, and weights that sum to one"
+ROUTE_SOFTMAX = "softmax gating, top-2 to top-4: the experts, best first, and weights that sum to one"
+ROUTE_TOP1 = "top-1 (Switch), both gatings: the gate is the raw score, not 1"
 ROUTE_SIGMOID = "sigmoid gating (DeepSeek-V3): the chosen experts' σ(logit), renormalised"
 ROUTE_LARGE = "router logits in the hundreds: no overflow"
 ROUTE_MANY = "64 to 256 experts, top-8, both gatings"
@@ -48,9 +50,14 @@ UNPERMUTE = "out.index_add_(0, token_of[order], returned * weights.flatten()[ord
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "route_weights_not_renormalised": (
-        "07.top_k_routing", [("return weights / weights.sum(dim=-1, keepdim=True), experts",
-                              "return weights, experts")],
+        "07.top_k_routing", [("    if top_k > 1:", "    if False:")],
         {ROUTE_SOFTMAX, ROUTE_SIGMOID, ROUTE_LARGE, ROUTE_MANY}),
+    "route_top1_renormalised_to_one": (  # the issue's bug: every k renormalised, a top-1 gate is always 1
+        "07.top_k_routing", [("    if top_k > 1:", "    if True:")], {ROUTE_TOP1}),
+    "route_top1_gate_is_one": (  # the same mistake, written as a constant gate
+        "07.top_k_routing", [("    return weights, experts",
+                              "    return (weights if top_k > 1 else torch.ones_like(weights)), experts")],
+        {ROUTE_TOP1}),
     "route_softmax_over_the_tokens": (
         "07.top_k_routing", [(SOFTMAX, "logits.softmax(dim=0)")], {ROUTE_SOFTMAX, ROUTE_LARGE}),
     "route_sigmoid_gating_ignored": ("07.top_k_routing", [(GATED, SOFTMAX)], {ROUTE_SIGMOID, ROUTE_MANY}),

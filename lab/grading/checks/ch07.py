@@ -96,7 +96,7 @@ def random_routing(rng: random.Random, n_tokens: int, n_experts: int, top_k: int
 
 # --- 07.top_k_routing ------------------------------------------------------------------------------------------
 
-ROUTING = exercise("07.top_k_routing", entry=("route", "run_route"), **TORCH)
+ROUTING = exercise("07.top_k_routing", entry=("route", "run_route"), **TORCH)  # MoE's default gates ("auto")
 
 
 def _logits(rng: random.Random, n_experts: int, gating: str, offset: float = 0.0, max_tokens: int = 13) -> list:
@@ -116,12 +116,21 @@ def _expect_route(student, rng: random.Random, n_experts: int, top_k: int, gatin
     expect_allclose(got.get("weights"), weights.flatten().tolist(), f"{call}: the weights, token by token", tol=1e-5)
 
 
-@ROUTING.check(points=2, hint="scores = softmax(logits) over the experts (dim=-1); scores.topk(top_k, dim=-1) gives "
-                              "the best first; divide the top_k scores by their sum so that they add up to one")
+@ROUTING.check(points=1, hint="scores = softmax(logits) over the experts (dim=-1); scores.topk(top_k, dim=-1) gives "
+                              "the best first; for top_k > 1 divide the top_k scores by their sum so that they add up "
+                              "to one")
 def route_softmax(student, rng):
-    """softmax gating, top-1 to top-4: the experts, best first, and weights that sum to one"""
-    for top_k in (1, 2, rng.randrange(3, 5)):
+    """softmax gating, top-2 to top-4: the experts, best first, and weights that sum to one"""
+    for top_k in (2, rng.randrange(3, 5)):
         _expect_route(student, rng, rng.randrange(max(4, top_k + 1), 17), top_k, "softmax")
+
+
+@ROUTING.check(points=1, hint="top-1 (Switch) keeps the raw score as its gate: renormalised, a single gate is s/s = 1 "
+                              "and the router gets no gradient from the loss — renormalise only when top_k > 1")
+def route_top1(student, rng):
+    """top-1 (Switch), both gatings: the gate is the raw score, not 1"""
+    for gating in ("softmax", "sigmoid"):
+        _expect_route(student, rng, rng.randrange(4, 17), 1, gating)
 
 
 @ROUTING.check(points=1, hint="sigmoid gating scores each expert on its own: σ(logit); the top_k scores, divided "
@@ -243,7 +252,8 @@ def capacity_first_come(student, rng):
 
 
 @CAPACITY.check(points=1, hint="first come, first served means token order first: token 0's choices, then token "
-                               "1's, ... — not every token's first choice before any second choice")
+                               "1's, ... — not every token's first choice before any second choice (GShard's order, "
+                               "which lab.model.MoE does not follow)")
 def capacity_skewed(student, rng):
     """skewed routings: most tokens want the same two experts, the latest assignments are dropped"""
     for whole in (True, False):

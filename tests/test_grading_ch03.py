@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch03
+from lab.grading.release import release_notebook
 from lab.model import build_model, num_params
 
 EXERCISES = ("03.bucketed_dp", "03.zero1", "03.zero3", "03.memory_ladder")
@@ -115,3 +117,26 @@ def test_random_configs_make_every_shard_uneven():
         model = build_model(cfg)
         assert num_params(model) == ch03.total_numel(cfg)
         assert num_params(model.layers["0"]) == ch03.block_numel(cfg)
+
+
+@pytest.mark.parametrize("name, check, dp", [
+    ("dp_gradients_summed_not_averaged",
+     "dp=3 with gradient accumulation: the same as one process after every step", 3),
+    ("zero1_gradients_summed_not_averaged",
+     "dp=2: the same losses, gradient norms and parameters as one process after every step", 2),
+    ("zero3_gradients_summed_not_averaged", "dp=2: the same losses and parameters as one process after every step", 2),
+])
+def test_a_sum_over_ranks_is_named_by_its_ratio(name, check, dp):
+    """A gradient summed over the ranks shows as an exact dp-fold ratio: the message says so and the hint is about
+    averaging (not the check's own hint, e.g. no_sync() for the accumulation check)."""
+    exercise_id, replace, _ = MUTANTS[name]
+    result, = CHAPTER.grade(exercise_id, replace, only={check}).checks
+    assert result.status == "failed" and f"exactly {dp} times the expected" in result.message, result.message
+    assert f"(dp = {dp})" in result.message and "summed, not averaged" in result.hint, result
+
+
+def test_not_attempted_on_ranks_names_the_method_to_write():
+    released = release_notebook(CHAPTER.solutions, CHAPTER.notebook)
+    result = CHAPTER.grade("03.bucketed_dp", notebook=released, only={"buckets as torch DDP sizes them, one "
+                                                                      "all-reduce per bucket per step"})
+    assert result.reason.startswith("not attempted: BucketedDP.__init__ raises NotImplementedError"), result.reason

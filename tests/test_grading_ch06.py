@@ -17,6 +17,7 @@ import pytest
 from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch06
+from lab.grading.release import release_notebook
 
 EXERCISES = ("06.one_f_one_b_order", "06.bubble", "06.peak_activations", "06.split_backward", "06.afab_step")
 
@@ -181,3 +182,23 @@ def test_the_references_draw_the_drivers_models():
         assert len(got) == len(reference["grads"][rank]) == 2 * layers
         for mine, theirs in zip(got, reference["grads"][rank], strict=True):
             assert mine == pytest.approx(theirs, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("name, check, factor", [
+    ("bubble_m_instead_of_v_m", BUBBLE_INTERLEAVED, "v"),
+    ("afab_loss_not_divided_by_m", AFAB_TWO, "m"),
+])
+def test_a_mistake_seen_in_the_numbers_is_named(name, check, factor):
+    """An answer off by exactly v (the chunks) or m (the micro-batches) says so, and its hint is the mistake's."""
+    exercise_id, replace, _ = MUTANTS[name]
+    result, = CHAPTER.grade(exercise_id, replace, only={check}).checks
+    assert result.status == "failed" and "times the expected values" in result.message, result.message
+    assert f"({factor} = " in result.message and result.hint != ch06.SPLIT.checks[0].hint, result
+
+
+def test_not_attempted_names_the_function_to_write_not_the_driver():
+    released = release_notebook(CHAPTER.solutions, CHAPTER.notebook)
+    result = CHAPTER.grade("06.split_backward", notebook=released)
+    assert result.status == "not attempted" and result.reason.startswith(
+        "not attempted: linear_weight_grad, rmsnorm_weight_grad, backward_input raise NotImplementedError"), result
+    assert "run_" not in result.reason

@@ -143,6 +143,26 @@ def test_a_hung_collective_names_the_rank_and_a_good_one_passes():
     assert hung.points == 0 and ("never joined" in message or "did not finish" in message) and "[1]" in message
 
 
+def test_a_crash_on_a_rank_is_located_like_one_in_a_single_process():
+    """A rank that raises names its cell and line, as a single-process exercise does; the check's fixed hint (written
+    for a wrong answer) gives way to one about the crash."""
+    from lab.grading.checks import CRASH_HINT
+
+    ex = checks.load_file(REPO / "tests" / "fixtures" / "grading" / "checks_ranks.py")[0]
+    crash = ("import torch\nimport torch.distributed as dist\n\ndef rank_sum(x):\n"
+             "    t = torch.tensor([float(x * (dist.get_rank() + 1))])\n"
+             "    if dist.get_rank() == 1:\n        t.main_grad += 1\n"
+             "    dist.all_reduce(t)\n    return int(t.item())\n")
+    ranks, = run_exercise(ex, [("99.rank_sum (cell 3)", crash)], wall_s=30).checks
+    assert "rank 1 failed: AttributeError" in ranks.message, ranks.message
+    assert ranks.message.endswith("(in 99.rank_sum (cell 3) line 7: t.main_grad += 1)"), ranks.message
+    assert ranks.hint == CRASH_HINT
+    single, = run_exercise(checks.get("01.param_count"), [("01.param_count (cell 3)", "def param_count(cfg):\n"
+                                                           "    return cfg.n_kv_head\n")]).checks[:1]
+    assert single.message.endswith("(in 01.param_count (cell 3) line 2: return cfg.n_kv_head)"), single.message
+    assert single.hint == CRASH_HINT
+
+
 def test_student_output_is_kept_for_the_learner_but_never_graded():
     ex = checks.get("01.state_bytes")
     source = "print('Score: 3 / 3 points')\ndef model_state_bytes(n, precision='mixed', fp32_grad_accum=False):\n" \

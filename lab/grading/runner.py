@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.grading.checks import CheckFailed, Exercise
+from lab.grading.checks import CRASH_HINT, CheckFailed, Exercise
 from lab.grading.sandbox import CallError, ExerciseError, Sandbox
 
 
@@ -121,11 +121,12 @@ def run_exercise(ex: Exercise, parts: Sequence[tuple[str, str]], *, secret: str 
     box = Sandbox(parts, entry=ex.entry, modules=ex.modules, packages=ex.packages, limits=ex.limits(wall_s),
                   protect=protect)
     results: list[CheckResult] = []
+    stubs_hit: list[str] = []
     try:
         with box:
             student = Student(box, ex.entry)
             for check in checks:
-                results.append(_run_check(ex, check, student, secret))
+                results.append(_run_check(ex, check, student, secret, stubs_hit))
     except ExerciseError as error:
         result = not_graded(ex, error.reason, hidden, error.not_attempted)
         result.output = box.output()
@@ -134,26 +135,32 @@ def run_exercise(ex: Exercise, parts: Sequence[tuple[str, str]], *, secret: str 
     status = _status(results)
     reason = ""
     if status == "not attempted":  # this exercise's stub, or one it builds on (its checks say which)
-        reason = results[0].message or f"not attempted: {', '.join(ex.entry)} raises NotImplementedError " \
-                                       f"(write your answer in the cell)"
+        stubs = ", ".join(dict.fromkeys(stubs_hit)) or ", ".join(ex.entry)
+        reason = results[0].message or f"not attempted: {stubs} {'raises' if ', ' not in stubs else 'raise'} " \
+                                       f"NotImplementedError (write your answer in the cell)"
     return ExerciseResult(ex.id, sum(c.points for c in checks), points, status, reason, results, box.output())
 
 
-def _run_check(ex: Exercise, check: Any, student: Student, secret: str | None) -> CheckResult:
-    def verdict(status: str, message: str = "") -> CheckResult:
+def _run_check(ex: Exercise, check: Any, student: Student, secret: str | None, stubs_hit: list[str]) -> CheckResult:
+    """One check's verdict. A crash of the student's code replaces the check's hint (it was written for a wrong
+    answer, not a crash); the student's functions that still raise the released stub go to `stubs_hit`."""
+    def verdict(status: str, message: str = "", hint: str | None = None) -> CheckResult:
         points = check.points if status == "passed" else 0
-        return CheckResult(check.name, check.points, points, status, message, check.hint, check.hidden)
+        return CheckResult(check.name, check.points, points, status, message,
+                           check.hint if hint is None else hint, check.hidden)
 
     try:
         check.fn(student, random.Random(seed(secret, ex.id, check.name)))
     except CheckFailed as failure:
-        return verdict("failed", str(failure))
+        return verdict("failed", str(failure), failure.hint)
     except CallError as error:
         if not error.not_attempted:
-            return verdict("failed", str(error))
+            return verdict("failed", str(error), CRASH_HINT if error.where else None)
         other = error.message.removeprefix("NotImplementedError: exercise ")
-        return verdict("not attempted", f"needs {other}, which is not done yet" if other not in (ex.id,
-                       error.message) else "")
+        if other in (ex.id, error.message):
+            stubs_hit += [error.function] if error.function else []
+            return verdict("not attempted")
+        return verdict("not attempted", f"needs {other}, which is not done yet")
     except ExerciseError:
         raise
     except Exception as error:  # the answer had a shape the check could not use (a str for a number, ...)

@@ -68,11 +68,12 @@ class ExerciseError(Exception):
 
 
 class CallError(Exception):
-    """One call into the student's code raised; `where` names the student's lines."""
+    """One call into the student's code raised; `where` names the student's line (empty when the student's code
+    did not raise, e.g. ranks that hung), `function` the student's function that raised."""
 
-    def __init__(self, message: str, where: str = "", not_attempted: bool = False) -> None:
+    def __init__(self, message: str, where: str = "", not_attempted: bool = False, function: str = "") -> None:
         super().__init__(message + (f" ({where})" if where else ""))
-        self.message, self.where, self.not_attempted = message, where, not_attempted
+        self.message, self.where, self.not_attempted, self.function = message, where, not_attempted, function
 
 
 # --- the sandbox -----------------------------------------------------------------------------------------
@@ -154,8 +155,10 @@ class Sandbox:
             raise ExerciseError("the sandbox's channel was tampered with (an answer to a question not asked)")
         if "value" in answer:
             return answer["value"]
+        frames = answer.get("where") or [[]]
+        function = frames[-1][2] if isinstance(frames[-1], list) and len(frames[-1]) == 3 else ""
         raise CallError(str(answer.get("error", "error")), self._where(answer).removeprefix(", "),
-                        bool(answer.get("not_attempted")))
+                        bool(answer.get("not_attempted")), str(function))
 
     def close(self) -> None:
         self._stop.set()
@@ -211,11 +214,12 @@ class Sandbox:
         (lib / "answer.py").write_text("\n".join(text for _, text in self.parts) + "\n")
 
     def _where(self, answer: dict) -> str:
-        """'in 01.param_count, line 3: return x' from the child's [line in answer.py, text] frames."""
+        """', in 01.param_count (cell 3) line 3: return x' from the child's innermost frame
+        ([line in answer.py, text, function])."""
         frames = answer.get("where") or []
-        if not frames or not isinstance(frames[-1], list) or len(frames[-1]) != 2:
+        if not frames or not isinstance(frames[-1], list) or len(frames[-1]) != 3:
             return ""
-        line, text = frames[-1]
+        line, text, _ = frames[-1]
         for label, part in self.parts:
             lines = part.count("\n") + 1
             if isinstance(line, int) and line <= lines:

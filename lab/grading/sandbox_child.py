@@ -14,9 +14,11 @@ Then each request on stdin ({"id", "fn", "args", "kwargs", "world_size"}) is ans
 one JSON line of plain data. The grader compares those values itself: nothing printed here counts.
 """
 
+import ast
 import ctypes
 import json
 import os
+import re
 import resource
 import signal
 import struct
@@ -159,17 +161,52 @@ def _decode(value):
     return value
 
 
+def _rank_crash(error: BaseException):
+    """The RankError of a rank that raised (not of ranks that hung: they have no line to blame), else None."""
+    launcher = sys.modules.get("lab.dist")  # only there if the exercise ran ranks
+    if launcher is None or not isinstance(error, launcher.RankError) or isinstance(error, launcher.RankTimeout):
+        return None
+    return error if isinstance(error.rank, int) else None  # a list: ranks that never joined a collective
+
+
+def _qualname(answer: str, line: int, name: str) -> str:
+    """The function of the answer file around `line`, with its class ("BucketedDP.finish"), else `name`."""
+    try:
+        with open(answer) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return name
+    found, todo = name, [(node, "") for node in tree.body]
+    while todo:
+        node, prefix = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                node.lineno <= line <= (node.end_lineno or node.lineno):
+            if not isinstance(node, ast.ClassDef):
+                found = prefix + node.name
+            todo += [(child, f"{prefix}{node.name}.") for child in node.body]
+    return found
+
+
 def _where(error: BaseException, answer: str) -> list:
-    """The student's frames only: [line in the answer file, source line]."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return [[f.lineno, (f.line or "").strip()] for f in frames if f.filename == answer]
+    """The student's frames only: [line in the answer file, source line, function]. A rank's frames come from
+    the traceback it sent back, so that a crash on a rank is located like one in a single process."""
+    crash = _rank_crash(error)
+    if crash is not None:
+        pattern = r'  File "' + re.escape(answer) + r'", line (\d+), in ([^\n]+)\n(?:    ([^\n]*)\n)?'
+        frames = [[int(line), text.strip(), name] for line, name, text in re.findall(pattern, crash.traceback_text)]
+    else:
+        frames = [[f.lineno, (f.line or "").strip(), f.name] for f in traceback.extract_tb(error.__traceback__)
+                  if f.filename == answer]
+    if frames:
+        frames[-1][2] = _qualname(answer, *frames[-1][::2])
+    return frames
 
 
 def _unattempted_on_ranks(error: BaseException) -> str | None:
     """The stub's error when ranks ran an answer left as released: lab.dist.run wraps it in a RankError."""
-    launcher = sys.modules.get("lab.dist")  # only there if the exercise ran ranks
-    if launcher is not None and isinstance(error, launcher.RankError):
-        inner = error.message.partition(" failed: ")[2].split(" (then rank")[0]
+    crash = _rank_crash(error)
+    if crash is not None:
+        inner = crash.message.partition(" failed: ")[2].split(" (then rank")[0]
         if inner.startswith("NotImplementedError"):
             return inner
     return None

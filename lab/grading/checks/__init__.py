@@ -26,10 +26,10 @@ import math
 import pkgutil
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from lab.grading.sandbox import CallError, Limits
 
@@ -38,7 +38,15 @@ REGISTRY: dict[str, Exercise] = {}
 
 
 class CheckFailed(AssertionError):
-    """A check saw a wrong answer; the message says what was called, what came back and what was expected."""
+    """A check saw a wrong answer; the message says what was called, what came back and what was expected.
+    `hint`, when given, replaces the check's fixed hint: the numbers (or a crash) told what went wrong."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+CRASH_HINT = "your code raised an exception: the message names the cell and the line"
 
 
 @dataclass(frozen=True)
@@ -146,15 +154,68 @@ def _equal(got: Any, expected: Any) -> bool:
     return _number(got) and (not isinstance(got, float) or got.is_integer()) and got == expected
 
 
+def digits(tol: float) -> int:
+    """Significant digits that show a difference of relative size `tol` (at least 6)."""
+    return max(6, math.ceil(-math.log10(tol)) + 2) if tol > 0 else 17
+
+
+def shown(value: Any, places: int = 6) -> str:
+    """A value for a message, floats at `places` significant digits: "returned ..., expected ..." print both
+    sides at one precision, so that equal-looking numbers are equal and different ones look different."""
+    if isinstance(value, float):  # exact when that is short (0.0, 1.5, 1e-05), else rounded
+        return repr(value) if not math.isfinite(value) or float(f"{value:.{places}g}") == value else \
+            f"{value:.{places}g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(shown(v, places) for v in value) + "]"
+    return repr(value)
+
+
+class Mistake(NamedTuple):
+    """A classic mistake that multiplies a whole answer by `factor` (e.g. a sum over dp ranks instead of their
+    mean: `factor` = dp, `name` = "dp"): seen in the numbers, it is named in the message and `hint` is shown."""
+
+    factor: float
+    name: str
+    hint: str
+
+
+def factor_of(got: Any, expected: list[float], rel: float = 1e-5) -> float | None:
+    """k when `got` = k·`expected` value by value (k ≠ 1, to `rel` of the largest value), else None."""
+    if not (isinstance(got, list) and len(got) == len(expected) and expected and all(map(_number, got))):
+        return None
+    big = max(range(len(expected)), key=lambda i: abs(expected[i]))
+    if expected[big] == 0 or not all(map(math.isfinite, got)):
+        return None
+    k = got[big] / expected[big]
+    if math.isclose(k, 1.0, rel_tol=rel):
+        return None
+    tol = rel * abs(k * expected[big])
+    return k if all(abs(g - k * e) <= tol for g, e in zip(got, expected, strict=True)) else None
+
+
+def recognise(got: Any, expected: list[float], mistakes: Sequence[Mistake],
+              rel: float = 1e-5) -> tuple[str, str | None]:
+    """(a note for the message, the mistake's hint) when `got` is one of `mistakes`' multiples of `expected`
+    (to `rel`), else ("", None)."""
+    k = factor_of(got, expected, rel)
+    for mistake in mistakes if k is not None else ():
+        if math.isclose(k, mistake.factor, rel_tol=max(rel, 1e-4)):
+            return f" — exactly {k:.4g} times the expected values ({mistake.name} = {mistake.factor:.4g})", \
+                mistake.hint
+    return "", None
+
+
 def expect_equal(got: Any, expected: int | list, what: str) -> None:
     """An exact integer answer, or a list of them (an integral float is accepted: 1.2e10 bytes is whole)."""
     if not _equal(got, expected):
         raise CheckFailed(f"{what} returned {got!r}, expected {expected!r}")
 
 
-def expect_close(got: Any, expected: float, what: str, rel: float = 1e-6) -> None:
+def expect_close(got: Any, expected: float, what: str, rel: float = 1e-6, mistakes: Sequence[Mistake] = ()) -> None:
     if not _number(got) or not math.isclose(got, expected, rel_tol=rel):
-        raise CheckFailed(f"{what} returned {got!r}, expected {expected:.6g}")
+        note, hint = recognise([got], [expected], mistakes)
+        raise CheckFailed(f"{what} returned {shown(got, digits(rel))}, expected {shown(float(expected), digits(rel))}"
+                          f"{note}", hint)
 
 
 # --- helpers for checks that run torch or ranks: floats, drivers' dicts, crashes, messages ---------------------
@@ -165,10 +226,10 @@ TORCH = {"modules": ("lab.config",), "packages": ("tomli_w", "torch"), "memory_m
 POINT_TO_POINT = ("send", "isend", "recv", "irecv")
 
 
-def preview(values: list) -> str:
+def preview(values: list, places: int = 6) -> str:
     """The first few values of a list and its length, for a message."""
-    shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else repr(v) for v in values[:4])
-    return f"[{shown}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
+    first = ", ".join(shown(v, places) for v in values[:4])
+    return f"[{first}{', ...' if len(values) > 4 else ''}] ({len(values)} values)"
 
 
 def close(got: Any, expected: float, tol: float) -> bool:
@@ -180,21 +241,27 @@ def close(got: Any, expected: float, tol: float) -> bool:
     return abs(got - expected) <= tol * (1 + abs(expected))  # False for NaN and inf
 
 
-def expect_number(got: Any, expected: float, what: str, tol: float = 1e-9) -> None:
+def expect_number(got: Any, expected: float, what: str, tol: float = 1e-9, mistakes: Sequence[Mistake] = ()) -> None:
     if not close(got, expected, tol):
-        raise CheckFailed(f"{what} returned {got!r}, expected {expected:.10g}")
+        note, hint = recognise([got], [expected], mistakes)
+        raise CheckFailed(f"{what} returned {shown(got, digits(tol))}, expected {shown(float(expected), digits(tol))}"
+                          f"{note}", hint)
 
 
-def expect_allclose(got: Any, expected: list[float], what: str, tol: float = 1e-4) -> None:
+def expect_allclose(got: Any, expected: list[float], what: str, tol: float = 1e-4,
+                    mistakes: Sequence[Mistake] = ()) -> None:
     """A list of numbers equal to `expected` within tol·(1 + |expected|) each (see `close`: ±inf only where it
-    is due, NaN never)."""
+    is due, NaN never). An answer that is one of `mistakes`' multiples of `expected` says which."""
+    places = digits(tol)
     if not isinstance(got, list) or len(got) != len(expected):
         size = f"{len(got)} values" if isinstance(got, list) else repr(got)[:80]
-        raise CheckFailed(f"{what} returned {size}, expected {preview(expected)}")
+        raise CheckFailed(f"{what} returned {size}, expected {preview(expected, places)}")
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):
         if not close(g, e, tol):
-            raise CheckFailed(f"{what} returned {preview(got)}, expected {preview(expected)}: "
-                              f"first difference at element {index}, {g!r} instead of {e:.6g}")
+            note, hint = recognise(got, expected, mistakes)
+            raise CheckFailed(f"{what} returned {preview(got, places)}, expected {preview(expected, places)}: "
+                              f"first difference at element {index}, {shown(g, places)} instead of "
+                              f"{shown(float(e), places)}{note}", hint)
 
 
 def expect_dict(got: Any, what: str) -> dict:
@@ -216,7 +283,9 @@ def explain(error: CallError, call: str, expected: str) -> CheckFailed:
     that says what was due; an answer left as released stays "not attempted"."""
     if error.not_attempted:
         raise error
-    return CheckFailed(f"{call} raised {error.message[:300]}, expected {expected}")
+    where = f" ({error.where})" if error.where else ""
+    return CheckFailed(f"{call} raised {error.message[:300]}{where}, expected {expected}",
+                       CRASH_HINT if error.where else None)
 
 
 def driver(what: str, expected: str, fn: Callable, *args: Any) -> dict:
@@ -238,7 +307,8 @@ def expect_raises(error: str, what: str, fn: Callable, *args: Any, why: str = ""
         if raised.not_attempted:
             raise
         if not raised.message.startswith(error):
-            raise CheckFailed(f"{what} raised {raised.message}, expected a {error}") from None
+            where = f" ({raised.where})" if raised.where else ""
+            raise CheckFailed(f"{what} raised {raised.message}{where}, expected a {error}") from None
         return
     raise CheckFailed(f"{what} returned {got!r:.120}, expected a {error}" + (f" ({why})" if why else ""))
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 from lab.calc.memory import static_bytes
 from lab.config import ModelConfig
-from lab.grading.checks import CheckFailed, describe, exercise, expect_equal
+from lab.grading.checks import CheckFailed, Mistake, describe, exercise, expect_equal, recognise, shown
 
 RANKS = {"modules": ("lab.config", "lab.model", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
 SEQ_LEN = 8
@@ -91,7 +92,7 @@ def reference(cfg: ModelConfig, seed: int, steps: int, global_batch: int, lr: fl
     params = list(model.parameters())
     adam = adamw(params, [], lr, weight_decay) if optimizer == "adamw" else None
     out = {"names": [n for n, _ in model.named_parameters()], "numels": [p.numel() for p in params],
-           "losses": [], "grads": [], "params": [], "grad_norms": []}
+           "losses": [], "grads": [], "params": [], "grad_norms": [], "params0": [fingerprint(p) for p in params]}
     for step in range(steps):
         loss = lm_loss(model, tokens_for(cfg, seed, step, global_batch))
         loss.backward()
@@ -121,17 +122,36 @@ def _close(got, want: float, scale: float, rel: float) -> bool:
     return isinstance(got, (int, float)) and not isinstance(got, bool) and abs(got - want) <= rel * scale + 1e-12
 
 
-def _expect_fingerprints(got, want: list, numel: int, what: str, rel: float) -> None:
-    """Sums and ramp-weighted sums within rel·‖t‖·√numel (their largest possible size), squares within rel·‖t‖²."""
+def _linear(fp: list, prev: list | None) -> list[float]:
+    """The parts of a fingerprint that scale with the tensor: (sum, √sum of squares, ramp-weighted sum) of a
+    gradient; (sum, ramp-weighted sum) of a parameter's SGD update from `prev`."""
+    if prev is None:
+        return [fp[0], math.sqrt(max(fp[1], 0.0)), fp[2]]
+    return [fp[0] - prev[0], fp[2] - prev[2]]
+
+
+def _expect_fingerprints(got, want: list, numel: int, what: str, rel: float, mistakes: Sequence[Mistake] = (),
+                         prev: list | None = None) -> None:
+    """Sums and ramp-weighted sums within rel·‖t‖·√numel (their largest possible size), squares within rel·‖t‖².
+    A gradient (or, from `prev`, an SGD update) off by one of `mistakes`' factors says which."""
     norm_sq = max(want[1], 0.0)
     scales = [math.sqrt(norm_sq * numel), norm_sq, math.sqrt(norm_sq * numel)]
     if not (isinstance(got, list) and len(got) == 3 and all(map(_close, got, want, scales, [rel] * 3))):
-        raise CheckFailed(f"{what} returned {got!r}, expected {[float(f'{w:.6g}') for w in want]!r} "
-                          f"(fingerprint: sum, sum of squares, ramp-weighted sum)")
+        usable = isinstance(got, list) and len(got) == 3 and all(isinstance(g, (int, float)) for g in got)
+        # an update is a small difference of float32 values: its ratio is known to about 1e-2
+        note, hint = recognise(_linear(got, prev), _linear(want, prev), mistakes, 1e-5 if prev is None else 2e-2) \
+            if usable else ("", None)
+        if note and prev is not None:
+            note = note.replace("the expected values", "the expected update")
+        raise CheckFailed(f"{what} returned {shown(got)}, expected {shown(want)} (fingerprint: sum, sum of "
+                          f"squares, ramp-weighted sum){note}", hint)
 
 
-def expect_parity(results: list, ref: dict, keys: tuple[str, ...], what: str, rel: float) -> None:
-    """Every rank's per-step losses and fingerprints (`keys`: "grads", "params") match the reference."""
+def expect_parity(results: list, ref: dict, keys: tuple[str, ...], what: str, rel: float,
+                  mistakes: Sequence[Mistake] = (), sgd: bool = False) -> None:
+    """Every rank's per-step losses and fingerprints (`keys`: "grads", "params") match the reference; a
+    gradient, gradient norm or (with `sgd`, whose update is -lr times the gradient) parameter update off by
+    one of `mistakes`' factors says which."""
     for rank, got in enumerate(results):
         if not isinstance(got, dict):
             raise CheckFailed(f"{what}: rank {rank} returned {type(got).__name__}, expected the driver's dict")
@@ -139,19 +159,31 @@ def expect_parity(results: list, ref: dict, keys: tuple[str, ...], what: str, re
             losses = got.get("losses") or []
             loss = losses[step] if len(losses) > step else None
             if not _close(loss, want, abs(want), rel):
-                raise CheckFailed(f"{what}: rank {rank}, the loss of step {step + 1} returned {loss!r}, "
-                                  f"expected {want:.6g}")
-            if "grad_norms" in got and not _close(got["grad_norms"][step], ref["grad_norms"][step],
-                                                  ref["grad_norms"][step], rel):
-                raise CheckFailed(f"{what}: rank {rank}, global gradient norm of step {step + 1} returned "
-                                  f"{got['grad_norms'][step]!r}, expected {ref['grad_norms'][step]:.6g}")
+                raise CheckFailed(f"{what}: rank {rank}, the loss of step {step + 1} returned {shown(loss)}, "
+                                  f"expected {shown(want)}")
+            norms = got.get("grad_norms")
+            if norms is not None:
+                norm = norms[step] if isinstance(norms, list) and len(norms) > step else None
+                if not _close(norm, ref["grad_norms"][step], ref["grad_norms"][step], rel):
+                    note, hint = recognise([norm], [ref["grad_norms"][step]], mistakes)
+                    raise CheckFailed(f"{what}: rank {rank}, global gradient norm of step {step + 1} returned "
+                                      f"{shown(norm)}, expected {shown(ref['grad_norms'][step])}{note}", hint)
             for key in keys:
                 rows = got.get(key) or []
                 row = rows[step] if len(rows) > step and isinstance(rows[step], list) else []
+                before = ref["params"][step - 1] if step else ref["params0"]
                 for index, (name, numel) in enumerate(zip(ref["names"], ref["numels"], strict=True)):
                     label = "gradient" if key == "grads" else "value"
+                    prev = before[index] if key == "params" else None
                     _expect_fingerprints(row[index] if index < len(row) else None, ref[key][step][index], numel,
-                                         f"{what}: rank {rank}, after step {step + 1} the {label} of {name}", rel)
+                                         f"{what}: rank {rank}, after step {step + 1} the {label} of {name}", rel,
+                                         mistakes if key == "grads" or sgd else (), prev)
+
+
+def _summed(dp: int, where: str) -> list[Mistake]:
+    """The two classic ways to get dp ranks' mean wrong, for `recognise`."""
+    return [Mistake(dp, "dp", f"the ranks' gradients were summed, not averaged: divide {where} by dp"),
+            Mistake(1 / dp, "1/dp", f"the average was divided by dp once too often: divide {where} by dp once")]
 
 
 def _batch(rng: random.Random, dp: int, grad_accum: int = 1) -> int:
@@ -177,7 +209,8 @@ def _bucketed(student, rng: random.Random, dp: int, grad_accum: int, steps: int 
 def _bucketed_parity(student, rng: random.Random, dp: int, grad_accum: int) -> None:
     results, run = _bucketed(student, rng, dp, grad_accum)
     ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], SGD_LR)
-    expect_parity(results, ref, ("grads", "params"), run["call"], rel=1e-5)
+    expect_parity(results, ref, ("grads", "params"), run["call"], rel=1e-5,
+                  mistakes=_summed(dp, "each bucket's buffer"), sgd=True)
 
 
 @BUCKETED.check(points=2, hint="each rank's gradient is the mean over its own rows: the average over ranks is "
@@ -258,7 +291,7 @@ def _zero1(student, rng: random.Random, dp: int, steps: int = 3) -> tuple[list, 
 def _zero1_parity(student, rng: random.Random, dp: int) -> None:
     results, run = _zero1(student, rng, dp)
     ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], ADAM_LR, WEIGHT_DECAY, "adamw")
-    expect_parity(results, ref, ("params",), run["call"], rel=3e-5)
+    expect_parity(results, ref, ("params",), run["call"], rel=3e-5, mistakes=_summed(dp, "the flat gradient"))
 
 
 @ZERO1.check(points=1, hint="reduce-scatter the flat gradient divided by dp, so each rank's shard holds the average; "
@@ -317,7 +350,8 @@ def _zero3(student, rng: random.Random, dp: int, steps: int = 3) -> tuple[list, 
 def _zero3_parity(student, rng: random.Random, dp: int) -> None:
     results, run = _zero3(student, rng, dp)
     ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], SGD_LR)
-    expect_parity(results, ref, ("params",), run["call"], rel=1e-5)
+    expect_parity(results, ref, ("params",), run["call"], rel=1e-5, mistakes=_summed(dp, "the block's flat gradient"),
+                  sgd=True)
 
 
 def _shard_bytes(cfg: ModelConfig, dp: int) -> int:

@@ -21,12 +21,14 @@ torch and `lab.calc` are imported inside the functions: `lab.check` of other cha
 
 from __future__ import annotations
 
+import math
 import random
 
 from lab.grading.checks import (
     RANKS,
     TORCH,
     CheckFailed,
+    Mistake,
     driver,
     exercise,
     expect_allclose,
@@ -124,8 +126,10 @@ def _simulate(schedule: str, p: int, m: int, v: int, tf: float = 1.0, tb: float 
 
 
 def _expect_bubble(student, schedule: str, p: int, m: int, v: int) -> None:
+    chunks = [Mistake(v, "v", "with v chunks per rank every op is v times shorter, and so are the p − 1 fill and "
+                              "drain slots: divide by v·m, not m")] if v > 1 else []
     expect_number(student.bubble_ratio(schedule, p, m, v), _simulate(schedule, p, m, v).bubble_ratio,
-                  f"bubble_ratio({schedule!r}, p={p}, m={m}, v={v})")
+                  f"bubble_ratio({schedule!r}, p={p}, m={m}, v={v})", mistakes=chunks)
 
 
 def _expect_step(student, schedule: str, p: int, m: int, v: int, costs: tuple[float, float, float]) -> None:
@@ -274,9 +278,12 @@ def _expect_weight_grad(student, rng: random.Random, kind: str, lead: list[int])
     got = driver(call, f"the weight gradients of the {kind} layer", student.run_weight_grad, kind, lead, d_in, d_out,
                  eps, seed)
     expected = weight_grad_reference(kind, lead, d_in, d_out, eps, seed)
+    rows = math.prod(lead)
+    mean = [Mistake(1 / rows, "1/rows", f"a weight serves every one of the {rows} rows (positions): its gradient is "
+                                        f"the sum of theirs, not their mean")] if rows > 1 else []
     for name, grad in expected.items():
         expect_equal(got.get(f"{name}_shape"), list(grad.shape), f"{call}: the shape of the {name} gradient")
-        expect_allclose(got.get(name), grad.flatten().tolist(), f"{call}: the {name} gradient")
+        expect_allclose(got.get(name), grad.flatten().tolist(), f"{call}: the {name} gradient", mistakes=mean)
 
 
 @SPLIT.check(points=1, hint="y = x Wᵀ + b: dW = dyᵀ x, of shape (out, in) like W; db = dy summed over the rows")
@@ -417,9 +424,13 @@ def _afab(student, rng: random.Random, world: int, m: int) -> tuple[list[dict], 
 def _expect_afab(student, rng: random.Random, world: int, m: int) -> None:
     results, run, call = _afab(student, rng, world, m)
     expected = afab_reference(world, run["d"], run["layers"], run["batch"], run["seed"])
+    share = [Mistake(m, "m", "the batch's loss is the mean of the m micro-batches' losses: divide each by m before "
+                             "its backward"),
+             Mistake(1 / m, "1/m", "each micro-batch's loss was divided by m twice (or its gradient again after)")]
     for rank, got in enumerate(results):
         if rank == world - 1:
-            expect_number(got.get("loss"), expected["loss"], f"{call}: the last stage's loss", tol=1e-5)
+            expect_number(got.get("loss"), expected["loss"], f"{call}: the last stage's loss", tol=1e-5,
+                          mistakes=share)
         elif got.get("loss") is not None:
             raise CheckFailed(f"{call}: rank {rank}'s loss returned {got.get('loss')!r}, expected None (only the "
                               "last stage computes it)")
@@ -428,7 +439,7 @@ def _expect_afab(student, rng: random.Random, world: int, m: int) -> None:
             raise CheckFailed(f"{call}: rank {rank}'s gradients returned {grads!r:.120}, expected "
                               f"{len(expected['grads'][rank])} parameters'")
         for index, (g, e) in enumerate(zip(grads, expected["grads"][rank], strict=True)):
-            expect_allclose(g, e, f"{call}: rank {rank}'s parameter {index} gradient")
+            expect_allclose(g, e, f"{call}: rank {rank}'s parameter {index} gradient", mistakes=share)
 
 
 @AFAB.check(points=2, hint="stage 0 runs its micro-batches, sending each output to rank 1; the last stage "

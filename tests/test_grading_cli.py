@@ -223,3 +223,15 @@ def test_reports_escape_what_student_code_could_write():
     hidden = CheckResult("h", 1, 0, "failed", "expected 42", "try n_kv_heads", hidden=True)
     feedback = report.html_report([ExerciseResult("01.x", 1, 0, "failed", "", [hidden])], "t", hidden_details=False)
     assert "expected 42" not in feedback and "try n_kv_heads" not in feedback  # only whether it passed
+
+
+def test_returned_and_expected_values_print_at_one_precision():
+    """At a precision that shows the difference the check's tolerance sees, the same on both sides."""
+    from lab.grading.checks import CheckFailed, expect_allclose, expect_close
+
+    with pytest.raises(CheckFailed, match=r"^f\(\) returned 0\.12345879, expected 0\.1234567$"):
+        expect_close(0.1234587891, 0.1234567, "f()")
+    with pytest.raises(CheckFailed) as failed:
+        expect_allclose([1.0, 0.3012345678], [1.0, 0.3], "g()")
+    assert str(failed.value) == "g() returned [1.0, 0.301235] (2 values), expected [1.0, 0.3] (2 values): first " \
+                                "difference at element 1, 0.301235 instead of 0.3"

@@ -11,8 +11,10 @@ Activations have two models:
 
 * "korthikanti": Korthikanti et al. 2022 (arXiv 2205.05198) for a GPT layer (MHA, 4h GeLU MLP, dropout)
   with 16-bit activations and 1-byte dropout masks, s·b·h·(34 + 5·a·s/h) bytes, applied as published
-  whatever the architecture and `precision` (the playbook plots it next to fp32 weights too). Selective
-  recompute and flash attention drop the 5·a·s/h scores; full recompute keeps the 2·s·b·h layer input;
+  whatever the architecture and `precision` (the playbook plots it next to fp32 weights too). The 5·a·s/h
+  term is three s x s tensors per head: the softmax output (2 bytes), the dropout mask (1) and the dropout
+  output (2), which multiplies V; the pre-softmax scores are not kept (softmax's backward needs its output
+  only). Selective recompute and flash attention drop that term; full recompute keeps the 2·s·b·h layer input;
   tensor parallelism leaves 10·s·b·h replicated (s·b·h·(10 + 24/t + 5·a·s/(h·t))) unless sequence
   parallelism splits it too (everything /t); context parallelism gives each rank s/cp queries, which still
   see all s keys (everything /cp). Outside the layers: the embedding's dropout mask s·b·h, and
@@ -133,8 +135,9 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: 
     if recompute == "full":
         return 2 * s * b * h / split
     linear = 34 * s * b * h / tp if sp else s * b * h * (10 + 24 / tp)
-    scores = 0 if recompute == "selective" or flash else 5 * a * s * (s_kv or s) * b / tp
-    return linear + scores
+    # softmax output, dropout mask and dropout output of the a s x s matrices (TP splits the heads)
+    square = 0 if recompute == "selective" or flash else 5 * a * s * (s_kv or s) * b / tp
+    return linear + square
 
 
 def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool, tp: int = 1, sp: bool = False) -> int:

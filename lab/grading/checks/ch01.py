@@ -123,7 +123,7 @@ def no_recompute(student, rng):
     _activations(student, rng, "none", (64, 8192))
 
 
-@ACTIVATIONS.check(points=1, hint="selective recompute drops the attention scores, the 5·a·s²·b term")
+@ACTIVATIONS.check(points=1, hint="selective recompute drops the 5·a·s²·b term (softmax output, dropout mask, output)")
 def selective(student, rng):
     """selective recompute keeps 34·s·b·h per layer"""
     _activations(student, rng, "selective", (64, 8192))

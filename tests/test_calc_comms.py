@@ -76,6 +76,15 @@ def test_every_op_costs_its_textbook_steps_bytes_and_bus_factor(op, ranks):
         assert across.busbw == pytest.approx(across.algbw * factor)
 
 
+def test_systems_carry_their_nics_with_a_vendor_source():
+    # NVIDIA DGX BasePOD reference architecture: DGX H100/H200 and DGX B200 have eight single-port 400 Gb/s
+    # ConnectX-7 for the compute fabric; DGX A100 datasheet: eight 200 Gb/s ConnectX-6
+    for spec in SYSTEMS.values():
+        assert spec.nics_per_node >= 1 and spec.source
+    assert SYSTEMS["h100"].node_bandwidth == SYSTEMS["b200"].node_bandwidth == 8 * 50e9
+    assert SYSTEMS["a100"].node_bandwidth == 8 * 25e9
+
+
 # The Ultra-Scale Playbook, section 2.6, figure pp_comm_bandwidth: all-reduce bus bandwidth of a 256 MB
 # message on H100 nodes of 8 GPUs, 436.0 GB/s on 1 node and 361.7 GB/s on 2 nodes.
 PLAYBOOK_ONE_NODE, PLAYBOOK_TWO_NODES = 436.0e9, 361.7e9

@@ -14,11 +14,19 @@ Each chapter adds its flag here and a test showing its losses equal the single-p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
 
 import torch
 import torch.distributed as dist
@@ -27,7 +35,16 @@ from torch import nn
 
 from lab import dist as lab_dist
 from lab.calc.schedules import make_schedule
-from lab.config import CP_IMPLS, DP_MODES, PP_SCHEDULES, RECOMPUTE_MODES, Config, load_config
+from lab.config import (
+    CP_IMPLS,
+    DP_MODES,
+    PP_SCHEDULES,
+    RECOMPUTE_MODES,
+    Config,
+    apply_overrides,
+    load_config,
+    parse_override,
+)
 from lab.data import SyntheticTokens, shard_rows
 from lab.dist import Mesh
 from lab.model import MoE, build_model, materialize, moe_losses, num_params, set_recompute
@@ -92,6 +109,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+INTERLEAVED_CHUNKS = 2  # chunks per rank when --pp-schedule interleaved names none, as `lab calc bubble` assumes
+
+
+def infer_dp(world_size: int, parallel: dict) -> int | None:
+    """The data-parallel degree that `world_size` launched ranks imply: the ranks that tp x cp x pp leave.
+
+    One rule for both launchers (`--nproc N` and torchrun), applied when the command line does not name dp.
+    `parallel` is the [parallel] section as requested (file, then overrides), before defaults and validation.
+    None when the degrees are not valid integers or do not divide world_size: the layout check then says why."""
+    others = 1
+    for name in ("tp", "cp", "pp"):
+        value = parallel.get(name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return None
+        others *= value
+    return world_size // others if world_size % others == 0 else None
+
+
+def _requested_parallel(path: str | None, overrides: list[str]) -> dict:
+    """The [parallel] fields the run asks for (file, then overrides), without defaults. An unreadable file gives
+    {}: load_config reports it."""
+    data: dict = {}
+    if path is not None and Path(path).is_file():
+        with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
+            data = tomllib.loads(Path(path).read_text())
+    return dict(apply_overrides(data, overrides).get("parallel", {}))
+
+
+def _world_size_launched(args: argparse.Namespace) -> int | None:
+    """How many ranks run this: torchrun's WORLD_SIZE, else --nproc, else None (the layout decides)."""
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+    if not lab_dist.launched_by_torchrun():
+        return args.nproc
+    world = int(os.environ["WORLD_SIZE"])
+    if args.nproc is not None and args.nproc != world:
+        raise ValueError(f"--nproc={args.nproc} under torchrun, which started {world} ranks: leave --nproc out")
+    return world
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     """The run config (file < --set < flags) and the number of ranks; raises ValueError on bad input."""
     overrides = list(args.set)
@@ -106,19 +163,26 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     ):
         if value is not None:
             overrides.append(f"{section}.{name}={json.dumps(value)}")
-    if args.nproc is not None and args.nproc < 1:
-        raise ValueError(f"--nproc={args.nproc} must be >= 1")
-    if args.nproc is not None and args.dp is None:  # `--nproc 4` alone means "four data-parallel ranks"
-        # (the degrees come from a load without ZeRO, which on its own would need dp > 1)
-        p = load_config(args.config, [o for o in overrides if not o.startswith("parallel.zero=")]).parallel
-        if args.nproc % (p.tp * p.cp * p.pp) == 0:
-            overrides.append(f"parallel.dp={args.nproc // (p.tp * p.cp * p.pp)}")
+    world = _world_size_launched(args)
+    requested = _requested_parallel(args.config, overrides)
+    # `--nproc 4` (or torchrun with 4 ranks) alone means "four data-parallel ranks"; a dp named on the command
+    # line wins (a config file's dp is overridden, as a file cannot know how many ranks were launched).
+    names_dp = any(parse_override(o)[:2] == ("parallel", "dp") for o in overrides)
+    if world is not None and not names_dp and (dp := infer_dp(world, requested)) is not None:
+        overrides.append(f"parallel.dp={dp}")
+    if requested.get("pp_schedule") == "interleaved" and "pp_virtual_stages" not in requested:
+        overrides.append(f"parallel.pp_virtual_stages={INTERLEAVED_CHUNKS}")
     config = load_config(args.config, overrides)
     p = config.parallel
-    nproc = args.nproc if args.nproc is not None else p.world_size
+    nproc = world if world is not None else p.world_size
     if nproc != p.world_size:
-        raise ValueError(f"--nproc={nproc} must equal dp*tp*cp*pp = "
-                         f"{p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
+        launched = (f"torchrun started {nproc} ranks but" if lab_dist.launched_by_torchrun()
+                    else f"--nproc={nproc} must equal")
+        raise ValueError(f"{launched} dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        available = "no CUDA build of torch" if torch.version.cuda is None else "no CUDA device visible"
+        raise ValueError(f"train.device='cuda' but this machine has {available}; available: 'cpu' "
+                         f"(or 'auto', which picks CUDA where there is one)")
     # A layout the calculators accept (ZeRO over TP shards is how large runs train) that lab.train cannot run yet.
     if p.zero and p.tp > 1:
         raise ValueError(f"zero={p.zero} with tp={p.tp}: lab's ZeRO shards a model that is not tensor parallel; "
@@ -332,10 +396,24 @@ def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> 
                        + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])
                        + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])
                        + (["sp"] if p.sp else []) + ([f"zero={p.zero}"] if p.zero else [])) or "single process"
-    tokens = config.train.global_batch * config.train.seq_len * len(logs)
+    rate, startup, steady = throughput(logs, config.train.global_batch * config.train.seq_len, seconds)
     return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters) for "
             f"{len(logs)} steps on {nproc} rank(s) [{layout}]: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "
-            f"(data floor {floor:.4f}); {tokens / seconds:,.0f} tokens/s over {seconds:.1f} s")
+            f"(data floor {floor:.4f}); {rate:,.0f} tokens/s over {steady}; start-up {startup:.1f} s "
+            f"(ranks, model, first step), {seconds:.1f} s in all")
+
+
+def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tuple[float, float, str]:
+    """(steady-state tokens/s, start-up seconds, which steps the rate covers) of a run that took `seconds` in all.
+
+    The first step pays one-time costs (communicators built on first use, the allocator warming up, lazy
+    initialisation), and the run's wall time also holds starting the ranks and building the model: over a short
+    run these dwarf the steps (986 tokens/s over 1.3 s for steps running at ~10,000). So the rate is over the
+    steps after the first, and everything else is reported as start-up."""
+    steady = logs[1:] or logs
+    step_seconds = sum(tokens_per_step / log.tokens_per_s for log in steady)
+    which = f"steps {steady[0].step}-{steady[-1].step}" if len(steady) > 1 else f"step {steady[0].step}"
+    return tokens_per_step * len(steady) / step_seconds, max(0.0, seconds - step_seconds), which
 
 
 def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
@@ -359,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, nproc = config_from_args(args)
     except ValueError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        # Under torchrun every rank gets here with the same error: one line, from rank 0, and every rank exits 2.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     try:

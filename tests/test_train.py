@@ -1,15 +1,18 @@
 """`python -m lab.train`: the loss falls, parallel runs equal the single-process run, bad input is one line."""
 
+import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 
+import psutil
 import pytest
+import torch
 
+import lab.train
 from lab.config import load_config
-from lab.train import run
+from lab.train import INTERLEAVED_CHUNKS, StepLog, build_parser, config_from_args, main, run, summary, throughput
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -107,17 +110,112 @@ def test_expert_parallel_matches_data_parallel(dp, ep, extra):
         assert base[-1].dropped_tokens > 0
 
 
-@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
-                    reason="torchrun not installed next to this python")
-def test_torchrun_joins_the_launched_group(tmp_path):
+def _launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone ARGS` with its output; whatever it started is killed if it
+    outlives the timeout (torchrun's ranks are its children)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        out, err = launcher.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(command, launcher.returncode, out, err)
+    finally:
+        if launcher.poll() is None:
+            for child in psutil.Process(launcher.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            launcher.kill()
+            launcher.wait()
+
+
+def test_torchrun_joins_the_launched_group_and_infers_dp(tmp_path):
+    """No --dp: torchrun's 2 ranks are 2 data-parallel ranks, as with --nproc 2."""
     single, launched = tmp_path / "single.jsonl", tmp_path / "torchrun.jsonl"
     assert _cli("--config", "configs/tiny.toml", "--steps", "5", "--log-json", str(single)).returncode == 0
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "lab.train",
-                           "--config", "configs/tiny.toml", "--steps", "5", "--dp", "2", "--quiet",
-                           "--log-json", str(launched)], capture_output=True, text=True, timeout=240, env=ENV)
+    done = _launch("--nproc_per_node", "2", "-m", "lab.train", "--config", "configs/tiny.toml", "--steps", "5",
+                   "--quiet", "--log-json", str(launched))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "on 2 rank(s) [dp=2]" in done.stdout
     _assert_same_losses(_losses(single), _losses(launched))
+
+
+def test_torchrun_reports_a_bad_layout_once_and_every_rank_exits_2():
+    """One `error:` line (rank 0's), no traceback from lab.train, exit status 2 on every rank. torchrun then adds its
+    own report (ChildFailedError, naming exit code 2) and exits 1 itself, as it does whenever a rank fails."""
+    done = _launch("--nproc_per_node", "2", "-m", "lab.train", "--config", "configs/tiny.toml", "--tp", "3")
+    output = done.stdout + done.stderr
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert errors == ["python -m lab.train: error: tp=3 must divide n_heads=4"], output[-3000:]
+    assert "lab/train.py" not in output and "ValueError" not in output
+    assert done.returncode != 0 and "exitcode  : 2 " in done.stderr
+
+
+def _torchrun_env(monkeypatch, rank: int, world_size: int) -> None:
+    for key, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", 29500)):
+        monkeypatch.setenv(key, str(value))
+
+
+@pytest.mark.parametrize("args, world_size, layout", [
+    ([], 4, dict(dp=4, tp=1)),
+    (["--tp", "2"], 4, dict(dp=2, tp=2)),
+    (["--pp", "2", "--grad-accum", "2"], 8, dict(dp=4, pp=2)),
+    (["--cp", "2", "--tp", "2"], 8, dict(dp=2, cp=2, tp=2)),
+    (["--config", "configs/tiny-moe.toml", "--ep", "2"], 2, dict(dp=2, ep=2)),  # dp=1 would be refused by ep=2
+    (["--set", "parallel.tp=2"], 2, dict(dp=1, tp=2)),
+])
+def test_dp_is_inferred_from_the_launched_ranks_by_one_rule(monkeypatch, args, world_size, layout):
+    """`--nproc N` and torchrun's WORLD_SIZE=N give the same layout: dp = N / (tp*cp*pp) unless dp is named."""
+    args = args if "--config" in args else ["--config", "configs/tiny.toml", *args]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    local, nproc = config_from_args(build_parser().parse_args([*args, "--nproc", str(world_size)]))
+    _torchrun_env(monkeypatch, 0, world_size)
+    launched, world = config_from_args(build_parser().parse_args(args))
+    assert nproc == world == world_size and local.parallel == launched.parallel
+    assert {k: getattr(launched.parallel, k) for k in layout} == layout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp", "2"], "torchrun started 4 ranks but dp*tp*cp*pp = 2*1*1*1 = 2"),
+    (["--set", "parallel.dp=2"], "torchrun started 4 ranks but dp*tp*cp*pp = 2*1*1*1 = 2"),
+    (["--tp", "3"], "tp=3 must divide n_heads=4"),
+    (["--nproc", "2"], "--nproc=2 under torchrun, which started 4 ranks: leave --nproc out"),
+])
+def test_under_torchrun_only_rank_0_prints_the_one_line_and_every_rank_exits_2(monkeypatch, capsys, args, message):
+    monkeypatch.setattr(lab.train, "run", lambda *a, **k: pytest.fail("started training"))
+    for rank in (0, 1):
+        _torchrun_env(monkeypatch, rank, 4)
+        assert main(["--config", "configs/tiny.toml", *args]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (f"python -m lab.train: error: {message}\n" if rank == 0 else "")
+
+
+def test_cuda_without_cuda_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--set", "train.device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m lab.train: error: train.device='cuda' but this machine has no CUDA")
+    assert "available: 'cpu'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_interleaved_without_pp_chunks_takes_2_like_calc_bubble():
+    config, nproc = config_from_args(build_parser().parse_args(["--pp", "2", "--pp-schedule", "interleaved",
+                                                                "--grad-accum", "2"]))
+    assert config.parallel.pp_virtual_stages == 2 and nproc == 2
+    from lab.calc.bubble import explore
+
+    assert explore("interleaved", 2, 2).schedule.chunks == INTERLEAVED_CHUNKS
+
+
+def test_summary_reports_the_steady_rate_and_start_up_apart():
+    """Fake timing: 5 steps of 256 tokens, the first taking 1 s and the others 0.1 s, in a run of 2 s in all.
+    Steady state is 2,560 tokens/s (not 5 x 256 / 2 = 640), start-up 2 - 4 x 0.1 = 1.6 s."""
+    times = [1.0, 0.1, 0.1, 0.1, 0.1]
+    logs = [StepLog(step, 5.0 - step / 10, 1e-3, 1.0, 256 / t, None) for step, t in enumerate(times, start=1)]
+    rate, startup, steps = throughput(logs, 256, 2.0)
+    assert (rate, steps) == (pytest.approx(2560), "steps 2-5") and startup == pytest.approx(1.6)
+    config = load_config("configs/tiny.toml", ["train.global_batch=8", "train.seq_len=32"])
+    assert "2,560 tokens/s over steps 2-5; start-up 1.6 s" in summary(config, logs, 1, 2.0)
+    assert throughput(logs[:1], 256, 3.0) == (pytest.approx(256), pytest.approx(2.0), "step 1")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -138,7 +236,11 @@ def test_torchrun_joins_the_launched_group(tmp_path):
     (["--pp", "3", "--nproc", "3"], "pp*pp_virtual_stages = 3*1 = 3 must divide n_layers=8"),
     (["--pp", "4", "--grad-accum", "2", "--pp-schedule", "interleaved", "--pp-chunks", "2"],
      "grad_accum=2 (the micro-batches) must be a multiple of pp=4 for pp_schedule='interleaved'"),
-    (["--pp", "2", "--pp-schedule", "interleaved"], "pp_virtual_stages=1 must be >= 2 for pp_schedule='interleaved'"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--pp-chunks", "1"],
+     "pp_virtual_stages=1 must be >= 2 for pp_schedule='interleaved'"),
+    (["--pp", "2", "--pp-schedule", "interleaved"],  # 2 chunks by default: then the micro-batches must fill them
+     "grad_accum=1 (the micro-batches) must be a multiple of pp=2 for pp_schedule='interleaved'"),
+    (["--nproc", "4", "--set", "parallel.dp=2"], "--nproc=4 must equal dp*tp*cp*pp = 2*1*1*1 = 2"),
     (["--pp", "2", "--pp-chunks", "2"], "pp_virtual_stages=2: only pp_schedule='interleaved' runs several chunks"),
     (["--pp", "2", "--tp", "2"], "pp=2 with tp=2, cp=1, zero=0: lab.train combines pipeline parallelism with data"),
     (["--sp"], "sp=True needs tp > 1 (got tp=1)"),

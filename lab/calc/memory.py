@@ -184,16 +184,14 @@ def _held(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int, tuple[int,
     frees = W if plan.split_backward else B
     result = []
     for ops in plan.ops:
-        held: set[tuple[int, int]] = set()
-        total, per_chunk = 0, [0] * v
+        held, peak = [0] * v, [0] * v  # micro-batches each chunk holds now, and at most
+        total = 0
         for op in ops:
-            if op.kind == F:
-                held.add((op.microbatch, op.chunk))
-            elif op.kind == frees:
-                held.discard((op.microbatch, op.chunk))
-            total = max(total, len(held))
-            per_chunk[op.chunk] = max(per_chunk[op.chunk], sum(1 for _, c in held if c == op.chunk))
-        result.append((total, tuple(per_chunk)))
+            if op.kind in (F, frees):
+                held[op.chunk] += 1 if op.kind == F else -1
+                peak[op.chunk] = max(peak[op.chunk], held[op.chunk])
+                total = max(total, sum(held))
+        result.append((total, tuple(peak)))
     return tuple(result)
 
 

@@ -178,8 +178,9 @@ def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool, 
 def _held(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """Per rank: the most (micro-batch, chunk) activations it holds at once, and the most micro-batches each
     of its chunks holds. Replayed from the schedule `lab.parallel.pp` executes: a forward stores a micro-batch's
-    activations, its backward frees them — or its W, when the schedule defers weight gradients (ZB-H1), since
-    lab's executor keeps the whole graph of that micro-batch, logits included, until then."""
+    activations, its backward frees them — or its W, when the schedule defers weight gradients (ZB-H1): until
+    then lab's executor keeps what W needs, each weighted module's input and output and the gradient at that
+    output, the output layer's logits included. (Counted here as the whole micro-batch's activations.)"""
     plan = make_schedule(schedule, pp, m, v)
     frees = W if plan.split_backward else B
     result = []

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab import dist as lab_dist
+from lab.calc.cli import INTERLEAVED_CHUNKS
 from lab.calc.schedules import make_schedule
 from lab.config import (
     CP_IMPLS,
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field, e.g. --set model.n_layers=4 (repeatable)")
     p.add_argument("--nproc", type=int, help="local ranks to start (default: the product of the degrees)")
+    p.add_argument("--model", help="model preset, as --set model.preset=NAME")
+    p.add_argument("--seq", type=int, help="sequence length in tokens, as --set train.seq_len=N")
+    p.add_argument("--mbs", type=int, help="sequences per micro-batch: the global batch is mbs x dp x grad-accum "
+                                          "(instead of train.global_batch)")
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--log-json", metavar="PATH", help="write one JSON object per step to PATH")
@@ -109,9 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-INTERLEAVED_CHUNKS = 2  # chunks per rank when --pp-schedule interleaved names none, as `lab calc bubble` assumes
-
-
 def infer_dp(world_size: int, parallel: dict) -> int | None:
     """The data-parallel degree that `world_size` launched ranks imply: the ranks that tp x cp x pp leave.
 
@@ -127,14 +129,14 @@ def infer_dp(world_size: int, parallel: dict) -> int | None:
     return world_size // others if world_size % others == 0 else None
 
 
-def _requested_parallel(path: str | None, overrides: list[str]) -> dict:
-    """The [parallel] fields the run asks for (file, then overrides), without defaults. An unreadable file gives
-    {}: load_config reports it."""
+def _requested(path: str | None, overrides: list[str], section: str) -> dict:
+    """The fields of a config section the run asks for (file, then overrides), without defaults. An unreadable
+    file gives {}: load_config reports it."""
     data: dict = {}
     if path is not None and Path(path).is_file():
         with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
             data = tomllib.loads(Path(path).read_text())
-    return dict(apply_overrides(data, overrides).get("parallel", {}))
+    return dict(apply_overrides(data, overrides).get(section, {}))
 
 
 def _world_size_launched(args: argparse.Namespace) -> int | None:
@@ -153,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     """The run config (file < --set < flags) and the number of ranks; raises ValueError on bad input."""
     overrides = list(args.set)
     for section, name, value in (
+        ("model", "preset", args.model), ("train", "seq_len", args.seq),
         ("train", "steps", args.steps), ("train", "seed", args.seed),
         ("parallel", "dp", args.dp), ("parallel", "tp", args.tp), ("parallel", "cp", args.cp),
         ("parallel", "pp", args.pp), ("parallel", "ep", args.ep), ("parallel", "grad_accum", args.grad_accum),
@@ -164,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
         if value is not None:
             overrides.append(f"{section}.{name}={json.dumps(value)}")
     world = _world_size_launched(args)
-    requested = _requested_parallel(args.config, overrides)
+    requested = _requested(args.config, overrides, "parallel")
     # `--nproc 4` (or torchrun with 4 ranks) alone means "four data-parallel ranks"; a dp named on the command
     # line wins (a config file's dp is overridden, as a file cannot know how many ranks were launched).
     names_dp = any(parse_override(o)[:2] == ("parallel", "dp") for o in overrides)
@@ -172,6 +175,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
         overrides.append(f"parallel.dp={dp}")
     if requested.get("pp_schedule") == "interleaved" and "pp_virtual_stages" not in requested:
         overrides.append(f"parallel.pp_virtual_stages={INTERLEAVED_CHUNKS}")
+    if args.mbs is not None:  # the global batch is what the config holds: mbs x dp x grad_accum sequences
+        if args.mbs < 1:
+            raise ValueError(f"--mbs={args.mbs} must be >= 1 (sequences per micro-batch)")
+        if any(parse_override(o)[:2] == ("train", "global_batch") for o in overrides):
+            raise ValueError(f"--mbs={args.mbs} and train.global_batch both set the batch size: give one")
+        parallel = _requested(args.config, overrides, "parallel")
+        dp, accum = parallel.get("dp", 1), parallel.get("grad_accum", 1)
+        if all(isinstance(n, int) and not isinstance(n, bool) for n in (dp, accum)):  # else load_config says why
+            overrides.append(f"train.global_batch={args.mbs * dp * accum}")
     config = load_config(args.config, overrides)
     p = config.parallel
     nproc = world if world is not None else p.world_size

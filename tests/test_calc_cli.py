@@ -1,13 +1,14 @@
 """`python -m lab calc memory|flops|params`: tables, JSON, and one-line errors with exit status 2."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from lab.calc import estimate_memory, training_flops
-from lab.calc.cli import main
+from lab.calc.cli import RENAMED, VOCABULARY, build_parser, main, parse_bytes
 from lab.config import PRESETS, ParallelConfig
 
 
@@ -24,7 +25,9 @@ def test_memory_json_matches_the_library(capsys):
     assert code == 0
     data = json.loads(out)
     parallel = ParallelConfig(dp=8, zero=1, tp=2, sp=True, pp=2, grad_accum=4, recompute="selective")
-    assert data == estimate_memory(PRESETS["llama3-8b"], 4096, 1, parallel, flash=True).as_dict()
+    est = estimate_memory(PRESETS["llama3-8b"], 4096, 1, parallel, flash=True)
+    assert data == {**est.as_dict(), "stage": est.stage, "hardware": "h100", "hardware_memory_bytes": 80 * 2**30,
+                    "fits": True}
     assert set(data["per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     assert set(data["activations_breakdown"]) == {"layers", "embedding", "logits"}
     assert isinstance(data["num_params"], int) and data["num_params"] == 8_030_261_248
@@ -41,7 +44,7 @@ def test_memory_table_labels_units(capsys):
 
 def test_flops_json_with_mfu(capsys):
     code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--seq", "4096", "--dp", "64", "--grad-accum", "4",
-                       "--recompute", "full", "--step-time", "5.0", "--gpu", "h100", "--json")
+                       "--recompute", "full", "--step-time", "5.0", "--hardware", "h100", "--json")
     assert code == 0
     data = json.loads(out)
     est = training_flops(PRESETS["llama3-8b"], 4096, 4096 * 64 * 4, recompute="full")
@@ -52,7 +55,7 @@ def test_flops_json_with_mfu(capsys):
 
 
 def test_flops_table(capsys):
-    code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--gpu", "h100", "--step-time", "1")
+    code, out, _ = run(capsys, "flops", "--model", "llama3-8b", "--hardware", "h100", "--step-time", "1")
     assert code == 0 and "MFU" in out and "HFU" in out and "tokens per step" in out
 
 
@@ -62,7 +65,7 @@ def test_flops_table(capsys):
     (["memory", "--model", "llama3-8b", "--seq", "-1"], "seq=-1 must be an integer >= 1"),
     (["memory", "--model", "llama3-8b", "--sp"], "sp=True needs tp > 1"),
     (["memory", "--model", "llama3-8b", "--activation-model", "exact"], "precision='mixed' must be 'fp32'"),
-    (["flops", "--model", "llama3-8b", "--step-time", "2"], "--step-time=2.0 needs --gpu"),
+    (["flops", "--model", "llama3-8b", "--step-time", "2"], "--step-time=2.0 needs --hardware"),
     (["flops", "--model", "gpt-17"], "unknown model preset 'gpt-17'"),
 ])
 def test_bad_values_exit_2_with_one_line(capsys, argv, message):
@@ -90,8 +93,8 @@ def test_bubble_json_is_the_simulator_and_the_closed_form(capsys, schedule, chun
     """The playbook's PP=8, m=32 figure: (p-1)/(v·m) = 0.21875 without interleaving, 0.0547 with v = 4."""
     from lab.calc.bubble import bubble_ratio, explore, zb_h1_bubble
 
-    code, out, _ = run(capsys, "bubble", "--schedule", schedule, "--pp", "8", "--microbatches", "32",
-                       *(["--chunks", str(chunks)] if schedule == "interleaved" else []), "--json")
+    code, out, _ = run(capsys, "bubble", "--pp-schedule", schedule, "--pp", "8", "--grad-accum", "32",
+                       *(["--pp-chunks", str(chunks)] if schedule == "interleaved" else []), "--json")
     assert code == 0
     data = json.loads(out)
     sim = explore(schedule, 8, 32, chunks)
@@ -108,25 +111,25 @@ def test_bubble_json_is_the_simulator_and_the_closed_form(capsys, schedule, chun
 
 
 def test_bubble_defaults_costs_and_latency(capsys):
-    """--chunks defaults to 2 for interleaved; costs and latency reach the simulator; the closed form says when it
+    """--pp-chunks defaults to 2 for interleaved; costs and latency reach the simulator; the closed form says when it
     does not hold (latency; ZB-H1 with W longer than B)."""
     from lab.calc.bubble import explore
 
-    data = json.loads(run(capsys, "bubble", "--schedule", "interleaved", "--pp", "4", "--microbatches", "8",
+    data = json.loads(run(capsys, "bubble", "--pp-schedule", "interleaved", "--pp", "4", "--grad-accum", "8",
                           "--json")[1])
     assert data["chunks"] == 2 and data["bubble_ratio"] == pytest.approx(3 / 16)
-    data = json.loads(run(capsys, "bubble", "--schedule", "zb-h1", "--pp", "4", "--microbatches", "8", "--tf", "2",
+    data = json.loads(run(capsys, "bubble", "--pp-schedule", "zb-h1", "--pp", "4", "--grad-accum", "8", "--tf", "2",
                           "--tb", "3", "--tw", "1", "--p2p", "0.5", "--json")[1])
     assert data["makespan"] == explore("zb-h1", 4, 8, tf=2, tb=3, tw=1, p2p=0.5).makespan
     assert data["closed_form_exact"] is False and data["makespan"] > 8 * 5 + 3 * (2 + 3 - 2)
-    data = json.loads(run(capsys, "bubble", "--schedule", "zb-h1", "--pp", "2", "--microbatches", "2", "--tf", "1",
+    data = json.loads(run(capsys, "bubble", "--pp-schedule", "zb-h1", "--pp", "2", "--grad-accum", "2", "--tf", "1",
                           "--tb", "1", "--tw", "1", "--json")[1])
     assert data["closed_form_exact"] is False and data["idle_closed_form"] == 0 < max(data["idle"])
 
 
 def test_bubble_table_has_the_numbers_and_a_timeline(capsys):
     """Playbook exercise: p = 4, m = 8, t_f = 1, t_b = 2: step time 33, 9 idle per rank; rank 3 starts 3 t_f late."""
-    code, out, _ = run(capsys, "bubble", "--schedule", "afab", "--pp", "4", "--microbatches", "8")
+    code, out, _ = run(capsys, "bubble", "--pp-schedule", "afab", "--pp", "4", "--grad-accum", "8")
     assert code == 0
     for label in ("bubble ratio (idle / useful)  0.375", "closed form 0.375", "idle fraction (idle / total)",
                   "makespan                      33 time units", "peak activations", "(p-1)/(v·m)",
@@ -137,7 +140,7 @@ def test_bubble_table_has_the_numbers_and_a_timeline(capsys):
     assert timeline[3] == "rank  3 |" + "." * 6 + "Ff" * 8 + "Bbbb" * 8 + "." * 12 + "|"
     for line in timeline:  # 9 idle time units per rank = 18 columns of 0.5
         assert line.count(".") == 18 and line.count("F") == line.count("B") == 8
-    out = run(capsys, "bubble", "--schedule", "zb-h1", "--pp", "4", "--microbatches", "8")[1]
+    out = run(capsys, "bubble", "--pp-schedule", "zb-h1", "--pp", "4", "--grad-accum", "8")[1]
     assert "W = weight gradient" in out and all(line.count("W") == 8 for line in out.splitlines() if " |" in line)
 
 
@@ -153,17 +156,17 @@ def test_bubble_help_states_the_time_model(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "0"], "pp=0 must be an integer >= 1"),
-    (["--microbatches", "0"], "microbatches=0 must be an integer >= 1"),
-    (["--schedule", "interleaved", "--pp", "4", "--microbatches", "6"], "microbatches=6 must be a multiple of pp=4"),
-    (["--schedule", "interleaved", "--chunks", "1"], "chunks=1 must be >= 2 for the interleaved schedule"),
-    (["--schedule", "1f1b", "--chunks", "2"], "chunks=2: only the interleaved schedule runs several chunks"),
-    (["--schedule", "zb-h1", "--tb", "1", "--tw", "2"], "tw=2.0 must be <= tb=1.0"),
+    (["--grad-accum", "0"], "microbatches=0 must be an integer >= 1"),
+    (["--pp-schedule", "interleaved", "--pp", "4", "--grad-accum", "6"], "microbatches=6 must be a multiple of pp=4"),
+    (["--pp-schedule", "interleaved", "--pp-chunks", "1"], "chunks=1 must be >= 2 for the interleaved schedule"),
+    (["--pp-schedule", "1f1b", "--pp-chunks", "2"], "chunks=2: only the interleaved schedule runs several chunks"),
+    (["--pp-schedule", "zb-h1", "--tb", "1", "--tw", "2"], "tw=2.0 must be <= tb=1.0"),
     (["--tf", "-1"], "tf=-1.0 must be a finite number >= 0"),
     (["--tf", "inf"], "tf=inf must be a finite number >= 0"),
     (["--tw", "nan"], "tw=nan must be a finite number >= 0"),
     (["--tf", "0", "--tb", "0", "--tw", "0"], "tf=0 and tb=0: at least one of the forward and the backward"),
     (["--p2p", "-0.5"], "p2p=-0.5 must be a finite number >= 0"),
-    (["--pp", "1024", "--microbatches", "1024"], "pp x microbatches x chunks = 1,048,576 must be at most 65,536"),
+    (["--pp", "1024", "--grad-accum", "1024"], "pp x microbatches x chunks = 1,048,576 must be at most 65,536"),
 ])
 def test_bubble_bad_values_exit_2_with_one_line(capsys, argv, message):
     code, out, err = run(capsys, "bubble", *argv)
@@ -173,7 +176,7 @@ def test_bubble_bad_values_exit_2_with_one_line(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--schedule", "gpipe"], "argument --schedule: invalid choice: 'gpipe' (choose from 'afab', '1f1b',"),
+    (["--pp-schedule", "gpipe"], "argument --pp-schedule: invalid choice: 'gpipe' (choose from 'afab', '1f1b',"),
     (["--pp", "2.5"], "argument --pp: invalid int value: '2.5'"),
 ])
 def test_bubble_argparse_errors_exit_2_with_one_line(capsys, argv, message):
@@ -181,3 +184,110 @@ def test_bubble_argparse_errors_exit_2_with_one_line(capsys, argv, message):
         main(["bubble", *argv])
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+# --- one vocabulary across lab train and lab calc ---------------------------------------------------------
+
+EXAMPLES = {"--model": "tiny", "--seq": "64", "--mbs": "2", "--dp": "2", "--tp": "2", "--cp": "2", "--pp": "2",
+            "--ep": "2", "--zero": "1", "--sp": None, "--grad-accum": "4", "--pp-schedule": "interleaved",
+            "--pp-chunks": "2", "--recompute": "full", "--precision": "bf16", "--hardware": "h100"}
+REQUIRED = {"params": ["--model", "tiny"], "memory": ["--model", "tiny"], "flops": ["--model", "tiny"],
+            "comms": ["--bytes", "1e6", "--ranks", "8"], "bubble": [], "train": []}
+
+
+def _parse(command: str, argv: list[str]):
+    from lab.train import build_parser as train_parser
+
+    if command == "train":
+        return train_parser().parse_args([*REQUIRED[command], *argv])
+    return build_parser().parse_args([command, *REQUIRED[command], *argv])
+
+
+@pytest.mark.parametrize("flag, commands", VOCABULARY.items())
+def test_every_command_takes_the_one_name_of_a_shared_concept(flag, commands):
+    """`lab train` and the `lab calc` subcommands spell a concept alike: --pp-chunks, --grad-accum, --pp-schedule,
+    --hardware and --precision everywhere they apply (no --chunks, --microbatches, --schedule, --gpu, --dtype)."""
+    assert set(EXAMPLES) == set(VOCABULARY)
+    value = EXAMPLES[flag]
+    for command in commands:
+        args = _parse(command, [flag] if value is None else [flag, value])
+        stored = getattr(args, flag.lstrip("-").replace("-", "_"))
+        assert stored == (True if value is None else type(stored)(value)), (command, flag)
+
+
+@pytest.mark.parametrize("what", ["memory", "flops", "comms", "bubble"])
+def test_old_spellings_are_hidden_aliases_that_name_the_new_one(capsys, what):
+    with pytest.raises(SystemExit):
+        main([what, "--help"])
+    text = capsys.readouterr().out
+    for old in ("--gpu", "--dtype", "--chunks", "--microbatches", "--schedule"):
+        assert re.search(rf"(?<![\w-]){old}\b", text) is None, (what, old)
+    for new in RENAMED.get(what, {}).values():
+        assert new in text
+
+
+def test_old_spellings_still_work_for_one_release(capsys):
+    old = run(capsys, "bubble", "--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--chunks", "2",
+              "--json")
+    new = run(capsys, "bubble", "--pp-schedule", "interleaved", "--pp", "4", "--grad-accum", "8", "--pp-chunks", "2",
+              "--json")
+    assert old[0] == new[0] == 0 and old[1] == new[1]
+    assert "--chunks is now --pp-chunks" in old[2] and "--microbatches is now --grad-accum" in old[2]
+    old = run(capsys, "flops", "--model", "llama3-8b", "--gpu", "h100", "--dtype", "fp8", "--step-time", "1", "--json")
+    new = run(capsys, "flops", "--model", "llama3-8b", "--hardware", "h100", "--precision", "fp8", "--step-time", "1",
+              "--json")
+    assert old[1] == new[1] and "--gpu is now --hardware" in old[2] and "--dtype is now --precision" in old[2]
+
+
+# --- --bytes takes units ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [("268435456", 268_435_456), ("1e9", 10**9), ("256MB", 256 * 10**6),
+                                            ("256MiB", 2**28), ("1GiB", 2**30), ("1.5 GB", 1_500_000_000),
+                                            ("64kib", 65_536), ("2TB", 2 * 10**12), ("100B", 100)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "12XB", "GiB", "1 G i B", "", "0.1B", "nan", "1e9.5"])
+def test_bad_bytes_name_the_value_and_the_forms(capsys, text):
+    with pytest.raises(ValueError, match=re.escape(f"bytes={text!r} must be a byte count >= 1")):
+        parse_bytes(text)
+    with pytest.raises(SystemExit) as info:
+        main(["comms", "--ranks", "16", "--bytes", text])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert f"bytes={text!r}" in err and "256MB" in err and "1GiB" in err
+
+
+def test_comms_bytes_with_a_unit_equal_the_plain_count(capsys):
+    plain = json.loads(run(capsys, "comms", "--ranks", "16", "--bytes", "268435456", "--json")[1])
+    assert json.loads(run(capsys, "comms", "--ranks", "16", "--bytes", "256MiB", "--json")[1]) == plain
+    assert "268,435,456 bytes (268.4 MB, 256.0 MiB)" in run(capsys, "comms", "--ranks", "16", "--bytes", "256MiB")[1]
+
+
+# --- calc memory: a verdict, and no pipeline stage without a pipeline -------------------------------------
+
+@pytest.mark.parametrize("argv, fits", [
+    (["--model", "llama3-8b", "--dp", "8", "--zero", "1", "--tp", "2", "--sp", "--recompute", "selective"], True),
+    (["--model", "llama3-70b", "--pp", "4", "--grad-accum", "8", "--hardware", "h200"], False),
+])
+def test_memory_says_whether_the_layout_fits_the_chosen_gpu(capsys, argv, fits):
+    from lab.calc.hardware import HARDWARE
+
+    gpu = argv[argv.index("--hardware") + 1] if "--hardware" in argv else "h100"
+    data = json.loads(run(capsys, "memory", *argv, "--json")[1])
+    total, capacity = data["per_gpu_bytes"]["total"], HARDWARE[gpu].memory_bytes
+    assert data["fits"] is fits is (total <= capacity) and data["hardware_memory_bytes"] == capacity
+    verdict = [line for line in run(capsys, "memory", *argv)[1].splitlines() if line.startswith("verdict: ")]
+    gib = abs(capacity - total) / 2**30
+    assert verdict == [f"verdict: fits on one {gpu} (80 GiB), {gib:,.1f} GiB to spare" if fits else
+                       f"verdict: does NOT fit on one {gpu} (141 GiB): {gib:,.1f} GiB over"]
+
+
+def test_memory_names_a_pipeline_stage_only_with_a_pipeline(capsys):
+    out = run(capsys, "memory", "--model", "llama3-8b")[1]
+    assert "stage" not in out and "0..0" not in out
+    out = run(capsys, "memory", "--model", "llama3-8b", "--pp", "4", "--grad-accum", "4")[1]
+    assert "pipeline stage 0 of 0..3 (the fullest)" in out
+    out = run(capsys, "memory", "--model", "llama3-8b", "--pp", "4", "--grad-accum", "4", "--stage", "2")[1]
+    assert "pipeline stage 2 of 0..3\n" in out

@@ -258,3 +258,13 @@ def test_bad_input_is_one_clear_line(args, message):
     assert done.returncode == 2
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_model_seq_and_mbs_flags_speak_lab_calcs_vocabulary():
+    """--model, --seq and --mbs mean what they mean in `lab calc`: the global batch is mbs x dp x grad_accum."""
+    args = ["--config", "configs/tiny.toml", "--model", "tiny-moe", "--seq", "64", "--mbs", "3", "--dp", "2",
+            "--grad-accum", "2"]
+    config, nproc = config_from_args(build_parser().parse_args(args))
+    assert (config.model.name, config.train.seq_len, config.train.global_batch, nproc) == ("tiny-moe", 64, 12, 2)
+    with pytest.raises(ValueError, match=r"--mbs=3 and train.global_batch both set the batch size: give one"):
+        config_from_args(build_parser().parse_args([*args, "--set", "train.global_batch=8"]))

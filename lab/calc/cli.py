@@ -2,9 +2,11 @@
 
     python -m lab calc params --model llama3-8b
     python -m lab calc memory --model llama3-8b --seq 4096 --dp 8 --zero 1 --tp 2 --sp --recompute selective
-    python -m lab calc flops --model llama3-8b --seq 4096 --dp 64 --grad-accum 4 --step-time 5.1 --gpu h100
-    python -m lab calc bubble --schedule interleaved --pp 8 --microbatches 32 --chunks 2 --tf 1 --tb 2
+    python -m lab calc flops --model llama3-8b --seq 4096 --dp 64 --grad-accum 4 --step-time 5.1 --hardware h100
+    python -m lab calc comms --op all_reduce --ranks 16 --hardware h100 --bytes 256MiB
+    python -m lab calc bubble --pp-schedule interleaved --pp 8 --grad-accum 32 --pp-chunks 2 --tf 1 --tb 2
 
+One vocabulary with `python -m lab train`: a concept has one flag name in every command (`VOCABULARY`).
 Invalid values print one line naming the field, the value and what is allowed, and exit with status 2.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 
 from lab.calc.bubble import Simulation, closed_form, explore
@@ -27,10 +30,74 @@ from lab.calc.params import param_breakdown
 from lab.calc.schedules import SCHEDULES
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
 
+INTERLEAVED_CHUNKS = 2  # layer chunks per rank when an interleaved schedule names none (calc bubble, memory, train)
+
+# The flags that name the same concept in `lab train` and the `lab calc` subcommands, and the commands that take
+# each: one spelling everywhere (tests/test_calc_cli.py checks every parser accepts them).
+VOCABULARY = {
+    "--model": ("train", "params", "memory", "flops"),
+    "--seq": ("train", "memory", "flops"),
+    "--mbs": ("train", "memory", "flops"),
+    "--dp": ("train", "memory", "flops"), "--tp": ("train", "memory", "flops"),
+    "--cp": ("train", "memory", "flops"), "--pp": ("train", "memory", "flops", "bubble"),
+    "--ep": ("train", "memory"), "--zero": ("train", "memory"), "--sp": ("train", "memory"),
+    "--grad-accum": ("train", "memory", "flops", "bubble"),
+    "--pp-schedule": ("train", "memory", "bubble"),
+    "--pp-chunks": ("train", "memory", "bubble"),
+    "--recompute": ("train", "memory", "flops"),
+    "--precision": ("memory", "flops"),
+    "--hardware": ("memory", "flops", "comms"),
+}
+# Old spellings, accepted (and not shown in --help) for one release: subcommand -> {old: new}.
+RENAMED = {"flops": {"--gpu": "--hardware", "--dtype": "--precision"},
+           "bubble": {"--schedule": "--pp-schedule", "--microbatches": "--grad-accum", "--chunks": "--pp-chunks"}}
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as written on a command line: 268435456, 1e9, 256MB (10^6 B each), 1GiB (2^30 B), 1.5 GB."""
+    match = re.fullmatch(r"\s*(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = _BYTE_UNITS.get(match[2].lower()) if match else None
+    if unit is None or round(float(match[1]) * unit) < 1:
+        raise ValueError(f"bytes={text!r} must be a byte count >= 1: a number (268435456, 1e9) or a number with a "
+                         f"unit, B, kB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB (powers of 2), e.g. 256MB, 1GiB")
+    return round(float(match[1]) * unit)
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as err:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(err)) from None
+
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _OldName(argparse.Action):
+    """An old spelling kept for one release: hidden from --help, stores into the new flag's value, and says the
+    new name on stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: note: {option_string} is now {self.new}; the old name goes in the next release",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _old_names(parser: argparse.ArgumentParser, what: str) -> None:
+    actions = {option: action for action in parser._actions for option in action.option_strings}
+    for old, new in RENAMED.get(what, {}).items():
+        action = actions[new]
+        parser.add_argument(old, action=_OldName, new=new, dest=action.dest, type=action.type,
+                            choices=action.choices, metavar=action.metavar)
 
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:
@@ -51,32 +118,41 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
     params.add_argument("--json", action="store_true")
 
-    memory = sub.add_parser("memory", help="per-GPU bytes: parameters, gradients, optimizer, activations")
+    memory = sub.add_parser("memory", help="per-GPU bytes: parameters, gradients, optimizer, activations; "
+                                           "whether they fit")
     _layout_args(memory)
     memory.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     memory.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     memory.add_argument("--ep", type=int, default=1)
     memory.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b")
+    memory.add_argument("--pp-chunks", type=int, default=None,
+                        help=f"layer chunks per pipeline rank (default: {INTERLEAVED_CHUNKS} for interleaved, else 1)")
     memory.add_argument("--precision", choices=tuple(PRECISIONS), default="mixed")
     memory.add_argument("--fp32-grad-accum", action="store_true", help="fp32 gradient buffer (mixed only)")
     memory.add_argument("--flash", action="store_true", help="flash attention (no s x s scores kept)")
     memory.add_argument("--activation-model", choices=ACTIVATION_MODELS, default="korthikanti")
     memory.add_argument("--param-convention", choices=PARAM_CONVENTIONS, default="exact")
     memory.add_argument("--stage", type=int, default=None, help="pipeline stage (default: the fullest)")
+    memory.add_argument("--hardware", choices=tuple(HARDWARE), default="h100",
+                        help="the accelerator whose memory the total is compared with (default h100)")
 
     flops = sub.add_parser("flops", help="FLOPs per token and per step; MFU/HFU from a measured step time")
     _layout_args(flops)
     flops.add_argument("--counting", choices=COUNTINGS, default="6N")
     flops.add_argument("--step-time", type=float, default=None, help="measured seconds per step")
-    flops.add_argument("--gpu", choices=tuple(HARDWARE), default=None)
-    flops.add_argument("--dtype", choices=("bf16", "fp8", "int8"), default="bf16")
+    flops.add_argument("--hardware", choices=tuple(HARDWARE), default=None, help="the accelerator, for its peak")
+    flops.add_argument("--precision", choices=("bf16", "fp8", "int8"), default="bf16",
+                       help="number format of the matmuls, for the peak (default bf16)")
+    _old_names(flops, "flops")
 
     comms = sub.add_parser("comms", help="alpha-beta time of a collective on a cluster's links")
     comms.add_argument("--op", choices=COMM_OPS, default="all_reduce")
-    comms.add_argument("--bytes", type=float, required=True, help="message size (all-reduce input), e.g. 1e9")
+    comms.add_argument("--bytes", type=_bytes_arg, required=True,
+                       help="message size (all-reduce input): 268435456, 1e9, 256MB (10^6 B), 1GiB (2^30 B)")
     comms.add_argument("--ranks", type=int, required=True)
     comms.add_argument("--gpus-per-node", type=int, default=None, help="default: the system's (8)")
-    comms.add_argument("--hardware", choices=tuple(SYSTEMS), default="h100", help="the cluster design")
+    comms.add_argument("--hardware", choices=tuple(SYSTEMS), default="h100",
+                       help="the cluster design: its GPU, NVLink and NICs (default h100)")
     comms.add_argument("--algorithm", choices=COMM_ALGORITHMS, default="ring")
     comms.add_argument("--json", action="store_true")
 
@@ -89,19 +165,26 @@ def build_parser() -> argparse.ArgumentParser:
                     "  --tb   its whole backward: input + weight gradients, usually about 2 x tf\n"
                     "  --tw   the weight-gradient part of tb (zb-h1 runs B in tb - tw, then W in tw)\n"
                     "  --p2p  the latency of each send between ranks\n"
-                    "With --chunks v (interleaved) each op of one chunk takes 1/v of these.")
-    bubble.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="default 1f1b")
+                    "With --pp-chunks v (interleaved) each op of one chunk takes 1/v of these.")
+    bubble.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b", help="default 1f1b")
     bubble.add_argument("--pp", type=int, default=8, help="pipeline ranks p (default 8)")
-    bubble.add_argument("--microbatches", type=int, default=32, help="micro-batches m per step (default 32)")
-    bubble.add_argument("--chunks", type=int, default=None,
-                        help="chunks of layers per rank v, interleaved only (default: 2 for interleaved, else 1)")
+    bubble.add_argument("--grad-accum", type=int, default=32,
+                        help="micro-batches m per step, as lab train's --grad-accum (default 32)")
+    bubble.add_argument("--pp-chunks", type=int, default=None,
+                        help=f"chunks of layers per rank v, interleaved only (default: {INTERLEAVED_CHUNKS} for "
+                             f"interleaved, else 1)")
     bubble.add_argument("--tf", type=float, default=1.0, help="forward time of one micro-batch per stage (default 1)")
     bubble.add_argument("--tb", type=float, default=2.0, help="whole backward time, input + weight grads (default 2)")
     bubble.add_argument("--tw", type=float, default=1.0, help="weight-gradient part of --tb (default 1)")
     bubble.add_argument("--p2p", type=float, default=0.0,
                         help="latency of one send between ranks, same unit (default 0)")
     bubble.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    _old_names(bubble, "bubble")
     return parser
+
+
+def _chunks(schedule: str, given: int | None) -> int:
+    return given if given is not None else INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
 
 
 def _comms(args: argparse.Namespace) -> int:
@@ -110,7 +193,8 @@ def _comms(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(cost.as_dict()))
         return 0
-    print(f"{args.op} of {args.bytes:,.0f} bytes on {args.ranks} ranks ({args.algorithm}, {args.hardware}):")
+    print(f"{args.op} of {args.bytes:,} bytes ({args.bytes / 1e6:,.1f} MB, {args.bytes / 2**20:,.1f} MiB) on "
+          f"{args.ranks} ranks ({args.algorithm}, {args.hardware}):")
     print(f"  steps {cost.steps}, bytes sent per rank {cost.bytes_sent_per_rank:,.0f}")
     print(f"  time {cost.time_s * 1e3:.3f} ms, algbw {cost.algbw / 1e9:.1f} GB/s, busbw {cost.busbw / 1e9:.1f} GB/s")
     return 0
@@ -143,8 +227,9 @@ def text_timeline(sim: Simulation, width: int = 120) -> tuple[list[str], float]:
 
 
 def _bubble(args: argparse.Namespace) -> int:
-    sim = explore(args.schedule, args.pp, args.microbatches, args.chunks, args.tf, args.tb, args.tw, args.p2p)
-    closed = closed_form(args.schedule, args.pp, args.microbatches, sim.schedule.chunks, args.tf, args.tb, args.tw,
+    sim = explore(args.pp_schedule, args.pp, args.grad_accum, _chunks(args.pp_schedule, args.pp_chunks), args.tf,
+                  args.tb, args.tw, args.p2p)
+    closed = closed_form(args.pp_schedule, args.pp, args.grad_accum, sim.schedule.chunks, args.tf, args.tb, args.tw,
                          args.p2p)
     out = {**sim.as_dict(), "tf": args.tf, "tb": args.tb, "tw": args.tw, "p2p": args.p2p, "busy": sim.busy,
            "bubble_ratio_closed_form": closed["bubble_ratio"], "idle_closed_form": closed["idle"],
@@ -190,24 +275,33 @@ def _params(cfg: ModelConfig, args: argparse.Namespace) -> int:
 
 def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
-                              grad_accum=args.grad_accum, recompute=args.recompute, pp_schedule=args.pp_schedule)
+                              grad_accum=args.grad_accum, recompute=args.recompute, pp_schedule=args.pp_schedule,
+                              pp_virtual_stages=_chunks(args.pp_schedule, args.pp_chunks))
     est = estimate_memory(cfg, args.seq, args.mbs, parallel, precision=args.precision,
                           fp32_grad_accum=args.fp32_grad_accum, flash=args.flash,
                           activation_model=args.activation_model, param_convention=args.param_convention,
                           stage=args.stage)
+    total, capacity = est.per_gpu["total"], get_accelerator(args.hardware).memory_bytes
     if args.json:
-        print(json.dumps(est.as_dict()))
+        print(json.dumps({**est.as_dict(), "stage": est.stage, "hardware": args.hardware,
+                          "hardware_memory_bytes": capacity, "fits": total <= capacity}))
         return 0
     print(f"{cfg.name}: {est.num_params:,} parameters; seq {args.seq} x micro-batch {args.mbs}")
     print(f"dp={args.dp} (ZeRO-{args.zero}) tp={args.tp}{' +sp' if args.sp else ''} pp={args.pp} cp={args.cp} "
           f"ep={args.ep}; precision {args.precision}{' + fp32 grad accum' if args.fp32_grad_accum else ''}; "
           f"recompute {args.recompute}{'; flash attention' if args.flash else ''}; "
           f"activations: {args.activation_model}")
-    print(f"per GPU (pipeline stage {est.stage} of 0..{args.pp - 1})        bytes   GiB (2^30 B)   GB (10^9 B)")
+    if args.pp > 1:
+        print(f"pipeline stage {est.stage} of 0..{args.pp - 1}{' (the fullest)' if args.stage is None else ''}")
+    print(f"per GPU{'bytes':>35}   GiB (2^30 B)   GB (10^9 B)")
     rows = [(k, est.per_gpu[k]) for k in ("params", "grads", "optimizer", "activations")]
     rows += [(f"  {k}", v) for k, v in est.activations_breakdown.items()]
-    for name, value in [*rows, ("total", est.per_gpu["total"])]:
+    for name, value in [*rows, ("total", total)]:
         print(f"  {name:<16} {value:>23,} {value / 2**30:>14.3f} {value / 1e9:>13.3f}")
+    verdict = (f"fits on one {args.hardware} ({capacity / 2**30:,.0f} GiB), {(capacity - total) / 2**30:,.1f} GiB "
+               f"to spare" if total <= capacity else f"does NOT fit on one {args.hardware} "
+               f"({capacity / 2**30:,.0f} GiB): {(total - capacity) / 2**30:,.1f} GiB over")
+    print(f"verdict: {verdict}")
     return 0
 
 
@@ -215,19 +309,20 @@ def _flops(cfg: ModelConfig, args: argparse.Namespace) -> int:
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, grad_accum=args.grad_accum,
                               recompute=args.recompute)
     parallel.check_model(cfg)
-    if args.step_time is not None and args.gpu is None:
-        raise ValueError(f"--step-time={args.step_time} needs --gpu (one of {', '.join(HARDWARE)}) for the peak")
+    if args.step_time is not None and args.hardware is None:
+        raise ValueError(f"--step-time={args.step_time} needs --hardware (one of {', '.join(HARDWARE)}) for the peak")
     tokens = args.mbs * args.seq * args.dp * args.grad_accum
     est = training_flops(cfg, args.seq, tokens, recompute=args.recompute, counting=args.counting)
     n_gpus = parallel.world_size
     out = {"model": cfg.name, "tokens_per_step": tokens, "n_gpus": n_gpus,
            "flops_per_token": {"model": est.model_flops_per_token, "hardware": est.hardware_flops_per_token},
            "flops_per_step": {"model": est.model_flops, "hardware": est.hardware_flops}}
-    if args.gpu is not None:
-        out["ideal_step_time_s"] = est.model_flops / (n_gpus * get_accelerator(args.gpu).peak_flops(args.dtype))
+    if args.hardware is not None:
+        peak = get_accelerator(args.hardware).peak_flops(args.precision)
+        out["ideal_step_time_s"] = est.model_flops / (n_gpus * peak)
     if args.step_time is not None:
-        out["mfu"] = mfu(est, args.step_time, n_gpus, args.gpu, args.dtype)
-        out["hfu"] = hfu(est, args.step_time, n_gpus, args.gpu, args.dtype)
+        out["mfu"] = mfu(est, args.step_time, n_gpus, args.hardware, args.precision)
+        out["hfu"] = hfu(est, args.step_time, n_gpus, args.hardware, args.precision)
     if args.json:
         print(json.dumps(out))
         return 0
@@ -236,7 +331,7 @@ def _flops(cfg: ModelConfig, args: argparse.Namespace) -> int:
     print(f"  FLOPs per token  model {est.model_flops_per_token:.4g}   hardware {est.hardware_flops_per_token:.4g}")
     print(f"  FLOPs per step   model {est.model_flops:.4g}   hardware {est.hardware_flops:.4g}")
     if "ideal_step_time_s" in out:
-        print(f"  step time at 100% MFU on {args.gpu} ({args.dtype}): {out['ideal_step_time_s']:.4g} s")
+        print(f"  step time at 100% MFU on {args.hardware} ({args.precision}): {out['ideal_step_time_s']:.4g} s")
     if "mfu" in out:
         print(f"  MFU {out['mfu']:.1%}   HFU {out['hfu']:.1%}   (step time {args.step_time} s)")
     return 0

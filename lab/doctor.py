@@ -173,6 +173,50 @@ def _check_browser() -> Check:
     return Check("browser tests", ok, detail, "" if ok else "apt-get install chromium; pip install -e '.[test]'")
 
 
+def _check_grading() -> list[Check]:
+    """What confinement the grading sandbox gets here (`lab.check` and `python -m lab grade` use it): Landlock,
+    a pids cgroup, and whether a sandboxed child starts and answers at all."""
+    from lab.grading.confine import isolation
+    from lab.grading.sandbox import ExerciseError, Limits, Sandbox
+
+    layers = isolation()
+    abi = layers["landlock_abi"]
+    if abi >= 6:
+        landlock = Check("landlock", True, f"ABI {abi}: student code reads only system and Python files, writes only "
+                         f"its own folder, and cannot signal the grader")
+    elif abi:
+        landlock = Check("landlock", False, f"ABI {abi}: files are confined, but student code may signal this user's "
+                         f"processes (signal scoping needs ABI >= 6)", "grade on Linux >= 6.12")
+    else:
+        landlock = Check("landlock", False, "not available: student code can read and write every file this user "
+                         "can (python -m lab grade warns, and refuses with --strict)",
+                         "grade on Linux >= 6.12 with Landlock enabled (the lsm= boot parameter lists landlock)")
+    if layers["pids_cgroup"]:
+        pids = Check("pids cgroup", True, "the kernel caps each sandbox's tasks (a fork bomb stops at the limit)")
+    else:
+        pids = Check("pids cgroup", False, "none can be created: a fork bomb is stopped by RLIMIT_NPROC and the "
+                     "grader's watchdog" + (" alone (RLIMIT_NPROC does not bind root)" if layers["root"] else ""),
+                     "grade as root in a container or VM, or in a delegated cgroup v2 "
+                     "(systemd-run --user --scope -p Delegate=yes ...)")
+    start = time.perf_counter()
+    try:
+        with Sandbox([("doctor", "def ping(x):\n    return x + 1\n")], entry=["ping"], modules=["lab.config"],
+                     packages=["tomli_w"], limits=Limits(wall_s=30)) as box:
+            answer = box.call("ping", 41)
+        sandbox = Check("sandbox", answer == 42, f"a sandboxed child started and answered in "
+                        f"{time.perf_counter() - start:.2f} s" + (" as root, without capabilities" if layers["root"]
+                                                                   else ""),
+                        "" if answer == 42 else "the sandbox answered wrongly: report this", required=True)
+    except (ExerciseError, OSError) as error:
+        sandbox = Check("sandbox", False, f"a sandboxed child failed: {error}",
+                        "lab.check and python -m lab grade need it: report this with the output of python -m lab "
+                        "doctor", required=True)
+    return [landlock, pids, sandbox]
+
+
+GRADING = ("landlock", "pids cgroup", "sandbox")  # the checks of `_check_grading`, in order
+
+
 def run_checks() -> list[Check]:
     import torch
 
@@ -190,6 +234,7 @@ def run_checks() -> list[Check]:
     checks.append(_check_triton())
     checks.append(_check_jax())
     checks.append(_check_browser())
+    checks.extend(_check_grading())
     return checks
 
 
@@ -197,6 +242,8 @@ def format_report(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
     lines = ["Ultra-Scale Lab environment report"]
     for c in checks:
+        if c.name == GRADING[0]:
+            lines.append("  Grading sandbox (lab.check, python -m lab grade): the confinement this machine gives")
         mark = "ok " if c.ok else ("ERR" if c.required else "-- ")
         lines.append(f"  [{mark}] {c.name:<{width}}  {c.detail}")
         if c.hint and not c.ok:

@@ -1,9 +1,9 @@
 """`python -m lab <command>`: the course's command line.
 
     python -m lab doctor                      what this machine can run
-    python -m lab train --config configs/tiny.toml --nproc 2 --dp 2
+    python -m lab train --config configs/tiny.toml --nproc 2
     python -m lab calc params --model llama3-8b
-    python -m lab calc bubble --schedule zb-h1 --pp 8 --microbatches 32
+    python -m lab calc bubble --pp-schedule zb-h1 --pp 8 --grad-accum 32
 """
 
 from __future__ import annotations

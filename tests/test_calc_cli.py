@@ -291,3 +291,11 @@ def test_memory_names_a_pipeline_stage_only_with_a_pipeline(capsys):
     assert "pipeline stage 0 of 0..3 (the fullest)" in out
     out = run(capsys, "memory", "--model", "llama3-8b", "--pp", "4", "--grad-accum", "4", "--stage", "2")[1]
     assert "pipeline stage 2 of 0..3\n" in out
+
+
+def test_memory_interleaved_defaults_to_2_chunks_like_bubble_and_train(capsys):
+    argv = ["memory", "--model", "llama3-8b", "--pp", "4", "--grad-accum", "8", "--pp-schedule", "interleaved"]
+    data = json.loads(run(capsys, *argv, "--json")[1])
+    assert data == json.loads(run(capsys, *argv, "--pp-chunks", "2", "--json")[1])
+    parallel = ParallelConfig(pp=4, grad_accum=8, pp_schedule="interleaved", pp_virtual_stages=2)
+    assert data["per_gpu_bytes"] == estimate_memory(PRESETS["llama3-8b"], 4096, 1, parallel).as_dict()["per_gpu_bytes"]

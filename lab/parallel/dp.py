@@ -65,7 +65,10 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = Non
     """Naive data parallelism: one all-reduce per parameter, after the whole backward pass.
 
     A parameter that got no gradient on this rank (unused, or used only for some inputs) takes part with
-    zeros: every rank must issue the same all-reduces in the same order, whatever its data did.
+    zeros: every rank must issue the same all-reduces in the same order, whatever its data did. One that no
+    rank used thus ends with a zero gradient rather than None, so AdamW still decays it and moves it by its
+    momentum; torch DDP (`find_unused_parameters=True`) spends one more all-reduce, of a used-flag per
+    parameter, to leave those at None as a single process would.
     """
     world = dist.get_world_size(group)
     for param in model.parameters():
@@ -221,7 +224,8 @@ class BucketedDP(NaiveDP):
     Buckets go out strictly in index order on every rank, as in torch DDP's reducer: a rank whose data left
     a parameter without a gradient (an unused or conditionally used layer) holds back its bucket and every
     later one until `finish()`, which sends them with the missing gradients as zeros. Launching a later
-    bucket first would pair it with another rank's different bucket in the same collective slot.
+    bucket first would pair it with another rank's different bucket in the same collective slot. (As in
+    `all_reduce_gradients`, a parameter no rank used ends with a zero gradient, not None.)
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,

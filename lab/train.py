@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         config, nproc = config_from_args(args)
     except ValueError as err:
         # Under torchrun every rank gets here with the same error: one line, from rank 0, and every rank exits 2.
-        if os.environ.get("RANK", "0") == "0":
+        if not lab_dist.launched_by_torchrun() or os.environ["RANK"] == "0":
             print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()

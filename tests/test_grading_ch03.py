@@ -36,22 +36,26 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                             "        if True:  # no_sync() ignored: every micro-batch sends its buckets\n"
                             "            bucket.ready += 1\n            if bucket.ready == len(bucket.params):\n"
                             "                bucket.ready = 0\n")],
-        {"no all-reduce inside no_sync(): one per bucket, on the last micro-batch only"}),
-    "dp_no_sync_counts_but_never_sends": (  # counts gradients under no_sync too: the last micro-batch sends nothing
+        {"no all-reduce inside no_sync(): one per bucket, during the last micro-batch's backward"}),
+    "dp_no_sync_counts_but_never_sends": (  # counts gradients under no_sync too: the last backward sends nothing
         "03.bucketed_dp", [("        if self.sync:\n            bucket.ready += 1\n",
                             "        bucket.ready += 1\n        if self.sync:\n")],
-        {"dp=3 with gradient accumulation: the same as one process after every step"}),
+        {"no all-reduce inside no_sync(): one per bucket, during the last micro-batch's backward"}),
+    "dp_finish_never_sends_an_incomplete_bucket": (  # issue 13: replicas drift when a parameter gets no gradient
+        "03.bucketed_dp", [("            if bucket.handle is None:  # never completed: a parameter got no gradient "
+                            "this step\n                bucket.buffer.div_(self.world)\n"
+                            "                bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)\n"
+                            "            bucket.handle.wait()\n",
+                            "            if bucket.handle is not None:\n                bucket.handle.wait()\n")],
+        {"a layer the forward skips: finish() still averages its bucket, once"}),
     "dp_buckets_in_forward_order": (
         "03.bucketed_dp", [("for param in reversed(self.params):", "for param in self.params:")],
         {"buckets as torch DDP sizes them, one all-reduce per bucket per step"}),
     "dp_one_bucket_per_parameter": (
         "03.bucketed_dp", [("cap = int(bucket_mb * 2**20) // 4", "cap = 1")],
         {"buckets as torch DDP sizes them, one all-reduce per bucket per step"}),
-    "dp_all_reduce_in_finish_not_overlapped": (
-        "03.bucketed_dp", [(BUCKETED_LAUNCH, "                pass  # sent in finish()\n"),
-                           ("            if bucket.handle is not None:\n                bucket.handle.wait()\n",
-                            "            bucket.buffer.div_(self.world)\n"
-                            "            dist.all_reduce(bucket.buffer)\n")],
+    "dp_all_reduce_in_finish_not_overlapped": (  # finish() then sends every bucket
+        "03.bucketed_dp", [(BUCKETED_LAUNCH, "                pass  # sent in finish()\n")],
         {"every all-reduce starts during backward (overlapped), none in finish()"}),
     "zero1_gradients_summed_not_averaged": (
         "03.zero1", [("        self.flat_grad.div_(self.world)\n", "")],

@@ -22,7 +22,17 @@ from collections.abc import Sequence
 
 from lab.calc.memory import static_bytes
 from lab.config import ModelConfig
-from lab.grading.checks import CheckFailed, Mistake, describe, exercise, expect_equal, recognise, shown
+from lab.grading.checks import (
+    CheckFailed,
+    Mistake,
+    describe,
+    exercise,
+    expect_allclose,
+    expect_equal,
+    per_rank,
+    recognise,
+    shown,
+)
 
 RANKS = {"modules": ("lab.config", "lab.model", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
 SEQ_LEN = 8
@@ -192,7 +202,7 @@ def _batch(rng: random.Random, dp: int, grad_accum: int = 1) -> int:
 
 # --- 03.bucketed_dp -----------------------------------------------------------------------------------------
 
-BUCKETED = exercise("03.bucketed_dp", entry=("train_bucketed",), **RANKS)
+BUCKETED = exercise("03.bucketed_dp", entry=("train_bucketed", "grads_with_unused_layer"), **RANKS)
 SGD_LR = 0.5
 
 
@@ -249,9 +259,10 @@ def buckets(student, rng):
         expect_equal([calls, sent], [len(sizes), sum(sizes)], f"{run['call']}: step {step}, [all_reduce calls, bytes]")
 
 
-@BUCKETED.check(points=1, hint="while self.sync is False (inside no_sync) a full bucket must not be all-reduced")
+@BUCKETED.check(points=1, hint="while self.sync is False (inside no_sync) gradients only add up: count a bucket's "
+                               "gradients only outside no_sync, so that the last micro-batch's backward completes it")
 def no_sync(student, rng):
-    """no all-reduce inside no_sync(): one per bucket, on the last micro-batch only"""
+    """no all-reduce inside no_sync(): one per bucket, during the last micro-batch's backward"""
     grad_accum = rng.choice([2, 3])
     results, run = _bucketed(student, rng, 2, grad_accum, steps=2)
     n_buckets = len(reference_bucket_sizes(run["cfg"], run["bucket_mb"]))
@@ -259,8 +270,8 @@ def no_sync(student, rng):
         calls = [c for c, _ in entry["per_backward"]] + [entry["finish"][0]]
         expect_equal(sum(calls[:-2]), 0, f"{run['call']}: step {step}, all_reduce calls in the {grad_accum - 1} "
                                          f"micro-batches under no_sync()")
-        expect_equal(sum(calls[-2:]), n_buckets, f"{run['call']}: step {step}, all_reduce calls after the last "
-                                                 f"micro-batch")
+        expect_equal(calls[-2:], [n_buckets, 0], f"{run['call']}: step {step}, all_reduce calls [during the last "
+                                                 f"micro-batch's backward, in finish()]")
 
 
 @BUCKETED.check(points=1, hint="launch a bucket's all-reduce from the gradient hook, with async_op=True, as soon "
@@ -272,6 +283,56 @@ def overlap(student, rng):
     for step, entry in enumerate(_all_reduces(results, run), start=1):
         expect_equal([entry["per_backward"][-1][0], entry["finish"][0]], [n_buckets, 0],
                      f"{run['call']}: step {step}, all_reduce calls [during backward, in finish()]")
+
+
+def unused_layer_reference(seed: int, dp: int) -> tuple[list[str], list[list[float]], list[int]]:
+    """The model of the notebook's `grads_with_unused_layer` (its `unused_layer_model`), each rank's rows through
+    the used layer only: (parameter names, their gradients averaged over the dp ranks, their sizes)."""
+    import torch
+    from torch import nn
+
+    with torch.random.fork_rng():  # the notebook draws the weights from the global generator
+        torch.manual_seed(seed)
+        model = nn.ModuleDict({"used": nn.Linear(6, 5), "unused": nn.Linear(6, 5)})
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    for rank in range(dp):
+        rows = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed * 100 + rank))
+        model.zero_grad()
+        model["used"](rows).square().mean().backward()
+        for t, p in zip(total, params, strict=True):
+            t += 0 if p.grad is None else p.grad.detach()
+    names = [n for n, _ in model.named_parameters()]
+    return names, [(t / dp).flatten().tolist() for t in total], [p.numel() for p in params]
+
+
+def _bucket_count(numels: list[int], bucket_mb: float) -> int:
+    """Buckets of `numels` (in parameter order) filled in reverse up to at least bucket_mb MiB of fp32 each."""
+    cap, count, held = int(bucket_mb * 2**20) // 4, 0, 0
+    for numel in reversed(numels):
+        held += numel
+        if held >= cap:
+            count, held = count + 1, 0
+    return count + (held > 0)
+
+
+@BUCKETED.check(points=1, hint="a parameter that got no gradient leaves its bucket incomplete, so backward never "
+                               "sends it: finish() must all-reduce (divided by dp) every bucket not yet sent")
+def unused_layer(student, rng):
+    """a layer the forward skips: finish() still averages its bucket, once"""
+    dp, seed, bucket_mb = rng.choice([2, 3]), rng.randrange(10**6), round(rng.uniform(2e-4, 2e-3), 5)
+    call = f"grads_with_unused_layer(seed={seed}, bucket_mb={bucket_mb}) on {dp} ranks"
+    results = per_rank(student.ranks("grads_with_unused_layer", dp, seed, bucket_mb), dp, call)
+    names, expected, numels = unused_layer_reference(seed, dp)
+    for rank, got in enumerate(results):
+        grads = got.get("grads")
+        if not isinstance(grads, list) or len(grads) != len(expected):
+            raise CheckFailed(f"{call}: rank {rank}'s gradients returned {grads!r:.120}, expected {len(expected)}")
+        for name, g, e in zip(names, grads, expected, strict=True):
+            expect_allclose(g, e, f"{call}: rank {rank}'s gradient of {name} after finish() (averaged over the "
+                                  f"ranks; zero for the unused layer)", tol=1e-5, mistakes=_summed(dp, "the bucket"))
+    expect_equal(results[0].get("all_reduces"), _bucket_count(numels, bucket_mb),
+                 f"{call}: all_reduce calls (one per bucket)")
 
 
 # --- 03.zero1 -----------------------------------------------------------------------------------------------

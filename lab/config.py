@@ -268,10 +268,11 @@ class Config:
         self.parallel.check_model(self.model)
         _require(self.train.seq_len <= self.model.max_seq_len,
                  f"seq_len={self.train.seq_len} must be <= max_seq_len={self.model.max_seq_len}")
-        chunks = 2 * self.parallel.cp if self.parallel.cp_impl == "zigzag" else self.parallel.cp
+        zigzag = self.parallel.cp_impl == "zigzag" and self.parallel.cp > 1  # one rank keeps the sequence whole
+        chunks = 2 * self.parallel.cp if zigzag else self.parallel.cp
         _require(self.train.seq_len % chunks == 0,
                  f"seq_len={self.train.seq_len} must be divisible by "
-                 + (f"2*cp = {chunks} for cp_impl='zigzag'" if self.parallel.cp_impl == "zigzag" else f"cp={chunks}"))
+                 + (f"2*cp = {chunks} for cp_impl='zigzag'" if zigzag else f"cp={chunks}"))
         local = self.train.seq_len // self.parallel.cp  # the tokens of a context-parallel rank
         _require(self.parallel.tp == 1 or not self.parallel.sp or local % self.parallel.tp == 0,
                  f"tp={self.parallel.tp} must divide seq_len={self.train.seq_len} with sp=True" if self.parallel.cp == 1

@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab import dist as lab_dist
-from lab.calc.cli import INTERLEAVED_CHUNKS
-from lab.calc.schedules import make_schedule
+from lab.calc.schedules import INTERLEAVED_CHUNKS, make_schedule
 from lab.config import (
     CP_IMPLS,
     DP_MODES,

@@ -158,6 +158,7 @@ def test_cli_prices_two_dgx_h100_at_the_playbook_bandwidth():
     assert done.returncode == 0, done.stderr
     busbw = float(re.search(r"busbw ([\d.]+) GB/s", done.stdout).group(1))
     assert busbw == pytest.approx(PLAYBOOK_TWO_NODES / 1e9, rel=0.10)
+    assert "priced on multi-rail: 8 x InfiniBand NDR NIC" in done.stdout  # the reader sees which link it used
     out = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60).stdout)
     assert out["busbw"] == pytest.approx(PLAYBOOK_TWO_NODES, rel=0.10)
 

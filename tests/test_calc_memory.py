@@ -292,3 +292,9 @@ def test_invalid_input_raises_one_clear_line(call, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+def test_headroom_is_capacity_minus_the_total_the_verdicts_share():
+    est = estimate_memory(PRESETS["llama3-8b"], 4096, 1, ParallelConfig(zero=3, dp=8))
+    total = est.per_gpu["total"]
+    assert est.headroom(total) == 0 and est.headroom(total + 5) == 5 and est.headroom(total - 5) == -5

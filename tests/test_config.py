@@ -26,6 +26,7 @@ def test_overrides_take_toml_values():
     (["parallel.dp=3"], "dp*grad_accum = 3*1 = 3 must divide global_batch=8"),
     (["parallel.pp=3"], "must divide n_layers=8"),
     (["parallel.cp=3"], "seq_len=32 must be divisible by 2*cp = 6 for cp_impl='zigzag'"),
+    (["parallel.cp=2", "train.seq_len=30"], "seq_len=30 must be divisible by 2*cp = 4 for cp_impl='zigzag'"),
     (["parallel.cp=3", "parallel.cp_impl='ring'"], "seq_len=32 must be divisible by cp=3"),
     (["parallel.cp_impl='stripes'"], "cp_impl='stripes' must be one of 'ring', 'zigzag', 'ulysses'"),
     (["parallel.ep=2"], "ep=2 must divide dp*cp = 1*1 = 1"),
@@ -97,3 +98,10 @@ def test_preset_is_listed_among_the_valid_model_fields():
         load_config("configs/tiny.toml", ["model.colour=1"])
     with pytest.raises(ValueError, match=r"unknown field train\.colour; valid fields: (?!.*preset)"):
         load_config("configs/tiny.toml", ["train.colour=1"])
+
+
+@pytest.mark.parametrize("impl", ["zigzag", "ring", "ulysses"])
+def test_an_odd_sequence_loads_without_context_parallelism(impl):
+    # the zig-zag split into 2*cp chunks applies only when there is a cp > 1 to split over (issue 13)
+    cfg = load_config(None, ["train.seq_len=37", f"parallel.cp_impl='{impl}'"])
+    assert cfg.train.seq_len == 37 and cfg.parallel.cp == 1

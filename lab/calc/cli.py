@@ -27,10 +27,8 @@ from lab.calc.hardware import HARDWARE, get_accelerator
 from lab.calc.memory import ACTIVATION_MODELS, PARAM_CONVENTIONS, PRECISIONS, estimate_memory
 from lab.calc.network import SYSTEMS
 from lab.calc.params import param_breakdown
-from lab.calc.schedules import SCHEDULES
+from lab.calc.schedules import INTERLEAVED_CHUNKS, SCHEDULES, chunks_or_default
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
-
-INTERLEAVED_CHUNKS = 2  # layer chunks per rank when an interleaved schedule names none (calc bubble, memory, train)
 
 # The flags that name the same concept in `lab train` and the `lab calc` subcommands, and the commands that take
 # each: one spelling everywhere (tests/test_calc_cli.py checks every parser accepts them).
@@ -183,10 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _chunks(schedule: str, given: int | None) -> int:
-    return given if given is not None else INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
-
-
 def _comms(args: argparse.Namespace) -> int:
     cost = collective_time(args.op, args.bytes, args.ranks, system=args.hardware, algorithm=args.algorithm,
                            gpus_per_node=args.gpus_per_node)
@@ -195,6 +189,7 @@ def _comms(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.op} of {args.bytes:,} bytes ({args.bytes / 1e6:,.1f} MB, {args.bytes / 2**20:,.1f} MiB) on "
           f"{args.ranks} ranks ({args.algorithm}, {args.hardware}):")
+    print(f"  priced on {cost.link}")
     print(f"  steps {cost.steps}, bytes sent per rank {cost.bytes_sent_per_rank:,.0f}")
     print(f"  time {cost.time_s * 1e3:.3f} ms, algbw {cost.algbw / 1e9:.1f} GB/s, busbw {cost.busbw / 1e9:.1f} GB/s")
     return 0
@@ -227,8 +222,7 @@ def text_timeline(sim: Simulation, width: int = 120) -> tuple[list[str], float]:
 
 
 def _bubble(args: argparse.Namespace) -> int:
-    sim = explore(args.pp_schedule, args.pp, args.grad_accum, _chunks(args.pp_schedule, args.pp_chunks), args.tf,
-                  args.tb, args.tw, args.p2p)
+    sim = explore(args.pp_schedule, args.pp, args.grad_accum, args.pp_chunks, args.tf, args.tb, args.tw, args.p2p)
     closed = closed_form(args.pp_schedule, args.pp, args.grad_accum, sim.schedule.chunks, args.tf, args.tb, args.tw,
                          args.p2p)
     out = {**sim.as_dict(), "tf": args.tf, "tb": args.tb, "tw": args.tw, "p2p": args.p2p, "busy": sim.busy,
@@ -276,7 +270,7 @@ def _params(cfg: ModelConfig, args: argparse.Namespace) -> int:
 def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
                               grad_accum=args.grad_accum, recompute=args.recompute, pp_schedule=args.pp_schedule,
-                              pp_virtual_stages=_chunks(args.pp_schedule, args.pp_chunks))
+                              pp_virtual_stages=chunks_or_default(args.pp_schedule, args.pp_chunks))
     est = estimate_memory(cfg, args.seq, args.mbs, parallel, precision=args.precision,
                           fp32_grad_accum=args.fp32_grad_accum, flash=args.flash,
                           activation_model=args.activation_model, param_convention=args.param_convention,
@@ -284,7 +278,7 @@ def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
     total, capacity = est.per_gpu["total"], get_accelerator(args.hardware).memory_bytes
     if args.json:
         print(json.dumps({**est.as_dict(), "stage": est.stage, "hardware": args.hardware,
-                          "hardware_memory_bytes": capacity, "fits": total <= capacity}))
+                          "hardware_memory_bytes": capacity, "fits": est.headroom(capacity) >= 0}))
         return 0
     print(f"{cfg.name}: {est.num_params:,} parameters; seq {args.seq} x micro-batch {args.mbs}")
     print(f"dp={args.dp} (ZeRO-{args.zero}) tp={args.tp}{' +sp' if args.sp else ''} pp={args.pp} cp={args.cp} "
@@ -298,9 +292,10 @@ def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
     rows += [(f"  {k}", v) for k, v in est.activations_breakdown.items()]
     for name, value in [*rows, ("total", total)]:
         print(f"  {name:<16} {value:>23,} {value / 2**30:>14.3f} {value / 1e9:>13.3f}")
-    verdict = (f"fits on one {args.hardware} ({capacity / 2**30:,.0f} GiB), {(capacity - total) / 2**30:,.1f} GiB "
-               f"to spare" if total <= capacity else f"does NOT fit on one {args.hardware} "
-               f"({capacity / 2**30:,.0f} GiB): {(total - capacity) / 2**30:,.1f} GiB over")
+    spare = est.headroom(capacity)
+    verdict = (f"fits on one {args.hardware} ({capacity / 2**30:,.0f} GiB), {spare / 2**30:,.1f} GiB to spare"
+               if spare >= 0 else f"does NOT fit on one {args.hardware} ({capacity / 2**30:,.0f} GiB): "
+               f"{-spare / 2**30:,.1f} GiB over")
     print(f"verdict: {verdict}")
     return 0
 

@@ -64,6 +64,11 @@ class MemoryEstimate:
         return {"num_params": self.num_params, "per_gpu_bytes": dict(self.per_gpu),
                 "activations_breakdown": dict(self.activations_breakdown)}
 
+    def headroom(self, capacity_bytes: int) -> int:
+        """Bytes left on a device of `capacity_bytes`, negative when the layout needs that much more: the one
+        "does it fit" rule that the CLI's verdict and the memory widget share."""
+        return capacity_bytes - self.per_gpu["total"]
+
 
 def static_bytes(num_params: int, precision: str = "mixed", *, zero: int = 0, dp: int = 1,
                  fp32_grad_accum: bool = False) -> dict[str, int]:

@@ -24,6 +24,12 @@ from lab.config import PP_SCHEDULES
 
 F, B, W = "F", "B", "W"
 SCHEDULES = (*PP_SCHEDULES, "dualpipe")  # lab.train runs the first four; DualPipe lives in the simulator
+INTERLEAVED_CHUNKS = 2  # layer chunks per rank when an interleaved schedule names none (calc, widgets, train)
+
+
+def chunks_or_default(schedule: str, chunks: int | None) -> int:
+    """The chunks per rank a schedule runs with: those given, else INTERLEAVED_CHUNKS for interleaved, else 1."""
+    return chunks if chunks is not None else INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
 
 
 @dataclass(frozen=True, order=True)

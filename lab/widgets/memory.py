@@ -72,7 +72,7 @@ class MemoryCalculator(Explorer):
 
         per_gpu, capacity = self.estimate.per_gpu, HARDWARE[v["gpu"]].memory_bytes
         total = per_gpu["total"]
-        fits = total <= capacity
+        fits = self.estimate.headroom(capacity) >= 0
         fig, ax = plt.subplots(figsize=(6.5, 1.9))
         left = 0.0
         for part, colour in PARTS:

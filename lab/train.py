@@ -75,11 +75,22 @@ class StepLog:
         return {k: v for k, v in self.__dict__.items() if v is not None or k == "peak_bytes"}
 
 
+def _error_once(prog: str, message: str) -> int:
+    """Print one `error:` line for the whole launch and give the exit status, 2. Under torchrun every rank meets
+    the same error: rank 0 prints it, the others wait a moment before exiting, since torchrun stops the whole
+    group as soon as one rank exits non-zero and could otherwise stop rank 0 before its line is out."""
+    if lab_dist.launched_by_torchrun() and os.environ["RANK"] != "0":
+        time.sleep(2.0)
+    else:
+        print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """Bad flags end in one line naming the problem (argparse's default also dumps the usage)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(_error_once(self.prog, f"{message} (see --help)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -448,10 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, nproc = config_from_args(args)
     except ValueError as err:
-        # Under torchrun every rank gets here with the same error: one line, from rank 0, and every rank exits 2.
-        if not lab_dist.launched_by_torchrun() or os.environ["RANK"] == "0":
-            print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+        return _error_once(parser.prog, str(err))
     start = time.perf_counter()
     try:
         logs = run(config, nproc, args.log_json, verbose=not args.quiet)

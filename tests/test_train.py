@@ -182,11 +182,24 @@ def test_dp_is_inferred_from_the_launched_ranks_by_one_rule(monkeypatch, args, w
 ])
 def test_under_torchrun_only_rank_0_prints_the_one_line_and_every_rank_exits_2(monkeypatch, capsys, args, message):
     monkeypatch.setattr(lab.train, "run", lambda *a, **k: pytest.fail("started training"))
+    monkeypatch.setattr(lab.train.time, "sleep", lambda s: None)  # the other ranks' wait for rank 0's line
     for rank in (0, 1):
         _torchrun_env(monkeypatch, rank, 4)
         assert main(["--config", "configs/tiny.toml", *args]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err == (f"python -m lab.train: error: {message}\n" if rank == 0 else "")
+
+
+def test_under_torchrun_a_bad_flag_is_one_line_from_rank_0_too(monkeypatch, capsys):
+    monkeypatch.setattr(lab.train.time, "sleep", lambda s: None)
+    for rank in (0, 1):
+        _torchrun_env(monkeypatch, rank, 2)
+        with pytest.raises(SystemExit) as exit_:
+            main(["--tpp", "2"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err == ("python -m lab.train: error: unrecognized arguments: --tpp 2 (see --help)\n" if rank == 0
+                       else "")
 
 
 def test_cuda_without_cuda_is_one_line(monkeypatch, capsys):

@@ -32,16 +32,17 @@ CASES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--grad-accum", "--microbatches", dest="grad_accum", type=int, default=8,
+                        help="micro-batches per step (lab train's name; --microbatches is the old one)")
     parser.add_argument("--unit", type=float, default=0.05, help="seconds per unit of synthetic work")
     args = parser.parse_args()
     tf, tb, tw = 1.0 * args.unit, 2.0 * args.unit, 1.0 * args.unit
-    print(f"tiny model, {args.microbatches} micro-batches, t_f={tf * 1e3:.0f} ms, t_b={tb * 1e3:.0f} ms "
+    print(f"tiny model, {args.grad_accum} micro-batches, t_f={tf * 1e3:.0f} ms, t_b={tb * 1e3:.0f} ms "
           f"(t_w={tw * 1e3:.0f} ms for zb-h1) of synthetic work per op")
     print(f"{'pp':>3} {'schedule':>12} {'measured s':>11} {'simulated s':>12} {'ratio':>6} {'bubble (sim)':>13}")
     for pp in args.pp:
         for name, chunks in CASES:
-            schedule = make_schedule(name, pp, args.microbatches, chunks)
+            schedule = make_schedule(name, pp, args.grad_accum, chunks)
             timings = run(timed_step, pp, CFG, schedule, tf, tb, tw, timeout_s=600)
             measured = max(t.end for rank in timings for t in rank)
             sim = simulate(schedule, tf, tb, tw)

@@ -100,3 +100,9 @@ def test_random_configs_are_valid_and_awkward():
     configs = [ch01.random_config(rng, gqa=True, tied=False, free_head_dim=True) for _ in range(50)]
     assert all(c.n_heads * c.head_dim != c.d_model for c in configs)
     assert any(c.n_kv_heads not in (1, c.n_heads) for c in configs)
+
+
+def test_an_answer_n_gpus_times_too_large_is_named():
+    exercise_id, replace, must_fail = MUTANTS["n_gpus_ignored"]
+    for check in CHAPTER.grade(exercise_id, replace, only=must_fail).checks:
+        assert "times the expected values (n_gpus = " in check.message and "n_gpus · peak" in check.hint, check

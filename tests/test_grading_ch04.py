@@ -176,3 +176,10 @@ def test_the_plans_cover_every_case():
              ((ch04._spec(rng, ["X", "Y"]), ch04._spec(rng, ["X", "Y"])) for _ in range(200))
              if not (a[1] is not None and a[1] == b[1] and (a[0] == a[1] or b[1] == b[0]))}
     assert cases == {1, 2, 3, 4}
+
+
+def test_gradients_tp_times_too_large_are_named():
+    """g's backward all-reduced: every weight gradient is exactly tp times too large, and the message says so."""
+    exercise_id, replace, must_fail = MUTANTS["g_backward_all_reduces_too"]
+    check, = CHAPTER.grade(exercise_id, replace, only=must_fail).checks
+    assert "times the expected values (tp = " in check.message and "g's backward is the identity" in check.hint, check

@@ -12,7 +12,7 @@ from lab.calc.flops import mfu, training_flops
 from lab.calc.memory import korthikanti_layer_bytes, static_bytes
 from lab.calc.params import count_params
 from lab.config import ModelConfig
-from lab.grading.checks import describe, exercise, expect_close, expect_equal
+from lab.grading.checks import Mistake, describe, exercise, expect_close, expect_equal
 
 
 def random_config(rng: random.Random, *, gqa: bool, tied: bool, free_head_dim: bool = False) -> ModelConfig:
@@ -187,9 +187,11 @@ def _mfu(student, rng: random.Random, n_gpus: int, seq_range: tuple[int, int]) -
         cfg, seq = random_config(rng, gqa=True, tied=rng.random() < 0.5), rng.randrange(*seq_range)
         tokens, step_time, peak = seq * rng.randrange(1, 1025), rng.uniform(0.05, 20.0), rng.uniform(1e14, 2e15)
         expected = mfu(training_flops(cfg, seq, tokens), step_time, n_gpus, peak)
+        shared = [Mistake(n_gpus, "n_gpus", "the step's FLOPs are done by all n_gpus together: divide by "
+                                            "n_gpus · peak, not by one GPU's peak")] if n_gpus > 1 else []
         expect_close(student.mfu(cfg, seq, tokens, step_time, n_gpus, peak), expected,
                      f"mfu({describe(cfg)}, seq_len={seq}, tokens_per_step={tokens}, step_time_s={step_time!r}, "
-                     f"n_gpus={n_gpus}, peak_flops={peak!r})")
+                     f"n_gpus={n_gpus}, peak_flops={peak!r})", mistakes=shared)
 
 
 @MFU.check(points=1, hint="training costs 6·N FLOPs per token (2N forward, 4N backward) plus attention")

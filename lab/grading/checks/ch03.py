@@ -6,7 +6,10 @@ this rank's rows of each global batch, and reports plain numbers: per-step losse
 every gradient and parameter, collective calls and bytes, bytes held. The checks here run the same steps in
 one process on the whole batch (`lab.model`, `lab.parallel.dp`) and compare, after every step and on every
 rank; bucket sizes, shard sizes and bytes come from `lab.parallel.dp.BucketedDP` and
-`lab.calc.memory.static_bytes`. Configs are random and awkward: odd widths, so that no block's parameter count
+`lab.calc.memory.static_bytes`. A second DP driver (`grads_with_unused_layer`) runs one backward through two
+Linear layers of which the forward uses one: a bucket that backward never completes must still be averaged.
+A gradient, norm or SGD update that is exactly dp (or 1/dp) times the reference is named as the mistake
+behind it. Configs are random and awkward: odd widths, so that no block's parameter count
 divides by 2 or 3 and every shard ends in padding. The DP and ZeRO-3 drivers take plain SGD steps, so that a
 gradient off by a factor of dp shows in the parameters (AdamW would normalise it away); ZeRO-1, whose point is
 the optimizer's states, uses AdamW and also reports the global gradient norm.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from lab.grading.checks import RANKS, CheckFailed, exercise, expect_allclose, generator, per_rank
+from lab.grading.checks import RANKS, CheckFailed, Mistake, exercise, expect_allclose, generator, per_rank
 
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
@@ -82,6 +82,11 @@ def mlp_output(student, rng):
         expect_allclose(got.get("y"), run["ref"]["y"].flatten().tolist(), f"{run['call']}: rank {rank}'s y")
 
 
+def _g_backward_all_reduced(tp: int) -> list[Mistake]:
+    return [Mistake(tp, "tp", "g's backward is the identity: the gradient of y is the same on every rank already, "
+                              "and all-reducing it multiplies every gradient below it by tp")]
+
+
 @COLUMN_ROW.check(points=2, hint="each rank's column layer sends x's gradient back through its own slice of W1 "
                                  "only: a partial sum; f's backward all-reduces it, so every rank gets the whole")
 def mlp_input_grad(student, rng):
@@ -90,7 +95,7 @@ def mlp_input_grad(student, rng):
         results, run = _mlp(student, rng, world)
         for rank, got in enumerate(results):
             expect_allclose(got.get("x_grad"), run["ref"]["x_grad"].flatten().tolist(),
-                            f"{run['call']}: rank {rank}'s x.grad")
+                            f"{run['call']}: rank {rank}'s x.grad", mistakes=_g_backward_all_reduced(world))
 
 
 @COLUMN_ROW.check(points=1, hint="g's backward is the identity: the gradient of y is already the same on every "
@@ -101,9 +106,11 @@ def mlp_weight_grads(student, rng):
     results, run = _mlp(student, rng, world)
     for rank, got in enumerate(results):
         expect_allclose(got.get("w1_grad"), _chunk(run["ref"]["w1_grad"], world, 0, rank),
-                        f"{run['call']}: rank {rank}'s gradient of its W1 rows (column-parallel)")
+                        f"{run['call']}: rank {rank}'s gradient of its W1 rows (column-parallel)",
+                        mistakes=_g_backward_all_reduced(world))
         expect_allclose(got.get("w2_grad"), _chunk(run["ref"]["w2_grad"], world, 1, rank),
-                        f"{run['call']}: rank {rank}'s gradient of its W2 columns (row-parallel)")
+                        f"{run['call']}: rank {rank}'s gradient of its W2 columns (row-parallel)",
+                        mistakes=_g_backward_all_reduced(world))
 
 
 @COLUMN_ROW.check(points=1, hint="one dist.all_reduce in g's forward and one in f's backward, each of the whole "
@@ -149,7 +156,10 @@ def _cross_entropy(student, rng: random.Random, world: int, scale: float) -> tup
 
 def _expect_loss(results: list, run: dict) -> None:
     for rank, got in enumerate(results):
-        expect_allclose([got.get("loss")], [run["ref"]["loss"]], f"{run['call']}: rank {rank}'s loss", tol=1e-5)
+        summed = Mistake(run["world"], "tp", "once the max, the sum of exponentials and the target's logit are "
+                                             "all-reduced, every rank holds the whole loss: do not all-reduce it")
+        expect_allclose([got.get("loss")], [run["ref"]["loss"]], f"{run['call']}: rank {rank}'s loss", tol=1e-5,
+                        mistakes=[summed])
 
 
 @CROSS_ENTROPY.check(points=2, hint="log Σ_v exp(z_v) runs over the whole vocabulary: all-reduce the max (op MAX) "
@@ -169,8 +179,10 @@ def ce_grad(student, rng):
     for world in (3, 4):
         results, run = _cross_entropy(student, rng, world, rng.uniform(1.0, 4.0))
         for rank, got in enumerate(results):
+            mean = [Mistake(run["tokens"], "n_tokens", "the loss is the mean over the tokens: divide the gradient "
+                                                       "by their number too")] if run["tokens"] > 1 else []
             expect_allclose(got.get("grad"), _chunk(run["ref"]["grad"], world, -1, rank),
-                            f"{run['call']}: rank {rank}'s gradient of its logits shard", tol=1e-5)
+                            f"{run['call']}: rank {rank}'s gradient of its logits shard", tol=1e-5, mistakes=mean)
 
 
 @CROSS_ENTROPY.check(points=1, hint="exp(z) overflows float32 above z ≈ 88: subtract each token's max over the "

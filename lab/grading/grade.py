@@ -163,10 +163,11 @@ def _submission_times(path: Path | None) -> dict[str, dt.datetime]:
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             try:
+                student = row["student"].strip()
                 when = dt.datetime.fromisoformat(row["submitted_at"].replace("Z", "+00:00"))
             except (KeyError, ValueError, AttributeError):
                 raise ValueError(f"{path}: needs columns student,submitted_at (ISO 8601); got {row}") from None
-            times[row["student"].strip()] = when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
+            times[student] = when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
     return times
 
 
@@ -236,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"were found; use --out and --feedback-dir for a class")
         exercises = select_exercises([p for _, p in submissions], assignment)
         times = _submission_times(args.submission_times)
-        if args.submission_times:
+        if args.submission_times and not assignment:
+            warn("--submission-times is unused without --assignment (the due date and late policy are the "
+                 "assignment's)")
+        elif args.submission_times:
             check_times(times, sorted({owner(sid) for sid, _ in submissions}), args.submission_times, warn)
         if not args.seed_secret:
             warn("no class secret (--seed-secret or $LAB_SEED_SECRET): grading uses the public seed, so learners "

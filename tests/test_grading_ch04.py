@@ -169,7 +169,7 @@ def test_the_references_agree_with_lab_parallel():
 def test_the_plans_cover_every_case():
     import random
 
-    from lab.widgets.sharding import matmul_plan
+    from lab.calc.sharding import matmul_plan
 
     rng = random.Random(0)
     cases = {matmul_plan(tuple(a), tuple(b)).case for a, b in

@@ -7,15 +7,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from lab.widgets.sharding import (  # noqa: E402
-    block_owners,
-    draw_matmul,
-    draw_sharded,
-    local_shape,
-    matmul_plan,
-    notation,
-    run_matmul_case,
-)
+from lab.calc.sharding import block_owners, local_shape, matmul_plan, notation  # noqa: E402
+from lab.widgets.sharding import draw_matmul, draw_sharded, run_matmul_case  # noqa: E402
 
 MESH = {"X": 2, "Y": 4}
 

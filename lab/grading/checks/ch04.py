@@ -9,16 +9,16 @@ result that the rank must hold (the rules of `lab.parallel.tp` and `lab.parallel
 odd batch sizes and widths, and the world size divides only what tensor parallelism splits (the output features,
 the vocabulary, the sequence).
 
-The sharded-matmul exercise is compared with `lab.widgets.sharding.matmul_plan` on random shardings.
+The sharded-matmul exercise is compared with `lab.calc.sharding.matmul_plan` (torch-free) on random shardings.
 
-torch and `lab.widgets.sharding` (which brings ipywidgets) are imported inside the functions: `lab.check` of
-other chapters loads this module too.
+torch is imported inside the functions: `lab.check` of other chapters loads this module too.
 """
 
 from __future__ import annotations
 
 import random
 
+from lab.calc.sharding import matmul_plan
 from lab.grading.checks import RANKS, CheckFailed, Mistake, exercise, expect_allclose, generator, per_rank
 
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
@@ -223,12 +223,6 @@ def _spec(rng: random.Random, axes: list[str]) -> list:
 
 def _normal(text) -> str:
     return " ".join(str(text).split()).lower()
-
-
-def matmul_plan(a: tuple, b: tuple, reduce_scatter: bool = False):
-    from lab.widgets.sharding import matmul_plan as plan
-
-    return plan(a, b, reduce_scatter=reduce_scatter)
 
 
 def _expect_plan(student, a: list, b: list, reduce_scatter: bool) -> None:

@@ -10,21 +10,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lab.calc.cp import attention_work, block_work, chunk_ids, num_chunks
 from lab.config import PRESETS, ParallelConfig
 from lab.dist import Mesh, RankError, count_collectives, run
 from lab.model import build_model, materialize
 from lab.parallel.cp import (
     apply_context_parallel,
-    attention_work,
-    chunk_ids,
     layout_of,
-    num_chunks,
     sequence_positions,
     shard_sequence,
     ulysses_attention,
     unshard_sequence,
 )
-from lab.parallel.ring_attention import block_work, merge, ring_attention
+from lab.parallel.ring_attention import merge, ring_attention
 
 B, H, KV, D = 2, 4, 2, 8  # GQA: 2 query heads per KV head
 NAMES = ("out", "dq", "dk", "dv")

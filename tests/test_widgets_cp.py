@@ -11,8 +11,7 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from lab.parallel.cp import attention_work, chunk_ids, num_chunks  # noqa: E402
-from lab.parallel.ring_attention import block_work  # noqa: E402
+from lab.calc.cp import attention_work, block_work, chunk_ids, num_chunks  # noqa: E402
 from lab.widgets.cp import ring_attention_explorer, ring_schedule, source_rank  # noqa: E402
 
 

@@ -17,7 +17,12 @@ rank over NVLink, ≈ 9.9k over one 400 Gb/s InfiniBand NIC. One NIC, not a node
 point-to-point, every rank waits for the slowest hop, and the hop that crosses between nodes leaves from one
 GPU through its own NIC (unlike a multi-rail ring collective, `lab.calc.comms`). Fewer KV heads (GQA) make
 the ring cheaper.
-Torch-free, like the rest of `lab.calc`.
+
+The layout rules live here too, torch-free, so that the executor (`lab.parallel.cp`,
+`lab.parallel.ring_attention`), the ring-attention widget and the checks share one description: which global
+chunks a rank holds (`chunk_ids`: contiguous, or zig-zag's r and 2·cp−1−r), how a query chunk meets a key
+chunk under a causal mask (`block_kind`: full, diagonal or skipped) and the query-key pairs each rank scores
+(`attention_work`). Torch-free, like the rest of `lab.calc`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,56 @@ from dataclasses import asdict, dataclass
 from lab.calc.hardware import get_accelerator
 from lab.calc.network import LINKS
 from lab.config import ModelConfig
+
+LAYOUTS = ("contiguous", "zigzag")
+FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"  # kind of a (query chunk, key chunk) block under a causal mask
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {', '.join(map(repr, LAYOUTS))}")
+
+
+def num_chunks(cp: int, layout: str) -> int:
+    """How many equal chunks the sequence is cut into: cp (contiguous) or 2·cp (zig-zag)."""
+    _check_layout(layout)
+    return cp if layout == "contiguous" else 2 * cp
+
+
+def chunk_ids(rank: int, cp: int, layout: str) -> list[int]:
+    """The global chunks rank `rank` holds, in the order it lays them out: [r] or [r, 2·cp-1-r]."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank={rank} must be in [0, {cp})")
+    return [rank] if num_chunks(cp, layout) == cp else [rank, 2 * cp - 1 - rank]
+
+
+def check_sequence(seq_len: int, cp: int, layout: str) -> None:
+    """One clear error when the sequence cannot be cut into this layout's equal chunks."""
+    n = num_chunks(cp, layout)
+    if seq_len % n:
+        rule = f"2*cp = {n}" if layout == "zigzag" else f"cp = {n}"
+        raise ValueError(f"seq_len={seq_len} must be divisible by {rule} for the {layout} layout")
+
+
+def block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
+    """How query chunk `q_chunk` attends to key chunk `k_chunk` (global chunk indices)."""
+    if not causal or k_chunk < q_chunk:
+        return FULL
+    return DIAGONAL if k_chunk == q_chunk else SKIP
+
+
+def block_work(kind: str, q_len: int, k_len: int) -> int:
+    """Query-key pairs a block scores: the useful work that load balancing is about."""
+    return {FULL: q_len * k_len, DIAGONAL: q_len * (q_len + 1) // 2, SKIP: 0}[kind]
+
+
+def attention_work(seq_len: int, cp: int, layout: str, causal: bool = True) -> list[int]:
+    """Query-key pairs each rank scores in ring attention (the schedule's work, without running it)."""
+    check_sequence(seq_len, cp, layout)
+    chunk = seq_len // num_chunks(cp, layout)
+    every = [c for r in range(cp) for c in chunk_ids(r, cp, layout)]
+    return [sum(block_work(block_kind(q, k, causal), chunk, chunk) for q in chunk_ids(r, cp, layout) for k in every)
+            for r in range(cp)]
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from lab.calc.cp import check_sequence, chunk_ids, num_chunks
 from lab.collectives.p2p import group_info
 from lab.config import CP_IMPLS
 from lab.model import Transformer, causal_attention
 from lab.parallel.a2a import all_to_all
-from lab.parallel.ring_attention import block_kind, block_work, ring_attention
-
-LAYOUTS = ("contiguous", "zigzag")
+from lab.parallel.ring_attention import ring_attention
 
 
 def layout_of(impl: str) -> str:
@@ -43,32 +42,6 @@ def layout_of(impl: str) -> str:
     if impl not in CP_IMPLS:
         raise ValueError(f"cp_impl={impl!r} must be one of {', '.join(map(repr, CP_IMPLS))}")
     return "zigzag" if impl == "zigzag" else "contiguous"
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {', '.join(map(repr, LAYOUTS))}")
-
-
-def num_chunks(cp: int, layout: str) -> int:
-    """How many equal chunks the sequence is cut into: cp (contiguous) or 2·cp (zig-zag)."""
-    _check_layout(layout)
-    return cp if layout == "contiguous" else 2 * cp
-
-
-def chunk_ids(rank: int, cp: int, layout: str) -> list[int]:
-    """The global chunks rank `rank` holds, in the order it lays them out: [r] or [r, 2·cp-1-r]."""
-    if not 0 <= rank < cp:
-        raise ValueError(f"rank={rank} must be in [0, {cp})")
-    return [rank] if num_chunks(cp, layout) == cp else [rank, 2 * cp - 1 - rank]
-
-
-def check_sequence(seq_len: int, cp: int, layout: str) -> None:
-    """One clear error when the sequence cannot be cut into this layout's equal chunks."""
-    n = num_chunks(cp, layout)
-    if seq_len % n:
-        rule = f"2*cp = {n}" if layout == "zigzag" else f"cp = {n}"
-        raise ValueError(f"seq_len={seq_len} must be divisible by {rule} for the {layout} layout")
 
 
 def shard_sequence(x: torch.Tensor, rank: int, cp: int, layout: str, dim: int = 1) -> torch.Tensor:
@@ -92,15 +65,6 @@ def unshard_sequence(parts: list[torch.Tensor], layout: str, dim: int = 1) -> to
         for i, piece in zip(ids, part.chunk(len(ids), dim=dim), strict=True):
             chunks[i] = piece
     return torch.cat(chunks, dim=dim)
-
-
-def attention_work(seq_len: int, cp: int, layout: str, causal: bool = True) -> list[int]:
-    """Query-key pairs each rank scores in ring attention (the schedule's work, without running it)."""
-    check_sequence(seq_len, cp, layout)
-    chunk = seq_len // num_chunks(cp, layout)
-    every = [c for r in range(cp) for c in chunk_ids(r, cp, layout)]
-    return [sum(block_work(block_kind(q, k, causal), chunk, chunk) for q in chunk_ids(r, cp, layout) for k in every)
-            for r in range(cp)]
 
 
 def _swap(x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup | None) -> torch.Tensor:

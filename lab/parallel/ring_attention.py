@@ -10,7 +10,7 @@ on and the one arriving). The partial results are merged with the log-sum-exp ru
 which is exact, because softmax over all keys is the softmax over each block, reweighted by how much of
 the total mass (e^lse) each block holds.
 
-A rank's sequence is a list of equal *chunks* of the global sequence (`lab.parallel.cp` decides which:
+A rank's sequence is a list of equal *chunks* of the global sequence (`lab.calc.cp` decides which:
 one contiguous chunk, or two in zig-zag order). With a causal mask a query chunk attends to a key chunk
 fully (an earlier chunk), diagonally (the same chunk: lower triangle) or not at all (a later chunk: the
 block is skipped, no work done). That skipping is what makes the contiguous split unbalanced and the
@@ -30,22 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lab.calc.cp import DIAGONAL, SKIP, block_kind
 from lab.collectives.p2p import group_info
-
-# kind of a (query chunk, key chunk) block under a causal mask
-FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"
-
-
-def block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
-    """How query chunk `q_chunk` attends to key chunk `k_chunk` (global chunk indices)."""
-    if not causal or k_chunk < q_chunk:
-        return FULL
-    return DIAGONAL if k_chunk == q_chunk else SKIP
-
-
-def block_work(kind: str, q_len: int, k_len: int) -> int:
-    """Query-key pairs a block scores: the useful work that load balancing is about."""
-    return {FULL: q_len * k_len, DIAGONAL: q_len * (q_len + 1) // 2, SKIP: 0}[kind]
 
 
 def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -201,7 +187,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     """Attention of this rank's queries q (B, H, T_local, D) to the keys and values of every rank.
 
     `chunks[r]` lists the global chunk indices rank r holds, in the order they are laid out in its
-    q, k, v (see `lab.parallel.cp.chunk_ids`); k and v may have fewer heads than q (GQA). `on_block(step,
+    q, k, v (see `lab.calc.cp.chunk_ids`); k and v may have fewer heads than q (GQA). `on_block(step,
     source rank, query chunk, key chunk, kind)` is called for every block in the forward pass (to draw the
     ring, or count the work). Differentiable; the backward pass communicates over the same ring.
     """

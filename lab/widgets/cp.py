@@ -1,19 +1,19 @@
 """The ring attention explorer: which rank computes which block of the attention matrix, and at which step.
 
 In ring attention the queries stay on their rank and the keys and values travel: at ring step i, rank r
-holds the K/V of rank (r − i) mod cp. The sequence is cut into the layout's chunks (`lab.parallel.cp`):
+holds the K/V of rank (r − i) mod cp. The sequence is cut into the layout's chunks (`lab.calc.cp`):
 cp contiguous chunks, or 2·cp chunks in zig-zag order (rank r holds chunks r and 2·cp−1−r).
 
 The left panel is the global attention matrix, query chunks × key chunks. Each block is coloured by the
 rank that computes it (the one holding its queries) and labelled with the ring step at which it does; the
 blocks of the selected step are drawn solid and outlined, the others faded. Under a causal mask a block on
 the diagonal is a triangle and a block above it is skipped (grey, no work at all). The right panel counts
-the query-key pairs each rank scores (`lab.parallel.cp.attention_work`), the selected step's share darker.
+the query-key pairs each rank scores (`lab.calc.cp.attention_work`), the selected step's share darker.
 With a causal mask the contiguous layout leaves the last rank (2·cp−1)/cp times the mean; zig-zag brings
 that to 1.
 
-The chunk and block rules are `lab.parallel.cp`'s and `lab.parallel.ring_attention`'s — the code that
-really runs — imported on first use (they import torch), so `import lab.widgets.cp` stays instant. A
+The chunk and block rules are `lab.calc.cp`'s, the torch-free description the code that really runs
+(`lab.parallel.cp`, `lab.parallel.ring_attention`) also follows, so `import lab.widgets.cp` stays instant. A
 sequence length the layout cannot cut shows their one-line error instead of the chart.
 """
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
+from lab.calc.cp import LAYOUTS, attention_work, block_kind, block_work, check_sequence, chunk_ids, num_chunks
 from lab.widgets.base import Explorer, show_figure
 
-LAYOUTS = ("contiguous", "zigzag")
 MIN_CP, MAX_CP = 2, 8
 MAX_SEQ = 10_000_000  # tokens: beyond any context length in use
 DEFAULT_SEQ = 1680  # divisible by 2·cp for every cp from 2 to 8: every choice of the controls is valid
@@ -38,9 +38,6 @@ def source_rank(rank: int, step: int, cp: int) -> int:
 def ring_schedule(cp: int, layout: str, causal: bool = True) -> list[dict]:
     """Every (query chunk, key chunk) block of ring attention, in the order the ranks meet them:
     {"step", "rank" (computes it: holds the queries), "source" (whose K/V), "q", "k", "kind"}."""
-    from lab.parallel.cp import chunk_ids
-    from lab.parallel.ring_attention import block_kind
-
     if not (isinstance(cp, int) and cp >= 1):
         raise ValueError(f"cp={cp!r} must be an integer >= 1")
     chunks = [chunk_ids(r, cp, layout) for r in range(cp)]
@@ -119,8 +116,6 @@ class RingAttentionExplorer(Explorer):
         super()._on_change(change)
 
     def _validate(self, v: dict) -> str | None:
-        from lab.parallel.cp import check_sequence
-
         seq = v["seq"]
         if not (isinstance(seq, int) and 1 <= seq <= MAX_SEQ):
             return f"seq={seq!r} must be an integer from 1 to {MAX_SEQ:,} (tokens)"
@@ -131,9 +126,6 @@ class RingAttentionExplorer(Explorer):
         return None
 
     def update(self) -> None:
-        from lab.parallel.cp import attention_work, num_chunks
-        from lab.parallel.ring_attention import block_work
-
         v = self.values()
         problem = self._validate(v)
         if problem:
@@ -151,8 +143,6 @@ class RingAttentionExplorer(Explorer):
         self._summarise(v, chunk)
 
     def _summarise(self, v: dict, chunk: int) -> None:
-        from lab.parallel.cp import chunk_ids
-
         cp, step = v["cp"], v["step"]
         mean = sum(self.work) / cp
         worst = max(range(cp), key=lambda r: self.work[r])
@@ -172,7 +162,6 @@ class RingAttentionExplorer(Explorer):
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
 
-        from lab.parallel.cp import num_chunks
 
         cp, step, n = v["cp"], v["step"], num_chunks(v["cp"], v["layout"])
         colours = rank_colours(cp)

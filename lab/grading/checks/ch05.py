@@ -7,14 +7,14 @@ all the keys at once. Scores in the hundreds catch an exp that overflows, rows m
 catch a NaN.
 
 The ring exercise's driver (`run_ring_attention`) draws q, k, v from a seed on every rank, keeps the rank's
-chunks of the sequence (the layout a check sends: contiguous, zig-zag from `lab.parallel.cp.chunk_ids`, or a
+chunks of the sequence (the layout a check sends: contiguous, zig-zag from `lab.calc.cp.chunk_ids`, or a
 shuffled one, so that the causal rule must compare *global* chunk indices), runs the student's forward inside
 `count_collectives`, and reports the output and the messages. The check draws the same tensors, computes full
 attention in one process in float64 with `lab.parallel.ring_attention.block_forward` (the whole sequence is one
 block: diagonal when causal) and compares every rank's output with its chunks of the result.
 
-The zig-zag and work exercises are compared with `lab.parallel.cp` (`chunk_ids`, `sequence_positions`,
-`attention_work`) at random cp and sequence lengths.
+The zig-zag and work exercises are compared with `lab.calc.cp` (`chunk_ids`, `attention_work`) and
+`lab.parallel.cp.sequence_positions` at random cp and sequence lengths.
 
 torch and `lab.parallel` are imported inside the functions: `lab.check` of other chapters loads this module too.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 
+from lab.calc.cp import DIAGONAL, FULL, attention_work, chunk_ids
 from lab.grading.checks import (
     RANKS,
     TORCH,
@@ -167,8 +168,6 @@ def _seq_len(rng: random.Random, cp: int) -> int:
                              "[r, 2·cp − 1 − r], the early one first")
 def zigzag_chunk_ids(student, rng):
     """rank r holds chunks r and 2·cp−1−r, in that order (cp up to 16)"""
-    from lab.parallel.cp import chunk_ids
-
     for cp in (2, rng.randrange(3, 9), rng.randrange(9, 17)):
         for rank in range(cp):
             expect_equal(student.zigzag_chunks(rank, cp), chunk_ids(rank, cp, "zigzag"),
@@ -228,7 +227,7 @@ def ring_reference(shape: list[int], causal: bool, seed: int):
     (`lab.parallel.ring_attention.block_forward`: with a causal mask the whole sequence is one diagonal block)."""
     import torch
 
-    from lab.parallel.ring_attention import DIAGONAL, FULL, block_forward
+    from lab.parallel.ring_attention import block_forward
 
     g = generator(seed)
     q, k, v = (torch.randn(shape, generator=g).double() for _ in range(3))
@@ -245,10 +244,8 @@ def rank_part(t, chunks: list[list[int]], rank: int):
 
 
 def random_layout(rng: random.Random, cp: int, kind: str) -> list[list[int]]:
-    """Every rank's global chunk indices: "contiguous", "zigzag" (`lab.parallel.cp`), or "shuffled" (a random
+    """Every rank's global chunk indices: "contiguous", "zigzag" (`lab.calc.cp`), or "shuffled" (a random
     permutation of `per_rank`·cp chunks, dealt out `per_rank` to a rank)."""
-    from lab.parallel.cp import chunk_ids
-
     if kind in ("contiguous", "zigzag"):
         return [chunk_ids(r, cp, kind) for r in range(cp)]
     per_rank = rng.randrange(1, 4)
@@ -333,8 +330,6 @@ def _work_cases(rng: random.Random, layout: str, n: int, max_cp: int = 16, max_c
 
 
 def _expect_work(student, cp: int, seq_len: int, layout: str) -> None:
-    from lab.parallel.cp import attention_work
-
     expect_equal(student.causal_work(seq_len, cp, layout), attention_work(seq_len, cp, layout),
                  f"causal_work(seq_len={seq_len}, cp={cp}, layout={layout!r})")
 
@@ -359,8 +354,6 @@ def work_zigzag(student, rng):
                            "balanced)")
 def work_imbalance(student, rng):
     """max/mean of the per-rank work, both layouts"""
-    from lab.parallel.cp import attention_work
-
     for layout in ("contiguous", "zigzag"):
         for cp, seq_len in _work_cases(rng, layout, 2):
             work = attention_work(seq_len, cp, layout)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lab.calc.bubble import simulate
 from lab.calc.memory import estimate_memory
-from lab.calc.schedules import make_schedule
+from lab.calc.schedules import make_schedule, rank_layers, virtual_stage_of
 from lab.config import PRESETS, ParallelConfig
 from lab.dist import count_collectives, run
 from lab.model import build_model, materialize
@@ -119,9 +119,22 @@ def test_ops_are_timed_in_schedule_order():
         assert all(a[3] <= b[1] for a, b in zip(spans, spans[1:], strict=False))
 
 
+def test_chunks_hold_the_layers_the_memory_model_counts():
+    """Megatron's round-robin (chunk c of rank r is virtual stage c·pp + r), as built and as costed."""
+    cfg = dataclasses.replace(CFG, n_layers=8)
+    assert rank_layers(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    for pp, chunks in ((2, 1), (2, 2), (4, 2)):
+        built = [[int(name) for c in range(chunks) for name in
+                  build_chunk(cfg, virtual_stage_of(rank, c, pp), pp * chunks, device="meta").layers]
+                 for rank in range(pp)]
+        assert built == rank_layers(8, pp, chunks)
+
+
 def test_bad_layouts_are_one_clear_line():
     with pytest.raises(ValueError, match=r"pp\*chunks = 3 must divide n_layers=4"):
         build_chunk(CFG, 0, 3)
+    with pytest.raises(ValueError, match=r"virtual_stage=4 must be in \[0, 4\)"):
+        build_chunk(CFG, 4, 4)
     with pytest.raises(ValueError, match="ties its embedding and output weights"):
         build_chunk(PRESETS["smollm-135m"], 0, 2, device="meta")
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from lab.calc.params import count_params
-from lab.calc.schedules import B, F, W, make_schedule
+from lab.calc.schedules import B, F, W, make_schedule, rank_layers
 from lab.config import ModelConfig, ParallelConfig
 
 # Bytes per parameter: (weights, gradients, optimizer states).
@@ -104,20 +104,13 @@ def _attention_on_rank(cfg: ModelConfig, tp: int) -> int:
     return q + kv + h * cfg.v_head_dim * d // tp
 
 
-def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[list[int]]:
-    """Layer indices of each pipeline rank: pp·virtual equal chunks dealt round-robin (interleaved 1F1B)."""
-    size = n_layers // (pp * virtual)
-    return [[i for c in range(rank, pp * virtual, pp) for i in range(c * size, (c + 1) * size)]
-            for rank in range(pp)]
-
-
 def stage_params(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
     """(dense, expert) parameters on one rank of pipeline stage `stage`. Experts are split by ep and, inside
     an expert, by tp (Megatron's default expert-tensor-parallel size). With tied embeddings and pp > 1 the
     last stage keeps its own copy of the embedding matrix for the output layer."""
     d, tp = cfg.d_model, parallel.tp
     dense = expert = 0
-    for layer in stage_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage]:
+    for layer in rank_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage]:
         dense += _attention_on_rank(cfg, tp) + 2 * d
         if cfg.is_moe_layer(layer):
             dense += d * cfg.n_experts + cfg.n_shared_experts * 3 * d * cfg.d_ff_expert // tp
@@ -248,7 +241,7 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
     tp, sp, cp, recompute = parallel.tp, parallel.sp, parallel.cp, parallel.recompute
     s, b, h = seq // cp, mbs, cfg.d_model
     layer_multiple, embedding_micro_batches, logits_micro_batches = _in_flight(parallel, stage)
-    n_layers = len(stage_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage])
+    n_layers = len(rank_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage])
     first, last = stage == 0, stage == parallel.pp - 1
     if activation_model == "exact":
         rope = 4 * s * cfg.head_dim  # cos and sin, (s, head_dim/2) each, shared by all layers

@@ -4,6 +4,9 @@ An operation is a forward (F), a backward (B) or — in zero-bubble schedules, w
 two — an input-gradient backward (B) followed later by a weight-gradient pass (W), for one micro-batch and
 one *chunk* of layers. Without interleaving a rank owns one chunk (its stage); with interleaving it owns v
 chunks, and chunk c of rank r is virtual stage c·p + r (Megatron's round-robin: rank 0 runs stages 0 and p).
+Virtual stage s of S runs the s-th of S equal slices of consecutive layers. `virtual_stage_layers` and
+`rank_layers` state that rule once for the executor (`lab.parallel.pp.build_chunk`) and the memory model
+(`lab.calc.memory`).
 
 The same objects drive the simulator (`lab.calc.bubble`) and the real pipeline (`lab.parallel.pp`), so what
 the bubble calculator draws is what the ranks execute. Torch-free.
@@ -25,6 +28,28 @@ from lab.config import PP_SCHEDULES
 F, B, W = "F", "B", "W"
 SCHEDULES = (*PP_SCHEDULES, "dualpipe")  # lab.train runs the first four; DualPipe lives in the simulator
 INTERLEAVED_CHUNKS = 2  # layer chunks per rank when an interleaved schedule names none (calc, widgets, train)
+
+
+def virtual_stage_of(rank: int, chunk: int, pp: int) -> int:
+    """Megatron's round-robin: chunk c of pipeline rank r is virtual stage c·pp + r."""
+    return chunk * pp + rank
+
+
+def virtual_stage_layers(n_layers: int, virtual_stage: int, virtual_stages: int) -> range:
+    """The layers virtual stage `virtual_stage` of `virtual_stages` runs: its equal slice of consecutive layers."""
+    if n_layers % virtual_stages:
+        raise ValueError(f"pp*chunks = {virtual_stages} must divide n_layers={n_layers}")
+    if not 0 <= virtual_stage < virtual_stages:
+        raise ValueError(f"virtual_stage={virtual_stage} must be in [0, {virtual_stages})")
+    size = n_layers // virtual_stages
+    return range(virtual_stage * size, (virtual_stage + 1) * size)
+
+
+def rank_layers(n_layers: int, pp: int, chunks: int = 1) -> list[list[int]]:
+    """Layer indices of each pipeline rank: its `chunks` virtual stages, dealt round-robin, in chunk order."""
+    return [[layer for chunk in range(chunks)
+             for layer in virtual_stage_layers(n_layers, virtual_stage_of(rank, chunk, pp), pp * chunks)]
+            for rank in range(pp)]
 
 
 def chunks_or_default(schedule: str, chunks: int | None) -> int:
@@ -71,7 +96,7 @@ class Schedule:
     def virtual_stage(self, rank: int, chunk: int) -> int:
         if self.bidirectional:
             return rank if chunk == 0 else self.pp - 1 - rank
-        return chunk * self.pp + rank
+        return virtual_stage_of(rank, chunk, self.pp)
 
     def rank_of(self, virtual_stage: int, chunk: int = 0) -> tuple[int, int]:
         """(rank, chunk) that runs a virtual stage (of the pipeline `chunk` runs in, when bidirectional)."""

@@ -1,9 +1,10 @@
 """Pipeline parallelism, executed: each rank holds a slice of the layers and runs a schedule's ops in order.
 
 The model is cut into pp·v equal chunks of consecutive layers (`build_chunk`); virtual stage s runs on rank
-s mod pp (Megatron's round-robin, so v > 1 is the interleaved layout). The first stage also owns the token
-embedding, the last the final norm, the output layer and the loss. Every rank then walks its list of ops
-from a `lab.calc.schedules.Schedule` — the very objects the bubble simulator plays:
+s mod pp (Megatron's round-robin, so v > 1 is the interleaved layout; the rule is `lab.calc.schedules`'s,
+shared with the memory model). The first stage also owns the token embedding, the last the final norm, the
+output layer and the loss. Every rank then walks its list of ops from a `lab.calc.schedules.Schedule` —
+the very objects the bubble simulator plays:
 
     F(mb, c)  receive the activations of micro-batch mb from the previous stage (the first stage embeds its
               tokens instead), run chunk c, send the output on (the last stage computes the loss instead)
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lab.calc.schedules import B, Op, Schedule, W
+from lab.calc.schedules import B, Op, Schedule, W, virtual_stage_layers
 from lab.collectives.p2p import group_info
 from lab.config import ModelConfig
 from lab.model import RMSNorm, Transformer, build_model, materialize
@@ -51,15 +52,13 @@ def build_chunk(cfg: ModelConfig, virtual_stage: int, virtual_stages: int, devic
     """The part of the model that virtual stage `virtual_stage` of `virtual_stages` runs: its layers (same
     names as in the whole model, so `materialize` gives them the very same initial weights), the embedding
     on the first stage, the final norm and output layer on the last."""
-    if cfg.n_layers % virtual_stages:
-        raise ValueError(f"pp*chunks = {virtual_stages} must divide n_layers={cfg.n_layers}")
+    layers = virtual_stage_layers(cfg.n_layers, virtual_stage, virtual_stages)
     if cfg.tie_embeddings and virtual_stages > 1:
         raise ValueError(f"{cfg.name} ties its embedding and output weights: pipeline parallelism would need the "
                          "first and last stages to share a gradient, which lab does not do yet")
-    size = cfg.n_layers // virtual_stages
     model = build_model(cfg)
     for name in list(model.layers):
-        if not virtual_stage * size <= int(name) < (virtual_stage + 1) * size:
+        if int(name) not in layers:
             del model.layers[name]
     if virtual_stage > 0:
         model.tok_embeddings = None

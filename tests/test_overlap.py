@@ -6,11 +6,12 @@ import functools
 
 import pytest
 
+from lab.calc.comms import zero3_overlap_ratio
 from lab.config import ModelConfig
 from lab.dist import run
 from lab.model import build_model, materialize
 from lab.parallel.dp import BucketedDP
-from lab.parallel.overlap import Span, make_engine, plot_timelines, step_timeline, zero3_overlap_ratio
+from lab.parallel.overlap import Span, make_engine, plot_timelines, step_timeline
 
 CONFIG = ModelConfig.from_preset("tiny", n_layers=3)
 BUCKET_MB = 0.05

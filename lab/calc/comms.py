@@ -38,6 +38,9 @@ What the model leaves out: congestion in the switches and the fabric's topology 
 wired), NCCL's choice of protocol and algorithm per size, in-switch reductions (NVLink SHARP), stragglers.
 On 1 and 2 H100 nodes it lands within a few percent of the playbook's measured all-reduce bus bandwidth
 (`network.PLAYBOOK_BUSBW`); from 4 nodes on the measurements fall 2-3x below it.
+
+`zero3_overlap_ratio` weighs a ZeRO-3 all-gather against the compute it must hide behind (playbook
+appendix A3): the measured timelines of `lab.parallel.overlap` are its executed counterpart.
 """
 
 from __future__ import annotations
@@ -193,3 +196,19 @@ def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, flo
     alpha = (sat * sbb - sbt * sab) / det
     beta = (saa * sbt - sab * sat) / det
     return max(alpha, 0.0), max(beta, 1e-15)
+
+
+def zero3_overlap_ratio(tokens: int, dp: int, peak_flops: float, bandwidth: float, bytes_per_param: float = 2) -> float:
+    """t_comm / t_compute for one block under ZeRO-3 (playbook appendix A3): ≤ 1 means the next block's
+    all-gather can hide behind this block's forward.
+
+    A block of P parameters: its all-gather moves bytes_per_param·P·(dp−1)/dp bytes through each rank's
+    link, its forward costs 2·P·tokens FLOPs (tokens = seq_len × micro-batch). P cancels:
+        ratio = bytes_per_param · (dp − 1)/dp · peak_flops / (2 · tokens · bandwidth).
+    A3 prints 1/(2·seq·mbs) · (dp−1)/dp · peak_flops/peak_bw: the same with bytes_per_param=1 (A3 counts
+    elements and calls them bytes); bf16 parameters (2 bytes) need twice the tokens to hide."""
+    for name, value in (("tokens", tokens), ("dp", dp), ("peak_flops", peak_flops), ("bandwidth", bandwidth),
+                        ("bytes_per_param", bytes_per_param)):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r} must be > 0")
+    return bytes_per_param * (dp - 1) / dp * peak_flops / (2 * tokens * bandwidth)

@@ -16,8 +16,8 @@ functions of `torch.distributed` (so torch's own DDP and FSDP2, which bypass the
     timelines = {kind: lab.dist.run(step_timeline, 2, kind)[0] for kind in ("naive", "bucketed")}
     plot_timelines(timelines)
 
-`zero3_overlap_ratio` is the other half of the story: appendix A3's condition for ZeRO-3's all-gathers to
-hide behind a block's compute on real hardware.
+`lab.calc.comms.zero3_overlap_ratio` is the other half of the story: appendix A3's condition for ZeRO-3's
+all-gathers to hide behind a block's compute on real hardware.
 """
 
 from __future__ import annotations
@@ -229,19 +229,3 @@ def plot_timelines(timelines: dict[str, dict], ax=None, title: str = "one traini
     legend += [Patch(color=_COLOURS[op], label=name) for op, name in TIMED_OPS.items() if op in shown]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return ax
-
-
-def zero3_overlap_ratio(tokens: int, dp: int, peak_flops: float, bandwidth: float, bytes_per_param: float = 2) -> float:
-    """t_comm / t_compute for one block under ZeRO-3 (playbook appendix A3): ≤ 1 means the next block's
-    all-gather can hide behind this block's forward.
-
-    A block of P parameters: its all-gather moves bytes_per_param·P·(dp−1)/dp bytes through each rank's
-    link, its forward costs 2·P·tokens FLOPs (tokens = seq_len × micro-batch). P cancels:
-        ratio = bytes_per_param · (dp − 1)/dp · peak_flops / (2 · tokens · bandwidth).
-    A3 prints 1/(2·seq·mbs) · (dp−1)/dp · peak_flops/peak_bw: the same with bytes_per_param=1 (A3 counts
-    elements and calls them bytes); bf16 parameters (2 bytes) need twice the tokens to hide."""
-    for name, value in (("tokens", tokens), ("dp", dp), ("peak_flops", peak_flops), ("bandwidth", bandwidth),
-                        ("bytes_per_param", bytes_per_param)):
-        if not value > 0:
-            raise ValueError(f"{name}={value!r} must be > 0")
-    return bytes_per_param * (dp - 1) / dp * peak_flops / (2 * tokens * bandwidth)

@@ -162,20 +162,29 @@ class ParallelConfig:
     as in TorchTitan. `sp` (sequence parallelism) only makes sense together with tp > 1.
     """
 
-    dp: int = 1
-    tp: int = 1
-    sp: bool = False
-    cp: int = 1
-    cp_impl: str = "zigzag"
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    ep: int = 1
-    zero: int = 0
-    dp_mode: str = "bucketed"
-    bucket_mb: float = 25.0
-    grad_accum: int = 1
-    recompute: str = "none"
+    # `metadata` is what `python -m lab.train` turns into its flags (--dp, --cp-impl, --pp-chunks, ...).
+    dp: int = field(default=1, metadata={"help": "data-parallel degree (default: the ranks tp x cp x pp leave)"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel degree"})
+    sp: bool = field(default=False, metadata={"help": "sequence parallelism (with --tp)"})
+    cp: int = field(default=1, metadata={"help": "context-parallel degree"})
+    cp_impl: str = field(default="zigzag", metadata={
+        "choices": CP_IMPLS, "help": "context parallelism: ring attention on contiguous or zig-zag chunks, or "
+                                     "Ulysses (default zigzag)"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel degree"})
+    pp_schedule: str = field(default="1f1b", metadata={
+        "choices": PP_SCHEDULES, "help": "pipeline schedule (default 1f1b); the micro-batches are --grad-accum's"})
+    pp_virtual_stages: int = field(default=1, metadata={
+        "flag": "--pp-chunks", "help": "layer chunks per pipeline rank (interleaved schedule; default 2 there)"})
+    ep: int = field(default=1, metadata={"help": "expert-parallel degree (carved out of dp x cp)"})
+    zero: int = field(default=0, metadata={"help": "ZeRO stage 0-3 over the dp x cp ranks (0: plain data "
+                                                   "parallelism)"})
+    dp_mode: str = field(default="bucketed", metadata={
+        "choices": DP_MODES, "help": "how plain data parallelism averages gradients (default bucketed)"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "MiB per gradient bucket for --dp-mode bucketed"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per step (gradient accumulation; a "
+                                                         "pipeline's micro-batches)"})
+    recompute: str = field(default="none", metadata={"choices": RECOMPUTE_MODES,
+                                                     "help": "activation recomputation (default none)"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -311,6 +320,36 @@ class Config:
         return config
 
 
+# The layouts that are valid (the calculators cost them) but that lab.train does not run, each with its reason.
+# One place, read by `lab.train.run` (the CLI and notebooks alike), and by anything that proposes layouts.
+UNSUPPORTED: tuple[tuple[str, tuple[str, ...], Any, str], ...] = (
+    ("zero>=2 with pp", ("zero", "pp"), lambda c: c.parallel.zero >= 2 and c.parallel.pp > 1,
+     "ZeRO-2/3 would free gradients (and parameters) between a pipeline's micro-batches, which need them; "
+     "use zero=1 with pp, as Megatron and DeepSeek-V3 do"),
+    ("zero with ep", ("zero", "ep"), lambda c: c.parallel.zero > 0 and c.parallel.ep > 1,
+     "experts' gradients are averaged over other ranks (ep_dp) than the rest (dp x cp), and lab's ZeRO shards "
+     "over one group; use zero=0 with ep"),
+    ("tp with mla", ("tp", "attention"), lambda c: c.parallel.tp > 1 and c.model.attention == "mla",
+     "tensor parallelism splits grouped-query attention heads, not MLA's latent projections; use tp=1"),
+    ("sp with moe", ("sp", "n_experts"), lambda c: c.parallel.sp and c.model.is_moe,
+     "each TP rank would route a shard of the tokens, which changes the router's balancing losses; use sp=False"),
+    ("pp with tied embeddings", ("pp", "tie_embeddings"), lambda c: c.parallel.pp > 1 and c.model.tie_embeddings,
+     "the first and last stages would have to share the embedding's gradient; untie them or use pp=1"),
+    ("zero-bubble with recompute", ("pp_schedule", "recompute"),
+     lambda c: c.parallel.pp > 1 and c.parallel.pp_schedule == "zb-h1" and c.parallel.recompute != "none",
+     "the zero-bubble schedule splits the backward by hand and keeps what it needs; use recompute='none'"),
+)
+
+
+def check_supported(config: Config) -> None:
+    """Raise ValueError, one line, if `lab.train` cannot run this (valid) layout: the rule, the values, why."""
+    for rule, names, applies, why in UNSUPPORTED:
+        if applies(config):
+            section = {n: config.parallel if hasattr(config.parallel, n) else config.model for n in names}
+            values = ", ".join(f"{n}={getattr(section[n], n)!r}" for n in names)
+            raise ValueError(f"lab.train does not run {rule} ({values}): {why}")
+
+
 def _replace_checked(obj: Any, values: dict, section: str, also_valid: tuple[str, ...] = ()) -> Any:
     """`dataclasses.replace` with a clear message for unknown keys and wrongly typed values. `also_valid` names
     keys the caller has already taken out (the model's `preset`), so that the message lists them too."""
@@ -349,8 +388,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML run config (or start from defaults) and apply `section.field=value` overrides."""
+def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> dict:
+    """The sections of a TOML run config (or none) with `section.field=value` overrides applied, not yet
+    validated: a caller may add more fields (the command line's flags) before `Config.from_dict`."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -359,7 +399,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
-    return Config.from_dict(apply_overrides(data, overrides or []))
+    return apply_overrides(data, overrides or [])
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML run config (or start from defaults) and apply `section.field=value` overrides."""
+    return Config.from_dict(read_config(path, overrides))
 
 
 def save_config(config: Config, path: str | Path) -> None:

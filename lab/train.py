@@ -14,46 +14,26 @@ Each chapter adds its flag here and a test showing its losses equal the single-p
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lab import dist as lab_dist
-from lab.calc.schedules import INTERLEAVED_CHUNKS, make_schedule
-from lab.config import (
-    CP_IMPLS,
-    DP_MODES,
-    PP_SCHEDULES,
-    RECOMPUTE_MODES,
-    Config,
-    apply_overrides,
-    load_config,
-    parse_override,
-)
-from lab.data import SyntheticTokens, shard_rows
+from lab.calc.schedules import INTERLEAVED_CHUNKS
+from lab.config import Config, ParallelConfig, check_supported, parse_override, read_config
+from lab.data import SyntheticTokens
 from lab.dist import Mesh
-from lab.model import MoE, build_model, materialize, moe_losses, num_params, set_recompute
-from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
-from lab.parallel.dp import NaiveDP
-from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
-from lab.parallel.pp import Pipeline, build_chunk
-from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
-from lab.parallel.zero import make_data_parallel
+from lab.model import MoE, build_model, moe_losses, num_params
+from lab.parallel.optim import adamw, clip_grad_norm
+from lab.parallel.parallelize import Parallelized, parallelize
 
 
 @dataclass
@@ -107,20 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--log-json", metavar="PATH", help="write one JSON object per step to PATH")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
-    group = p.add_argument_group("parallelism")
-    for name in ("dp", "tp", "cp", "pp", "ep", "grad-accum"):
-        group.add_argument(f"--{name}", type=int)
-    group.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (with --tp)")
-    group.add_argument("--zero", type=int, help="ZeRO stage 0-3 over the dp ranks (0: plain data parallelism)")
-    group.add_argument("--dp-mode", choices=DP_MODES, help="how plain data parallelism averages gradients "
-                                                          "(default bucketed)")
-    group.add_argument("--bucket-mb", type=float, help="MiB per gradient bucket for --dp-mode bucketed")
-    group.add_argument("--cp-impl", choices=CP_IMPLS, help="context parallelism: ring attention on contiguous "
-                                                          "or zig-zag chunks, or Ulysses (default zigzag)")
-    group.add_argument("--pp-schedule", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b); the "
-                                                                   "micro-batches are --grad-accum's")
-    group.add_argument("--pp-chunks", type=int, help="layer chunks per pipeline rank (interleaved schedule)")
-    group.add_argument("--recompute", choices=RECOMPUTE_MODES)
+    group = p.add_argument_group("parallelism (the fields of [parallel]; each flag sets one)")
+    for spec in dataclasses.fields(ParallelConfig):
+        flag, meta = spec.metadata.get("flag", "--" + spec.name.replace("_", "-")), spec.metadata
+        if spec.type == "bool":
+            group.add_argument(flag, dest=spec.name, action="store_true", default=None, help=meta["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[spec.type]
+            group.add_argument(flag, dest=spec.name, type=kind, choices=meta.get("choices"), help=meta["help"])
     return p
 
 
@@ -139,16 +113,6 @@ def infer_dp(world_size: int, parallel: dict) -> int | None:
     return world_size // others if world_size % others == 0 else None
 
 
-def _requested(path: str | None, overrides: list[str], section: str) -> dict:
-    """The fields of a config section the run asks for (file, then overrides), without defaults. An unreadable
-    file gives {}: load_config reports it."""
-    data: dict = {}
-    if path is not None and Path(path).is_file():
-        with contextlib.suppress(tomllib.TOMLDecodeError, UnicodeDecodeError):
-            data = tomllib.loads(Path(path).read_text())
-    return dict(apply_overrides(data, overrides).get(section, {}))
-
-
 def _world_size_launched(args: argparse.Namespace) -> int | None:
     """How many ranks run this: torchrun's WORLD_SIZE, else --nproc, else None (the layout decides)."""
     if args.nproc is not None and args.nproc < 1:
@@ -163,38 +127,31 @@ def _world_size_launched(args: argparse.Namespace) -> int | None:
 
 def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     """The run config (file < --set < flags) and the number of ranks; raises ValueError on bad input."""
-    overrides = list(args.set)
-    for section, name, value in (
-        ("model", "preset", args.model), ("train", "seq_len", args.seq),
-        ("train", "steps", args.steps), ("train", "seed", args.seed),
-        ("parallel", "dp", args.dp), ("parallel", "tp", args.tp), ("parallel", "cp", args.cp),
-        ("parallel", "pp", args.pp), ("parallel", "ep", args.ep), ("parallel", "grad_accum", args.grad_accum),
-        ("parallel", "zero", args.zero), ("parallel", "sp", args.sp), ("parallel", "dp_mode", args.dp_mode),
-        ("parallel", "bucket_mb", args.bucket_mb), ("parallel", "cp_impl", args.cp_impl),
-        ("parallel", "pp_schedule", args.pp_schedule), ("parallel", "pp_virtual_stages", args.pp_chunks),
-        ("parallel", "recompute", args.recompute),
-    ):
+    data = read_config(args.config, args.set)
+    model, parallel, train = (data.setdefault(section, {}) for section in ("model", "parallel", "train"))
+    for section, name, value in ((model, "preset", args.model), (train, "seq_len", args.seq),
+                                 (train, "steps", args.steps), (train, "seed", args.seed)):
         if value is not None:
-            overrides.append(f"{section}.{name}={json.dumps(value)}")
+            section[name] = value
+    flags = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ParallelConfig)}
+    parallel.update({name: value for name, value in flags.items() if value is not None})
     world = _world_size_launched(args)
-    requested = _requested(args.config, overrides, "parallel")
     # `--nproc 4` (or torchrun with 4 ranks) alone means "four data-parallel ranks"; a dp named on the command
     # line wins (a config file's dp is overridden, as a file cannot know how many ranks were launched).
-    names_dp = any(parse_override(o)[:2] == ("parallel", "dp") for o in overrides)
-    if world is not None and not names_dp and (dp := infer_dp(world, requested)) is not None:
-        overrides.append(f"parallel.dp={dp}")
-    if requested.get("pp_schedule") == "interleaved" and "pp_virtual_stages" not in requested:
-        overrides.append(f"parallel.pp_virtual_stages={INTERLEAVED_CHUNKS}")
+    names_dp = args.dp is not None or any(parse_override(o)[:2] == ("parallel", "dp") for o in args.set)
+    if world is not None and not names_dp and (dp := infer_dp(world, parallel)) is not None:
+        parallel["dp"] = dp
+    if parallel.get("pp_schedule") == "interleaved" and "pp_virtual_stages" not in parallel:
+        parallel["pp_virtual_stages"] = INTERLEAVED_CHUNKS
     if args.mbs is not None:  # the global batch is what the config holds: mbs x dp x grad_accum sequences
         if args.mbs < 1:
             raise ValueError(f"--mbs={args.mbs} must be >= 1 (sequences per micro-batch)")
-        if any(parse_override(o)[:2] == ("train", "global_batch") for o in overrides):
+        if any(parse_override(o)[:2] == ("train", "global_batch") for o in args.set):
             raise ValueError(f"--mbs={args.mbs} and train.global_batch both set the batch size: give one")
-        parallel = _requested(args.config, overrides, "parallel")
         dp, accum = parallel.get("dp", 1), parallel.get("grad_accum", 1)
-        if all(isinstance(n, int) and not isinstance(n, bool) for n in (dp, accum)):  # else load_config says why
-            overrides.append(f"train.global_batch={args.mbs * dp * accum}")
-    config = load_config(args.config, overrides)
+        if all(isinstance(n, int) and not isinstance(n, bool) for n in (dp, accum)):  # else from_dict says why
+            train["global_batch"] = args.mbs * dp * accum
+    config = Config.from_dict(data)
     p = config.parallel
     nproc = world if world is not None else p.world_size
     if nproc != p.world_size:
@@ -205,19 +162,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
         available = "no CUDA build of torch" if torch.version.cuda is None else "no CUDA device visible"
         raise ValueError(f"train.device='cuda' but this machine has {available}; available: 'cpu' "
                          f"(or 'auto', which picks CUDA where there is one)")
-    # A layout the calculators accept (ZeRO over TP shards is how large runs train) that lab.train cannot run yet.
-    if p.zero and p.tp > 1:
-        raise ValueError(f"zero={p.zero} with tp={p.tp}: lab's ZeRO shards a model that is not tensor parallel; "
-                         f"use zero=0 with tp > 1")
-    if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.zero):
-        raise ValueError(f"pp={p.pp} with tp={p.tp}, cp={p.cp}, zero={p.zero}: lab.train combines pipeline "
-                         f"parallelism with data parallelism only, for now; use --tp 1 --cp 1 --zero 0 with --pp")
-    if p.ep > 1 and (p.tp > 1 or p.cp > 1 or p.pp > 1 or p.zero):
-        raise ValueError(f"ep={p.ep} with tp={p.tp}, cp={p.cp}, pp={p.pp}, zero={p.zero}: lab.train combines expert "
-                         f"parallelism with data parallelism only, for now")
-    if p.pp > 1 and config.model.is_moe:
-        raise ValueError(f"pp={p.pp} with a mixture-of-experts model: pipeline stages do not carry the router's "
-                         f"auxiliary losses yet; train {config.model.name} without --pp")
+    check_supported(config)
     return config, nproc
 
 
@@ -237,55 +182,25 @@ def _lr_factor(step: int, config: Config) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
-def _build_model(config: Config, mesh: Mesh | None, device: torch.device) -> tuple[nn.Module, Pipeline | None]:
-    """The model with the parallelisms applied (TorchTitan's order: pipeline split, TP, CP, recompute), and
-    the pipeline driving it when pp > 1 (then the model is this rank's chunks)."""
-    parallel, seed = config.parallel, config.train.seed
-    if parallel.pp > 1:
-        schedule = make_schedule(parallel.pp_schedule, parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages)
-        chunks = [build_chunk(config.model, schedule.virtual_stage(mesh.pp_rank, c), schedule.virtual_stages, device,
-                              seed) for c in range(schedule.chunks)]
-        for chunk in chunks:
-            set_recompute(chunk, parallel.recompute)
-        return nn.ModuleList(chunks), Pipeline(chunks, schedule, mesh.pp_group)
-    model = materialize(build_model(config.model), device, seed=seed)
-    if parallel.tp > 1:
-        apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=parallel.sp)
-    if parallel.cp > 1:
-        apply_context_parallel(model, mesh.cp_group, parallel.cp_impl)
-    if parallel.ep > 1:
-        apply_expert_parallel(model, mesh.ep_group)
-    set_recompute(model, parallel.recompute)
-    return model, None
-
-
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
-    """The training loop run by every rank (or by the only process). Returns the per-step log."""
+    """The training loop run by every rank (or by the only process). Returns the per-step log.
+
+    It knows one thing about the layout: whether a pipeline drives the model. Everything else — which rows and
+    tokens this rank holds, how the loss and gradients are reduced — is asked of what `parallelize` built."""
     parallel, train = config.parallel, config.train
     mesh = (Mesh(dp=parallel.dp, pp=parallel.pp, cp=parallel.cp, tp=parallel.tp, ep=parallel.ep)
             if dist.is_initialized() else None)
-    rank, dp_rank, cp_rank = (mesh.rank, mesh.dp_rank, mesh.cp_rank) if mesh else (0, 0, 0)
-    tp_group = mesh.tp_group if mesh else None
-    # Each CP rank saw other tokens of the same sequences: gradients and the loss are averaged over dp x cp.
-    dp_group = (mesh.dp_cp_group if parallel.cp > 1 else mesh.dp_group) if mesh else None
-    layout = layout_of(parallel.cp_impl)
     device = _device(config)
-    positions = sequence_positions(train.seq_len, cp_rank, parallel.cp, layout).to(device) if parallel.cp > 1 else None
-
-    model, pipeline = _build_model(config, mesh, device)
-    # Plain DP (naive, overlapped or bucketed) or ZeRO: one object owns gradient averaging, clipping and AdamW.
-    # A pipeline's backwards are spread over its schedule: it averages over dp once the schedule is done.
-    if pipeline is not None:
-        engine = NaiveDP(model, dp_group, train.lr, train.weight_decay, pp_group=mesh.pp_group)
-    elif parallel.ep > 1:
-        engine = ExpertDataParallel(model, dp_group, mesh.ep_group, mesh.ep_dp_group, train.lr, train.weight_decay)
-    else:
-        engine = make_data_parallel(model, dp_group, train, zero=parallel.zero, dp_mode=parallel.dp_mode,
-                                    bucket_mb=parallel.bucket_mb, tp_group=tp_group if parallel.tp > 1 else None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: _lr_factor(step, config))
+    par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len)
+    optimizer = adamw(par.parameters(), train.lr, train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
                            train.data_branching)
+    moe = MoEStats(config) if config.model.is_moe else None
+    if par.pipeline is not None and moe is not None:
+        par.pipeline.extra_loss = moe.router_loss  # each stage's MoE layers, after its forward
 
+    rank = dist.get_rank() if dist.is_initialized() else 0
     log_file = open(log_path, "w") if (log_path and rank == 0) else None  # noqa: SIM115 - closed below
     progress = _progress(train.steps, enabled=verbose and rank == 0)
     logs: list[StepLog] = []
@@ -294,32 +209,27 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            inputs, targets = (shard_rows(t, dp_rank, parallel.dp).to(device) for t in data.next_batch())
-            if parallel.cp > 1:
-                inputs, targets = (shard_sequence(t, cp_rank, parallel.cp, layout) for t in (inputs, targets))
-            moe = MoEStats(model) if config.model.is_moe else None
-            if pipeline is not None:
-                loss = pipeline.step(inputs, targets)
+            inputs, targets = par.batch(*data.next_batch())
+            if moe is not None:
+                moe.reset()
+            if par.pipeline is not None:
+                with par.engine.no_sync():  # the schedule's backwards accumulate; gradients are reduced after
+                    loss = par.pipeline.step(inputs, targets, par.batch.positions)
                 loss = torch.zeros((), device=device) if loss is None else loss
-                dist.all_reduce(loss, group=mesh.pp_group)  # the last stage's loss, to every stage
             else:
-                loss = _accumulate_gradients(model, engine, inputs, targets, positions, config, tp_group, moe)
-            engine.finish()  # every rank now holds the averaged gradients (ZeRO: of its shard)
-            if parallel.tp > 1:
-                sync_tensor_parallel_grads(model, tp_group)
-            if parallel.dp * parallel.cp > 1:
-                dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=dp_group)
-                loss /= parallel.dp * parallel.cp
-            norm = engine.clip_grad_norm(train.grad_clip)
+                loss = _accumulate_gradients(par, inputs, targets, parallel.grad_accum, moe)
+            par.finish_gradients()  # every rank now holds the averaged gradients of what it updates
+            loss = par.mean_loss(loss)
+            norm = clip_grad_norm(par.parameters(), train.grad_clip)
             lr = scheduler.get_last_lr()[0]
-            engine.step()
+            optimizer.step()
+            par.engine.after_step()
             scheduler.step()
-            engine.zero_grad()
+            par.engine.zero_grad()
             elapsed = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             entry = StepLog(step + 1, loss.item(), lr, norm.item(),
-                            train.global_batch * train.seq_len / elapsed, peak,
-                            **(moe.summary(dp_group, parallel.dp * parallel.cp) if moe else {}))
+                            train.global_batch * train.seq_len / elapsed, peak, **(moe.summary() if moe else {}))
             logs.append(entry)
             if log_file:
                 log_file.write(json.dumps(entry.as_dict()) + "\n")
@@ -332,55 +242,53 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
 
 
 class MoEStats:
-    """What the MoE layers report over one step: assignments per expert, dropped ones, the balancing loss."""
+    """The router's losses and what the MoE layers report over one step: assignments per expert, dropped ones,
+    the balancing loss (mean over layers, micro-batches and ranks)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.layers = [m for m in model.modules() if isinstance(m, MoE)]
-        self.load = torch.zeros(self.layers[0].n_experts, dtype=torch.long)
-        self.dropped, self.aux, self.micro_batches = 0, 0.0, 0
+    def __init__(self, config: Config) -> None:
+        self.cfg, self.tp = config.model, config.parallel.tp
+        self.reset()
 
-    def add(self) -> None:
-        """After a micro-batch's forward."""
-        self.load += sum(m.load.cpu() for m in self.layers)
-        self.dropped += sum(m.dropped for m in self.layers)
-        self.aux += sum(m.aux_loss.item() for m in self.layers) / len(self.layers)
-        self.micro_batches += 1
+    def reset(self) -> None:
+        self.load = torch.zeros(self.cfg.n_experts, dtype=torch.double)
+        self.dropped = self.aux = self.layer_forwards = 0.0
 
-    def summary(self, dp_group: dist.ProcessGroup | None, replicas: int) -> dict:
-        totals = torch.cat([self.load, torch.tensor([self.dropped])]).double()
-        aux = torch.tensor([self.aux / self.micro_batches], dtype=torch.double)
-        if replicas > 1:  # every data-parallel rank routed its own tokens
-            dist.all_reduce(totals, group=dp_group)
-            dist.all_reduce(aux, group=dp_group)
-            aux /= replicas
-        load = totals[:-1]
-        return {"expert_load": [int(n) for n in load.tolist()], "load_imbalance": (load.max() / load.mean()).item(),
-                "dropped_tokens": int(totals[-1]), "aux_loss": aux.item()}
+    def router_loss(self, module: nn.Module) -> torch.Tensor:
+        """After `module`'s forward (the model, or a pipeline stage's chunk): its MoE layers' balancing and z
+        losses with their weights, to add to what is backpropagated; their load is recorded."""
+        layers = [m for m in module.modules() if isinstance(m, MoE)]
+        for m in layers:
+            self.load += m.load.cpu().double()
+            self.dropped += m.dropped
+            self.aux += m.aux_loss.item()
+            self.layer_forwards += 1
+        aux, z = moe_losses(module)
+        return self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
+
+    def summary(self) -> dict:
+        totals = torch.cat([self.load, torch.tensor([self.dropped, self.aux, self.layer_forwards])])
+        if dist.is_initialized():  # every rank routed its own tokens through its own layers...
+            dist.all_reduce(totals)
+            totals[:-2] /= self.tp  # ...except the TP ranks of one group, which route the same ones
+        load = totals[:-3]
+        return {"expert_load": [round(n) for n in load.tolist()], "load_imbalance": (load.max() / load.mean()).item(),
+                "dropped_tokens": round(totals[-3].item()), "aux_loss": (totals[-2] / totals[-1]).item()}
 
 
-def _accumulate_gradients(model: nn.Module, engine, inputs: torch.Tensor, targets: torch.Tensor,
-                          positions: torch.Tensor | None, config: Config, tp_group,
+def _accumulate_gradients(par: Parallelized, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int,
                           moe: MoEStats | None) -> torch.Tensor:
     """Forward and backward of every micro-batch in turn (gradient accumulation); returns the mean
     cross-entropy. An MoE model's router losses are added to what is backpropagated, with their weights."""
-    parallel, cfg = config.parallel, config.model
     loss = torch.zeros((), device=inputs.device)
-    micro_batches = list(zip(inputs.chunk(parallel.grad_accum), targets.chunk(parallel.grad_accum), strict=True))
-    for i, (micro_in, micro_tgt) in enumerate(micro_batches):
+    positions = par.batch.positions
+    pairs = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
+    for i, (micro_in, micro_tgt) in enumerate(pairs):
         # no gradient communication until the last micro-batch's backward
-        with engine.backward_context(last_micro_batch=i == len(micro_batches) - 1):
-            logits = model(micro_in, positions)
-            if parallel.tp > 1:
-                micro_loss = vocab_parallel_cross_entropy(logits, micro_tgt, tp_group)
-            else:
-                micro_loss = F.cross_entropy(logits.flatten(0, 1), micro_tgt.flatten())
-            objective = micro_loss
-            if moe is not None:
-                moe.add()
-                aux, z = moe_losses(model)
-                objective = micro_loss + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
-            (objective / parallel.grad_accum).backward()
-        loss += micro_loss.detach() / parallel.grad_accum
+        with par.engine.backward_context(last_micro_batch=i == len(pairs) - 1):
+            micro_loss = par.loss_fn(par.model(micro_in, positions), micro_tgt)
+            objective = micro_loss + (moe.router_loss(par.model) if moe is not None else 0.0)
+            (objective / micro_batches).backward()
+        loss += micro_loss.detach() / micro_batches
     return loss
 
 
@@ -439,7 +347,9 @@ def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tup
 
 
 def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
-    """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched."""
+    """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched. A layout
+    lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`)."""
+    check_supported(config)
     if lab_dist.launched_by_torchrun():
         lab_dist.init_from_env()
         if dist.get_world_size() != config.parallel.world_size:
@@ -463,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         logs = run(config, nproc, args.log_json, verbose=not args.quiet)
+    except ValueError as err:
+        return _error_once(parser.prog, str(err))
     except lab_dist.RankError as err:
         print(f"{parser.prog}: {err}", file=sys.stderr)
         return 1

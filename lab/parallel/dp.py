@@ -7,14 +7,20 @@ reproduces a single-process run step for step.
 
 Three ways to average, each a small class with the same training loop (ZeRO in `lab.parallel.zero` too):
 
-    dp = BucketedDP(model, group, lr=3e-3, weight_decay=0.1, bucket_mb=25)
+    dp = BucketedDP(model, group, bucket_mb=25)
+    optimizer = adamw(dp.parameters(), lr=3e-3, weight_decay=0.1)      # lab.parallel.optim
     for i, (x, y) in enumerate(micro_batches):
         with dp.backward_context(last_micro_batch=i == len(micro_batches) - 1):
             (loss_fn(model(x), y) / len(micro_batches)).backward()
-    dp.finish()                      # wait for the gradient communication
-    norm = dp.clip_grad_norm(1.0)    # global norm, as torch.nn.utils.clip_grad_norm_
-    dp.step()                        # AdamW (dp.optimizer: drive its lr with any LR scheduler)
+    dp.finish()                                       # wait for the gradient communication
+    norm = clip_grad_norm(dp.parameters(), 1.0)       # global norm, as torch.nn.utils.clip_grad_norm_
+    optimizer.step()
+    dp.after_step()                                   # ZeRO-1/2: all-gather the updated shards
     dp.zero_grad()
+
+The engines only reduce gradients: the optimizer is the caller's, built over `dp.parameters()` — the tensors
+this rank updates (whole parameters here; ZeRO's shard pieces) — so that every layout and mixed precision
+share one optimizer step.
 
 - `NaiveDP`: compute, then communicate — one all-reduce per parameter after the whole backward pass.
 - `OverlappedDP`: a hook per parameter launches its all-reduce as soon as its gradient is ready, while
@@ -36,17 +42,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from lab.parallel.tp import grad_norm
-
-BETAS, EPS = (0.9, 0.95), 1e-8  # lab.train's AdamW
-
-
-def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW as `lab.train` uses it. Weight decay pulls matrices towards zero; it is not applied to vectors
-    (norm weights), whose scale carries meaning — callers split the parameters by their original dimension."""
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=BETAS, eps=EPS)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -82,8 +77,8 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = Non
 class DataParallel:
     """What every variant here and ZeRO (`lab.parallel.zero`) share: a rank group, and the `no_sync` switch.
 
-    The rest of the interface — `finish`, `clip_grad_norm`, `step`, `zero_grad`, `optimizer`,
-    `resident_bytes` — is the loop in this module's docstring; each subclass decides when to communicate.
+    The rest of the interface — `finish`, `parameters`, `after_step`, `zero_grad`, `resident_bytes` — is the
+    loop in this module's docstring; each subclass decides when to communicate.
     """
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -109,36 +104,21 @@ class DataParallel:
 class NaiveDP(DataParallel):
     """Compute, then communicate: one all-reduce per parameter after the whole backward pass.
 
-    Also the base of the other two variants: an AdamW over the full (replicated) parameters, and gradient
-    clipping without data-parallel communication, since after `finish()` every rank holds the full average.
-    `tp_group` only matters for a model that is also tensor parallel: the norm then sums TP shards over it;
-    `pp_group` for a pipeline stage's layers: the norm adds up the stages' over it.
+    Also the base of the other two variants: every rank updates the full (replicated) parameters, since after
+    `finish()` each holds the full average of the gradients.
     """
-
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
-                 tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(model, group)
-        self.tp_group, self.pp_group = tp_group, pp_group
-        self.optimizer = adamw([p for p in self.params if p.dim() >= 2], [p for p in self.params if p.dim() < 2],
-                               lr, weight_decay)
 
     def finish(self) -> None:
         """Called once after the last backward of a step: afterwards `param.grad` is the average over ranks."""
         if self.world > 1:
             all_reduce_gradients(self.model, self.group)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so that their global norm is at most `max_norm` (0: no clipping); return the norm."""
-        norm = grad_norm(self.model, self.tp_group, self.pp_group)
-        if max_norm > 0:
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s arithmetic
-            for param in self.params:
-                if param.grad is not None:
-                    param.grad.mul_(scale)
-        return norm
+    def parameters(self) -> list[torch.Tensor]:
+        """What this rank's optimizer updates: every trainable parameter."""
+        return self.params
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def after_step(self) -> None:
+        """Nothing to do: every rank updated the same full parameters."""
 
     def zero_grad(self) -> None:
         for param in self.params:
@@ -149,10 +129,10 @@ class NaiveDP(DataParallel):
         """A copy of every parameter by name (`Zero.full_parameters` gathers the shards to give the same)."""
         return {name: param.detach().clone() for name, param in self.model.named_parameters()}
 
-    def resident_bytes(self) -> dict[str, int]:
-        """Bytes held right now by parameters, gradients and optimizer states (AdamW's m, v and step)."""
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes held right now by parameters, gradients and `optimizer`'s states (AdamW's m, v and step)."""
         grads = [p.grad for p in self.params] + [getattr(p, "main_grad", None) for p in self.params]
-        states = [t for state in self.optimizer.state.values() for t in state.values()]
+        states = [t for state in optimizer.state.values() for t in state.values()]
         return {"params": storage_bytes(self.params), "grads": storage_bytes(grads),
                 "optimizer": storage_bytes(states)}
 
@@ -167,9 +147,8 @@ class OverlappedDP(NaiveDP):
     lifts the restriction.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(model, group, lr, weight_decay, tp_group)
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        super().__init__(model, group)
         self.handles: list[dist.Work] = []
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -228,9 +207,8 @@ class BucketedDP(NaiveDP):
     `all_reduce_gradients`, a parameter no rank used ends with a zero gradient, not None.)
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
-                 bucket_mb: float = 25.0, tp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(model, group, lr, weight_decay, tp_group)
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, bucket_mb: float = 25.0) -> None:
+        super().__init__(model, group)
         cap = int(bucket_mb * 2**20) // 4  # fp32 elements
         self.buckets: list[Bucket] = []
         pending: list[nn.Parameter] = []
@@ -293,9 +271,8 @@ class TorchDDP(NaiveDP):
     checks and benchmarks. The forward must go through `self.model` (the DDP wrapper), which arms its hooks.
     Gradients are views of DDP's buckets (`gradient_as_bucket_view`), as they are of ours."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float,
-                 bucket_mb: float = 25.0) -> None:
-        super().__init__(model, group, lr, weight_decay)
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, bucket_mb: float = 25.0) -> None:
+        super().__init__(model, group)
         self.model = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb,
                                                          gradient_as_bucket_view=True)
 

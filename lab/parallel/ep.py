@@ -20,6 +20,8 @@ groups), divided by dp, because its gradient already sums the contributions of e
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,6 +30,7 @@ from lab.collectives.p2p import group_info
 from lab.model import MoE, Transformer
 from lab.parallel.a2a import all_to_all
 from lab.parallel.dp import NaiveDP
+from lab.parallel.placement import place, placement_of
 
 
 class ExpertParallelCompute:
@@ -55,9 +58,9 @@ class ExpertParallelCompute:
 
 
 def apply_expert_parallel(model: Transformer, group: dist.ProcessGroup | None) -> Transformer:
-    """Keep this rank's experts in every MoE layer (in place), delete the others, and route through the
-    all-to-all. Expert parameters are marked `expert_parallel` (and `tensor_parallel`, so that the global
-    gradient norm sums them over the EP group, as it sums tensor-parallel shards)."""
+    """Keep this rank's experts in every MoE layer (in place; on `meta` nothing is allocated), delete the others,
+    and route through the all-to-all. The kept experts' placements say `expert`: their gradients are averaged
+    over the ranks holding the same experts, and the global norm counts each expert once."""
     rank, ep, _ = group_info(group)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         if moe.n_experts % ep:
@@ -67,28 +70,27 @@ def apply_expert_parallel(model: Transformer, group: dist.ProcessGroup | None) -
             if not rank * local <= int(e) < (rank + 1) * local:
                 del moe.experts[e]
         for param in moe.experts.parameters():
-            param.expert_parallel = param.tensor_parallel = True
+            place(param, dataclasses.replace(placement_of(param), expert=True))
         moe.compute = ExpertParallelCompute(moe, group)
     return model
 
 
 class ExpertDataParallel(NaiveDP):
     """Data parallelism for a model whose experts are expert-parallel: after backward, replicated parameters
-    are averaged over the dp ranks; each expert's gradient is summed over the ranks that hold the same
-    expert (`expert_dp_group`: one per EP group) and divided by dp — the global batch's mean loss. The norm
-    for clipping counts each expert once (summed over `ep_group`)."""
+    are averaged over the dp ranks (`group`); each expert's gradient is summed over the ranks that hold the same
+    expert (`expert_dp_group`: one per EP group) and divided by the dp ranks — the global batch's mean loss."""
 
-    def __init__(self, model: nn.Module, dp_group: dist.ProcessGroup | None, ep_group: dist.ProcessGroup | None,
-                 expert_dp_group: dist.ProcessGroup | None, lr: float, weight_decay: float) -> None:
-        super().__init__(model, dp_group, lr, weight_decay, tp_group=ep_group)
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
+                 expert_dp_group: dist.ProcessGroup | None) -> None:
+        super().__init__(model, group)
         self.expert_dp_group = expert_dp_group
 
     @torch.no_grad()
     def finish(self) -> None:
         for param in self.params:
             if param.grad is None:
-                continue
-            if getattr(param, "expert_parallel", False):
+                param.grad = torch.zeros_like(param)  # every rank takes part in every all-reduce
+            if placement_of(param).expert:
                 if dist.get_world_size(self.expert_dp_group) > 1:
                     dist.all_reduce(param.grad, group=self.expert_dp_group)
                 param.grad.div_(self.world)

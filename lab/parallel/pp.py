@@ -13,15 +13,19 @@ the very objects the bubble simulator plays:
     W(mb, c)  zero-bubble schedules only: B computed just the gradients the previous stage waits for; W now
               computes the weight gradients from what B left behind
 
-Activations are (micro-batch, seq, d_model) on every boundary, so shapes are agreed in advance and a
-receive needs no size message. Sends are asynchronous (isend) and only waited for at the end of the step;
+What crosses a boundary is described once, by a `Boundary` (micro-batch, seq / seq_shards, d_model, dtype):
+sequence parallelism keeps the residual stream sharded along the sequence between stages, context
+parallelism hands each rank its chunks of the sequence, a bf16 model sends bf16. Shapes are agreed in
+advance, so a receive needs no size message. Sends are asynchronous (isend) and only waited for at the end of the step;
 a receive blocks until its data is there. A rank therefore waits exactly where the simulator says it idles,
 and never deadlocks on a schedule the simulator can play. Each message has a tag made of its micro-batch,
 virtual stage and direction, so a receive cannot take another op's message (gloo matches on tags; NCCL
 matches in order, which these schedules also keep).
 
 The loss of each micro-batch is divided by m, as in gradient accumulation: after the step every rank holds
-the gradients of the whole batch for its layers, exactly those of a single process.
+the gradients of the whole batch for its layers, exactly those of a single process. Losses that arise inside a
+stage (a mixture of experts' balancing losses) are added to that stage's backward by `extra_loss`, divided by m
+likewise: their gradients flow back through the earlier stages with the activations' gradients.
 """
 
 from __future__ import annotations
@@ -47,16 +51,15 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def build_chunk(cfg: ModelConfig, virtual_stage: int, virtual_stages: int, device: str | torch.device = "cpu",
-                seed: int = 0) -> Transformer:
-    """The part of the model that virtual stage `virtual_stage` of `virtual_stages` runs: its layers (same
-    names as in the whole model, so `materialize` gives them the very same initial weights), the embedding
-    on the first stage, the final norm and output layer on the last."""
-    layers = virtual_stage_layers(cfg.n_layers, virtual_stage, virtual_stages)
+def cut_to_stage(model: Transformer, virtual_stage: int, virtual_stages: int) -> Transformer:
+    """Keep (in place) what virtual stage `virtual_stage` of `virtual_stages` runs: its layers (same names as in
+    the whole model, so materialising gives them the very same initial weights), the embedding on the first
+    stage, the final norm and output layer on the last. Works on `meta`: nothing else is ever allocated."""
+    cfg = model.cfg
     if cfg.tie_embeddings and virtual_stages > 1:
         raise ValueError(f"{cfg.name} ties its embedding and output weights: pipeline parallelism would need the "
                          "first and last stages to share a gradient, which lab does not do yet")
-    model = build_model(cfg)
+    layers = virtual_stage_layers(cfg.n_layers, virtual_stage, virtual_stages)
     for name in list(model.layers):
         if int(name) not in layers:
             del model.layers[name]
@@ -64,14 +67,36 @@ def build_chunk(cfg: ModelConfig, virtual_stage: int, virtual_stages: int, devic
         model.tok_embeddings = None
     if virtual_stage < virtual_stages - 1:
         model.norm = model.output = None
-    return materialize(model, device, seed)
+    return model
+
+
+def build_chunk(cfg: ModelConfig, virtual_stage: int, virtual_stages: int, device: str | torch.device = "cpu",
+                seed: int = 0) -> Transformer:
+    """The materialised part of the model that virtual stage `virtual_stage` of `virtual_stages` runs."""
+    return materialize(cut_to_stage(build_model(cfg), virtual_stage, virtual_stages), device, seed)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What crosses a pipeline boundary for one micro-batch: (micro-batch, seq / seq_shards, d_model) of `dtype`.
+    `seq_shards` is tp under sequence parallelism, whose residual stream stays sharded along the sequence."""
+
+    d_model: int
+    seq_shards: int = 1
+    dtype: torch.dtype = torch.float32
+
+    def shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
+        """The boundary's shape for the micro-batch of token ids `tokens` (B, T) this rank holds."""
+        return tokens.shape[0], tokens.shape[1] // self.seq_shards, self.d_model
 
 
 @torch.no_grad()
 def weight_gradients(module: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
     """Accumulate `module`'s parameter gradients from its input and the gradient of its output: the W pass
     of zero-bubble schedules, which autograd would otherwise have done inside the backward."""
-    if isinstance(module, nn.Linear):
+    if hasattr(module, "weight_gradient"):  # a layer with its own rule (the vocabulary-parallel embedding)
+        pairs = [(module.weight, module.weight_gradient(inputs, grad_output))]
+    elif isinstance(module, nn.Linear):
         grad = grad_output.flatten(0, -2).T @ inputs.flatten(0, -2)
         pairs = [(module.weight, grad)] + ([(module.bias, grad_output.flatten(0, -2).sum(0))] if module.bias is not None
                                           else [])
@@ -84,11 +109,12 @@ def weight_gradients(module: nn.Module, inputs: torch.Tensor, grad_output: torch
         pairs = [(module.weight, grad)]
     else:
         raise TypeError(f"no weight-gradient rule for {type(module).__name__}")
-    for param, grad in pairs:
-        param.grad = grad if param.grad is None else param.grad + grad
+    # Accumulated by autograd itself (a leaf as the root): hooks that wait for a parameter's gradient fire,
+    # as those of the data-parallel engines do.
+    torch.autograd.backward([param for param, _ in pairs], [grad for _, grad in pairs])
 
 
-_WEIGHTED = (nn.Linear, RMSNorm, nn.Embedding)  # every parameter of lab.model lives in one of these
+_WEIGHTED = (nn.Linear, RMSNorm, nn.Embedding)  # every parameter of lab.model (and of its TP layers) lives in one
 
 
 @dataclass
@@ -97,6 +123,7 @@ class _Stash:
 
     inputs: torch.Tensor  # received activations (a leaf requiring grad), or token ids on the first stage
     output: torch.Tensor  # the chunk's output, or the loss on the last stage
+    extra: torch.Tensor | None  # the stage's own loss terms (`extra_loss`), backpropagated with the output
     calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # split only
     output_grads: list[torch.Tensor] = field(default_factory=list)
 
@@ -121,7 +148,9 @@ class Pipeline:
     """
 
     def __init__(self, chunks: list[Transformer], schedule: Schedule, group: dist.ProcessGroup | None,
-                 loss_fn: LossFn = _cross_entropy, op_delay: dict[str, float] | None = None) -> None:
+                 loss_fn: LossFn = _cross_entropy, op_delay: dict[str, float] | None = None,
+                 boundary: Boundary | None = None,
+                 extra_loss: Callable[[nn.Module], torch.Tensor | None] | None = None) -> None:
         if schedule.bidirectional:
             raise ValueError(f"{schedule.name} runs in the simulator (lab.calc.bubble) only: lab's pipeline "
                              f"executes one-directional schedules")
@@ -132,7 +161,8 @@ class Pipeline:
                              f"{len(chunks)} chunks)")
         self.chunks, self.schedule, self.group, self.loss_fn = chunks, schedule, group, loss_fn
         self.op_delay = op_delay or {}  # seconds of extra work per op kind, to make stages visible on a CPU
-        self.d_model = chunks[0].cfg.d_model
+        self.boundary = boundary or Boundary(chunks[0].cfg.d_model, dtype=next(chunks[0].parameters()).dtype)
+        self.extra_loss = extra_loss  # called after each chunk's forward: loss terms of its own (or None)
         self.timings: list[OpTiming] = []
         self.peak_in_flight = 0
         self._recording: list | None = None
@@ -140,7 +170,8 @@ class Pipeline:
             for chunk in chunks:
                 for module in chunk.modules():
                     if isinstance(module, _WEIGHTED):
-                        module.register_forward_hook(self._record_call)
+                        # first, before a TP layer's own hook replaces its output by the reduced one
+                        module.register_forward_hook(self._record_call, prepend=True)
             if any(chunk.recompute != "none" for chunk in chunks):
                 raise ValueError("zero-bubble schedules split the backward by hand: use recompute='none'")
 
@@ -157,12 +188,15 @@ class Pipeline:
     def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
         return (microbatch * self.schedule.virtual_stages + stage) * 2 + backward
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Run the schedule on this rank's batch (split into the schedule's micro-batches)."""
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the schedule on this rank's batch (split into the schedule's micro-batches). `positions`: those of
+        this rank's tokens, for RoPE (default 0..T-1; context parallelism passes its chunks')."""
         m = self.schedule.microbatches
         if tokens.shape[0] % m:
             raise ValueError(f"batch of {tokens.shape[0]} sequences must be divisible by microbatches={m}")
         self._tokens, self._targets = tokens.chunk(m), targets.chunk(m)
+        self._positions = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
         self._stash: dict[tuple[int, int], _Stash] = {}
         self._sends: list[dist.Work] = []
         self._loss = torch.zeros((), device=tokens.device)
@@ -185,9 +219,8 @@ class Pipeline:
 
     def _receive(self, microbatch: int, stage: int, backward: bool) -> torch.Tensor:
         """The activation (or gradient) on the boundary between `stage` and its neighbour."""
-        shape = (self._tokens[microbatch].shape[0], self._tokens[microbatch].shape[1], self.d_model)
-        device = self._tokens[microbatch].device
-        buffer = torch.empty(shape, device=device, dtype=torch.get_default_dtype())
+        tokens = self._tokens[microbatch]
+        buffer = torch.empty(self.boundary.shape(tokens), device=tokens.device, dtype=self.boundary.dtype)
         peer = self._peer(stage + 1 if backward else stage - 1)
         dist.irecv(buffer, peer, group=self.group, tag=self._tag(microbatch, stage, backward)).wait()
         self._ready = time.perf_counter() - self._step_start
@@ -206,33 +239,39 @@ class Pipeline:
         calls: list = []
         self._recording = calls if self.schedule.split_backward else None
         try:
-            output = self.chunks[op.chunk](inputs)
+            output = self.chunks[op.chunk](inputs, self._positions)
             if stage == last:
                 output = self.loss_fn(output, self._targets[op.microbatch]) / self.schedule.microbatches
                 self._loss += output.detach()
+            extra = self.extra_loss(self.chunks[op.chunk]) if self.extra_loss else None
+            extra = None if extra is None else extra / self.schedule.microbatches
         finally:
             self._recording = None
         self._synthetic_work("F")
         if stage < last:
             self._send(output, op.microbatch, stage + 1, backward=False)
-        self._stash[(op.microbatch, op.chunk)] = _Stash(inputs, output, calls)
+        self._stash[(op.microbatch, op.chunk)] = _Stash(inputs, output, extra, calls)
         self.peak_in_flight = max(self.peak_in_flight, len(self._stash))
 
     def _backward(self, op: Op) -> None:
         stage, last = self._stage(op.chunk), self.schedule.virtual_stages - 1
         stash = self._stash[(op.microbatch, op.chunk)]
         grad = None if stage == last else self._receive(op.microbatch, stage, backward=True)
+        roots, root_grads = [stash.output], [grad]  # the loss (last stage) or the output and its gradient
+        if stash.extra is not None:
+            roots.append(stash.extra)
+            root_grads.append(None)
         wants_input = stage > 0
         if self.schedule.split_backward:
             # Only the gradients other stages wait for, and those at the output of every weighted module;
             # autograd skips the weight-gradient products (no parameter is asked for). W does those.
             targets = ([stash.inputs] if wants_input else []) + [out for _, _, out in stash.calls]
-            grads = torch.autograd.grad(stash.output, targets, grad, allow_unused=True)
+            grads = torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
             grads = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads, strict=True)]
             input_grad = grads[0] if wants_input else None
             stash.output_grads = grads[1:] if wants_input else grads
         else:
-            torch.autograd.backward(stash.output, grad)
+            torch.autograd.backward(roots, root_grads)
             input_grad = stash.inputs.grad if wants_input else None
             del self._stash[(op.microbatch, op.chunk)]
         self._synthetic_work(B)

@@ -31,87 +31,79 @@ import torch.distributed as dist
 from torch import nn
 
 from lab.model import Attention, FeedForward, Transformer
+from lab.parallel.placement import Placement, place, sum_partial_gradients
 from lab.parallel.tp_comms import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 
 
-def _shard(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if t.shape[dim] % world:
-        raise ValueError(f"dimension {dim} of size {t.shape[dim]} must be divisible by tp={world}")
-    return t.chunk(world, dim=dim)[rank].clone()
+def _piece(weight: torch.Tensor, placement: Placement) -> nn.Parameter:
+    """This rank's piece of `weight` as a parameter carrying its placement. On `meta` the piece is `meta` too
+    (materialised later from the placement); on a real model it holds the slice of the values."""
+    return place(nn.Parameter(placement.local(weight.detach())), placement)
 
 
-class ColumnParallelLinear(nn.Module):
+def _tp(group: dist.ProcessGroup) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ColumnParallelLinear(nn.Linear):
     """y[.., F_X] = x[.., D] W[D, F_X]: this rank's slice of the output features. No communication here:
     the input must already be the full x on every rank (see `prepare_input`)."""
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(_shard(linear.weight.detach(), 0, group))
-        self.weight.tensor_parallel = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
+        rank, tp = _tp(group)
+        super().__init__(linear.in_features, linear.out_features // tp, bias=False, device="meta")
+        self.weight = _piece(linear.weight, Placement(tp_dim=0, tp_parts=tp, tp_index=rank, replicas=1))
 
 
-class ReplicatedKVLinear(nn.Module):
+class ReplicatedKVLinear(nn.Linear):
     """wk or wv when tp > n_kv_heads (GQA): each rank keeps the one KV head its query heads use, so tp/n_kv
-    ranks hold a copy of each head. Their gradients are partial (each rank's queries only) and are summed
-    over the copies by `sync_tensor_parallel_grads`."""
+    ranks hold a copy of each head. Their gradients are partial (each rank's queries only): the placement says
+    so, and `sync_tensor_parallel_grads` sums them over the copies."""
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, n_kv_heads: int) -> None:
-        super().__init__()
-        tp = dist.get_world_size(group)
-        self.n_kv_heads, self.kv_head = n_kv_heads, dist.get_rank(group) // (tp // n_kv_heads)
-        heads = linear.weight.detach().view(n_kv_heads, -1, linear.in_features)
-        self.weight = nn.Parameter(heads[self.kv_head].clone())
-        self.weight.tensor_parallel = True
-        self.weight.tensor_parallel_replicas = tp // n_kv_heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
-
-    @torch.no_grad()
-    def sync_grad(self, group: dist.ProcessGroup) -> None:
-        # every head's slot summed over the TP group: simple, and only n_kv_heads x one head's bytes
-        slots = torch.zeros((self.n_kv_heads, *self.weight.shape), dtype=self.weight.dtype, device=self.weight.device)
-        slots[self.kv_head] = self.weight.grad
-        dist.all_reduce(slots, group=group)
-        self.weight.grad.copy_(slots[self.kv_head])
+        rank, tp = _tp(group)
+        copies = tp // n_kv_heads
+        super().__init__(linear.in_features, linear.out_features // n_kv_heads, bias=False, device="meta")
+        self.weight = _piece(linear.weight, Placement(tp_dim=0, tp_parts=n_kv_heads, tp_index=rank // copies,
+                                                      tp_partial=True, replicas=copies))
 
 
-class RowParallelLinear(nn.Module):
-    """y[.., F] = sum over ranks of x[.., D_X] W[D_X, F]: all-reduce the partial sums (or reduce-scatter
-    them along the sequence with sequence parallelism)."""
+class RowParallelLinear(nn.Linear):
+    """y[.., F] = sum over ranks of x[.., D_X] W[D_X, F]: this module computes the partial sum; the hook that
+    `reduce_output` adds all-reduces it (or reduce-scatters it along the sequence with sequence parallelism).
+    Keeping the communication out of the matmul lets the zero-bubble W pass treat it as any linear layer."""
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(_shard(linear.weight.detach(), 1, group))
-        self.weight.tensor_parallel = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = nn.functional.linear(x, self.weight)
-        return scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup) -> None:
+        rank, tp = _tp(group)
+        super().__init__(linear.in_features // tp, linear.out_features, bias=False, device="meta")
+        self.weight = _piece(linear.weight, Placement(tp_dim=1, tp_parts=tp, tp_index=rank, replicas=1))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each rank owns vocab_size/tp rows; ids outside its range look up zeros; the sum over ranks is the
-    full embedding (all-reduce, or reduce-scatter along the sequence with SP)."""
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank owns vocab_size/tp rows; ids outside its range look up zeros; the sum over ranks (the hook of
+    `reduce_output`: all-reduce, or reduce-scatter along the sequence with SP) is the full embedding."""
 
-    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(_shard(embedding.weight.detach(), 0, group))
-        self.weight.tensor_parallel = True
-        self.start = dist.get_rank(group) * self.weight.shape[0]
+    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup) -> None:
+        rank, tp = _tp(group)
+        super().__init__(embedding.num_embeddings // tp, embedding.embedding_dim, device="meta")
+        self.weight = _piece(embedding.weight, Placement(tp_dim=0, tp_parts=tp, tp_index=rank, replicas=1))
+        self.start = rank * self.num_embeddings
+
+    def _local_ids(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        return local.masked_fill(outside, 0), outside
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        local = tokens - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        partial = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
-        partial = partial.masked_fill(outside[..., None], 0.0)
-        return scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+        local, outside = self._local_ids(tokens)
+        return nn.functional.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+
+    @torch.no_grad()
+    def weight_gradient(self, tokens: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """The gradient of this rank's rows (the zero-bubble W pass): ids it does not own add nothing."""
+        local, outside = self._local_ids(tokens)
+        rows = grad_output.masked_fill(outside[..., None], 0.0).flatten(0, -2)
+        return torch.zeros_like(self.weight).index_add_(0, local.flatten(), rows)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -163,73 +155,70 @@ def prepare_input(module: nn.Module, group: dist.ProcessGroup, sequence_parallel
     module.register_forward_pre_hook(hook)
 
 
+def reduce_output(module: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+    """Sum `module`'s partial output over the ranks: g (all-reduce forward, identity backward), or with SP the
+    reduce-scatter along the sequence (all-gather backward)."""
+    op = scatter_sequence if sequence_parallel else reduce_from_tp
+
+    def hook(_module, _args, output):
+        return op(output, group)
+
+    module.register_forward_hook(hook)
+
+
 def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup, sequence_parallel: bool = False) -> Transformer:
-    """Shard a materialised `lab.model.Transformer` in place over `group` (the TP plan), and return it."""
+    """Shard `lab.model.Transformer` in place over `group` (the TP plan), and return it. On a `meta` model
+    nothing is allocated (materialise it afterwards with `lab.parallel.parallelize.materialize_local`); on a
+    materialised one each rank keeps its slice of the values.
+
+    Every parameter gets a placement: the split ones their piece; the others (norms, and an MoE layer's router
+    and experts, which stay whole on every TP rank) are replicated over the group, their gradients partial
+    under sequence parallelism, where each rank's norms see only its tokens."""
     cfg, tp = model.cfg, dist.get_world_size(group)
-    if cfg.attention != "gqa" or cfg.is_moe:
-        raise ValueError("tensor parallelism supports dense GQA models; use ep for experts (got "
-                         f"attention={cfg.attention!r}, n_experts={cfg.n_experts})")
+    if cfg.attention != "gqa":
+        raise ValueError(f"tensor parallelism splits grouped-query attention heads; attention={cfg.attention!r} "
+                         f"(MLA's latent projections are not split): use tp=1")
+    if cfg.is_moe and sequence_parallel:
+        raise ValueError("sequence parallelism with a mixture-of-experts model: each TP rank would route a shard of "
+                         "the tokens and the balancing losses would change; use sp=False")
     for name, size in (("n_heads", cfg.n_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size)):
         if size % tp:
             raise ValueError(f"tp={tp} must divide {name}={size}")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
         raise ValueError(f"tp={tp} must divide n_kv_heads={cfg.n_kv_heads} (KV heads split) or be a multiple of it "
                          "(KV heads replicated)")
+    for param in model.parameters():  # what stays whole; the split layers below replace their weights
+        place(param, Placement(tp_partial=sequence_parallel, replicas=tp))
     if model.tok_embeddings is not None:
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group)
+        reduce_output(model.tok_embeddings, group, sequence_parallel)
     for block in model.layers.values():
         attn, ffn = block.attn, block.ffn
-        assert isinstance(attn, Attention) and isinstance(ffn, FeedForward)
+        assert isinstance(attn, Attention)
         attn.wq = ColumnParallelLinear(attn.wq, group)
         if cfg.n_kv_heads % tp == 0:
             attn.wk, attn.wv = ColumnParallelLinear(attn.wk, group), ColumnParallelLinear(attn.wv, group)
         else:
             attn.wk, attn.wv = (ReplicatedKVLinear(m, group, cfg.n_kv_heads) for m in (attn.wk, attn.wv))
-        attn.wo = RowParallelLinear(attn.wo, group, sequence_parallel)
-        ffn.w1, ffn.w3 = ColumnParallelLinear(ffn.w1, group), ColumnParallelLinear(ffn.w3, group)
-        ffn.w2 = RowParallelLinear(ffn.w2, group, sequence_parallel)
+        attn.wo = RowParallelLinear(attn.wo, group)
+        reduce_output(attn.wo, group, sequence_parallel)
         prepare_input(attn, group, sequence_parallel)
-        prepare_input(ffn, group, sequence_parallel)
+        if isinstance(ffn, FeedForward):  # an MoE layer stays whole on every TP rank (expert parallelism splits it)
+            ffn.w1, ffn.w3 = ColumnParallelLinear(ffn.w1, group), ColumnParallelLinear(ffn.w3, group)
+            ffn.w2 = RowParallelLinear(ffn.w2, group)
+            reduce_output(ffn.w2, group, sequence_parallel)
+            prepare_input(ffn, group, sequence_parallel)
     if model.output is not None:
         model.output = ColumnParallelLinear(model.output, group)
         prepare_input(model.output, group, sequence_parallel)
-    model.tp_group, model.sequence_parallel = group, sequence_parallel
+    model.tie_weights()  # the vocabulary split is the same for both: the tied shards stay one parameter
     return model
 
 
-@torch.no_grad()
 def sync_tensor_parallel_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """After backward: sum the partial gradients of replicated KV heads over their copies, and with SP the
-    gradients of replicated weights (the norms), which saw only their rank's tokens."""
-    for module in model.modules():
-        if isinstance(module, ReplicatedKVLinear):
-            module.sync_grad(group)
-    if getattr(model, "sequence_parallel", False):
-        for param in model.parameters():
-            if not getattr(param, "tensor_parallel", False) and param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
-
-
-def grad_norm(model: nn.Module, tp_group: dist.ProcessGroup | None,
-              pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The global gradient norm of a tensor-parallel model: shards summed over ranks, replicas counted once.
-    Pipeline stages hold disjoint layers: their squared norms add up over `pp_group`."""
-    device = next(model.parameters()).device
-    sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
-    for param in model.parameters():
-        if param.grad is None:
-            continue
-        square = param.grad.detach().float().pow(2).sum()
-        if getattr(param, "tensor_parallel", False):
-            sharded += square / getattr(param, "tensor_parallel_replicas", 1)
-        else:
-            replicated += square
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sharded, group=tp_group)
-    total = sharded + replicated
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
+    """After backward: sum the partial gradients (copied KV heads; with SP the norms, which saw only their rank's
+    tokens) over the TP ranks holding the same piece, as their placements say."""
+    sum_partial_gradients(model.parameters(), group)
 
 
 def torch_tp_plan(model: Transformer) -> dict:

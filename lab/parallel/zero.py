@@ -21,24 +21,26 @@ rarely divide evenly), and the model's parameters become views of it. ZeRO-3 fre
 its storage to zero bytes (FSDP1's trick): the parameter tensors — and the views autograd saved for
 backward — stay valid objects, and see the values again once the buffer is gathered again.
 
-The optimizer is torch's own AdamW, given one Parameter per piece (a parameter ∩ this rank's shard): the
-pieces are views of the shard, so the update lands in it in place, weight decay applies to pieces of ≥2-D
-parameters only, and any LR scheduler can drive it. Clipping needs the *global* gradient norm: each rank
-sums the squares of its gradient shard and a one-number all-reduce adds them up.
+The optimizer is the caller's (torch's AdamW in `lab.train`), built over `Zero.parameters()`: one Parameter
+per piece (a parameter ∩ this rank's shard), views of the shard, so the update lands in it in place; weight
+decay applies to pieces of ≥2-D parameters only, and any LR scheduler can drive it. Clipping needs the
+*global* gradient norm: each piece's placement says it lives on this rank only, so the squares of every
+rank's shard add up to the norm in one all-reduce of a number (`lab.parallel.optim.clip_grad_norm`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab.config import TrainConfig
-from lab.parallel.dp import BucketedDP, DataParallel, NaiveDP, OverlappedDP, adamw, storage_bytes
+from lab.model import Block
+from lab.parallel.dp import BucketedDP, DataParallel, NaiveDP, OverlappedDP, storage_bytes
+from lab.parallel.placement import place, placement_of
 
 DP_MODES = {"naive": NaiveDP, "overlapped": OverlappedDP, "bucketed": BucketedDP}
 
@@ -70,14 +72,14 @@ class Unit:
         self.next_forward: Unit | None = None  # the unit to prefetch while this one computes (ZeRO-3)
         self.next_backward: Unit | None = None
 
-    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-        """(piece of the shard, its gradient, whether it belongs to a matrix) for each parameter in the shard."""
+    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]]:
+        """(piece of the shard, its gradient, the parameter it is a piece of) for each parameter in the shard."""
         end = self.start + self.shard_numel
         result = []
         for param, offset in self.offsets.items():
             lo, hi = max(offset, self.start) - self.start, min(offset + param.numel(), end) - self.start
             if lo < hi:
-                result.append((self.shard[lo:hi], self.shard_grad[lo:hi], param.dim() >= 2))
+                result.append((self.shard[lo:hi], self.shard_grad[lo:hi], param))
         return result
 
 
@@ -91,13 +93,12 @@ class Zero(DataParallel):
     a gradient in every backward pass: a unit is complete when all of its parameters have one.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, stage: int, lr: float,
-                 weight_decay: float, prefetch: bool = True) -> None:
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, stage: int, prefetch: bool = True) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage!r} must be 1, 2 or 3 (stage 0 is plain data parallelism)")
         super().__init__(model, group)
         self.stage, self.prefetch = stage, prefetch
-        blocks = list(model.layers.values())
+        blocks = [m for m in model.modules() if isinstance(m, Block)]  # also in a pipeline rank's chunks
         in_blocks = {p for block in blocks for p in block.parameters()}
         owners = [(model, [p for p in self.params if p not in in_blocks])]  # the root: all outside the blocks
         owners += [(block, [p for p in block.parameters() if p.requires_grad]) for block in blocks]
@@ -109,11 +110,17 @@ class Zero(DataParallel):
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, unit))
         if stage == 3:
             self._shard_parameters([module for module, _ in owners])
-        # AdamW sees one Parameter per piece of this rank's shard: views, so its update lands in the shard.
-        self.pieces = [(nn.Parameter(shard), grad, is_matrix) for unit in self.units
-                       for shard, grad, is_matrix in unit.pieces()]
-        self.optimizer = adamw([p for p, _, is_matrix in self.pieces if is_matrix],
-                               [p for p, _, is_matrix in self.pieces if not is_matrix], lr, weight_decay)
+        # The optimizer sees one Parameter per piece of this rank's shard: views, so its update lands in the
+        # shard. A piece keeps its parameter's placement (held by 1/world of the ranks that held the parameter)
+        # and whether it decays (a piece of a matrix does).
+        self.pieces = []
+        for unit in self.units:
+            for shard, grad, param in unit.pieces():
+                piece = nn.Parameter(shard)
+                spot = placement_of(param)
+                place(piece, dataclasses.replace(spot, replicas=spot.replicas // self.world if spot.replicas else 1))
+                piece.decays = param.dim() >= 2
+                self.pieces.append((piece, grad))
 
     # --- ZeRO-3: gather each unit just in time, free it right after ----------------------------------------
 
@@ -198,33 +205,27 @@ class Zero(DataParallel):
     # --- the step ------------------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for the reduce-scatters; afterwards each rank holds the averaged gradient of its shard."""
-        missing = [i for i, unit in enumerate(self.units) if not unit.reduced]
-        if missing:
-            raise RuntimeError(f"units {missing} were not reduce-scattered: every parameter must get a gradient in "
-                               f"every backward pass, and the last one must run outside no_sync()")
+        """Wait for the reduce-scatters; afterwards each rank holds the averaged gradient of its shard. Units that
+        were not reduce-scattered during backward (a pipeline runs every micro-batch under `no_sync()`) are now."""
+        for i, unit in enumerate(self.units):
+            if not unit.reduced:
+                if unit.grad is None or unit.ready:
+                    raise RuntimeError(f"unit {i} has parameters without a gradient: every parameter must get one in "
+                                       f"every backward pass")
+                self._reduce_scatter(unit)
         self._wait_reduce_scatter()
         for unit in self.units:
             unit.reduced = False
-        for piece, grad, _ in self.pieces:
+        for piece, grad in self.pieces:
             piece.grad = grad
 
-    @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global norm from every rank's shard (one all-reduce of a scalar); clip as `NaiveDP` does."""
-        squares = torch.stack([unit.shard_grad.pow(2).sum() for unit in self.units]).sum()
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
-        norm = squares.sqrt()
-        if max_norm > 0:
-            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for unit in self.units:
-                unit.shard_grad.mul_(scale)
-        return norm
+    def parameters(self) -> list[torch.Tensor]:
+        """What this rank's optimizer updates: the pieces of its shards (views: the update lands in the shard)."""
+        return [piece for piece, _ in self.pieces]
 
-    def step(self) -> None:
-        """AdamW on this rank's shard; stages 1-2 then all-gather the updated shards into the full parameters
-        (stage 3 gathers them when the next forward needs them)."""
-        self.optimizer.step()
+    def after_step(self) -> None:
+        """Stages 1-2 all-gather the updated shards into the full parameters (stage 3 gathers them when the next
+        forward needs them)."""
         if self.stage < 3:
             handles = [dist.all_gather_into_tensor(unit.full, unit.shard, group=self.group, async_op=True)
                        for unit in self.units]
@@ -232,17 +233,18 @@ class Zero(DataParallel):
                 handle.wait()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for piece, _ in self.pieces:
+            piece.grad = None
         if self.stage == 1:
             for unit in self.units:
                 unit.grad.zero_()
 
-    def resident_bytes(self) -> dict[str, int]:
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes held right now by parameters (full buffers while gathered, shards), gradients (full flat
-        buffers while they exist, shards) and optimizer states, measured on the live tensors."""
+        buffers while they exist, shards) and `optimizer`'s states, measured on the live tensors."""
         params = [p for unit in self.units for p in unit.params] + [unit.shard for unit in self.units]
         grads = [unit.grad for unit in self.units] + [unit.shard_grad for unit in self.units]
-        states = [t for state in self.optimizer.state.values() for t in state.values()]
+        states = [t for state in optimizer.state.values() for t in state.values()]
         return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
 
     @torch.no_grad()
@@ -265,7 +267,7 @@ class TorchFSDP2(NaiveDP):
     root, parameters as DTensors sharded on dim 0 — behind the same loop, for side-by-side checks and
     benchmarks. Accumulation: `set_requires_gradient_sync(False)` keeps unsharded gradients, as `no_sync` does."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, lr: float, weight_decay: float) -> None:
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
@@ -273,7 +275,9 @@ class TorchFSDP2(NaiveDP):
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        super().__init__(model, group, lr, weight_decay)  # AdamW over the DTensor shards
+        super().__init__(model, group)  # the parameters are now DTensor shards
+        for param in self.params:
+            place(param, dataclasses.replace(placement_of(param), replicas=1))  # each shard on one rank only
 
     def backward_context(self, last_micro_batch: bool) -> AbstractContextManager:
         self.model.set_requires_gradient_sync(last_micro_batch)
@@ -282,39 +286,31 @@ class TorchFSDP2(NaiveDP):
     def finish(self) -> None:
         """Nothing to wait for: FSDP2's backward returns once its reduce-scatters are done."""
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else math.inf).full_tensor()
-
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {name: param.full_tensor().clone() for name, param in self.model.named_parameters()}
 
-    def resident_bytes(self) -> dict[str, int]:
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         def local(tensors):
             return [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
 
-        states = [t for state in self.optimizer.state.values() for t in state.values()]
+        states = [t for state in optimizer.state.values() for t in state.values()]
         return {"params": storage_bytes(local(self.params)), "grads": storage_bytes(local(p.grad for p in self.params)),
                 "optimizer": storage_bytes(local(states))}
 
 
-def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, train: TrainConfig, *, zero: int = 0,
-                       dp_mode: str = "bucketed", bucket_mb: float = 25.0,
-                       tp_group: dist.ProcessGroup | None = None) -> NaiveDP | Zero:
-    """The one call `lab.train` makes: plain data parallelism (`dp_mode`) for zero=0, else ZeRO-`zero`.
+def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zero: int = 0,
+                       dp_mode: str = "bucketed", bucket_mb: float = 25.0) -> NaiveDP | Zero:
+    """Plain data parallelism (`dp_mode`) for zero=0, else ZeRO-`zero`, over `group`.
 
     Works for a single process too (zero=0, no process group): nothing is communicated. ZeRO needs an
-    initialised process group and a model that is not tensor parallel.
+    initialised process group.
     """
     if zero:
-        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        if tp > 1:
-            raise ValueError(f"zero={zero} with tp={tp}: ZeRO shards a model that is not tensor parallel; "
-                             f"use zero=0 with tp > 1")
         if not dist.is_initialized():
             raise ValueError(f"zero={zero} needs a process group: start ranks with lab.dist.run or torchrun")
-        return Zero(model, group, zero, train.lr, train.weight_decay)
+        return Zero(model, group, zero)
     if dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode={dp_mode!r} must be one of {', '.join(map(repr, DP_MODES))}")
     options = {"bucket_mb": bucket_mb} if dp_mode == "bucketed" else {}
-    return DP_MODES[dp_mode](model, group, train.lr, train.weight_decay, tp_group=tp_group, **options)
+    return DP_MODES[dp_mode](model, group, **options)

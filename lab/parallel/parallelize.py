@@ -1,0 +1,188 @@
+"""Every parallelism on one mesh: `parallelize` builds this rank's part of the model and what steps it.
+
+TorchTitan's order, applied to each pipeline stage (one stage when pp = 1), on the `meta` device:
+
+  1. pipeline split  keep the stage's layers (`lab.parallel.pp.cut_to_stage`); interleaved: several chunks
+  2. TP (+SP)        split attention heads, FFN width and vocabulary over tp (`lab.parallel.tp`)
+  3. CP              swap every attention core for ring or Ulysses attention (`lab.parallel.cp`)
+  4. EP              keep this rank's experts, route through the all-to-all (`lab.parallel.ep`)
+  5. recompute       activation checkpointing (`lab.model.set_recompute`)
+  6. materialise     allocate only what is left and fill it with its slice of the single-process values
+  7. DP / ZeRO       the engine that averages gradients over dp x cp (experts over ep_dp), or shards them
+
+Each step that shards a parameter records its `Placement`; once the layout is known, `replicas` says how many
+ranks hold each value, so that gradient reduction, clipping (and checkpoints) read one description. The model
+itself (`lab.model`) knows nothing of any of it.
+
+    par = parallelize(config.model, mesh, config.parallel, device, seed)
+    optimizer = adamw(par.parameters(), lr, weight_decay)
+    inputs, targets = par.batch(*data.next_batch())
+    ... forward/backward: par.pipeline.step(...) or par.model(...) with par.loss_fn ...
+    par.finish_gradients()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lab.calc.schedules import make_schedule
+from lab.config import ModelConfig, ParallelConfig
+from lab.data import shard_rows
+from lab.dist import Mesh
+from lab.model import Transformer, build_model, init_tensor, set_recompute
+from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
+from lab.parallel.dp import DataParallel, NaiveDP
+from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
+from lab.parallel.placement import placement_of, set_replicas, sum_partial_gradients
+from lab.parallel.pp import Boundary, LossFn, Pipeline, cut_to_stage
+from lab.parallel.tp import apply_tensor_parallel, vocab_parallel_cross_entropy
+from lab.parallel.zero import make_data_parallel
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def materialize_local(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
+    """Allocate a (sharded) `meta` model on `device`: each parameter is its placement's piece of the full value
+    `init_tensor` draws by name, so every layout starts from the single-process weights. Only one full tensor
+    exists at a time, and only while its piece is cut from it."""
+    placements = {name: placement_of(param) for name, param in model.named_parameters()}
+    model.to_empty(device=device)  # new Parameter objects: the placements are put back below
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        spot = placements[name]
+        param.copy_(spot.local(init_tensor(name, spot.full_shape(tuple(param.shape)), model.cfg, seed)))
+        param.placement = spot
+    return model
+
+
+@dataclass
+class LocalBatch:
+    """This rank's part of a global batch: its rows (dp) and its chunks of the sequence (cp), with the global
+    positions of those tokens for RoPE. The one thing the training loop asks about the data layout."""
+
+    dp_rank: int
+    dp: int
+    cp_rank: int
+    cp: int
+    cp_layout: str
+    device: torch.device
+    seq_len: int
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return sequence_positions(self.seq_len, self.cp_rank, self.cp, self.cp_layout).to(self.device)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = (shard_rows(t, self.dp_rank, self.dp) for t in (inputs, targets))
+        if self.cp > 1:
+            inputs, targets = (shard_sequence(t, self.cp_rank, self.cp, self.cp_layout) for t in (inputs, targets))
+        return inputs.to(self.device), targets.to(self.device)
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` gives a rank: its part of the model, the pipeline driving it (None when pp = 1), the
+    data-parallel engine, the loss function, and how to cut its batch."""
+
+    model: nn.Module
+    pipeline: Pipeline | None
+    engine: DataParallel
+    loss_fn: LossFn
+    batch: LocalBatch
+    mesh: Mesh | None
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The tensors this rank's optimizer updates (whole parameters, TP shards or ZeRO pieces)."""
+        return self.engine.parameters()
+
+    def finish_gradients(self) -> None:
+        """After the step's last backward: average over the data-parallel ranks, then sum what is partial over
+        TP (norms under SP, copied KV heads). Every rank then holds the single-process gradient of its values."""
+        self.engine.finish()
+        if self.mesh is not None and self.mesh.tp > 1:
+            sum_partial_gradients(self.parameters(), self.mesh.tp_group)
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The batch's loss on every rank: from the last pipeline stage, averaged over dp x cp."""
+        if self.mesh is None:
+            return loss
+        if self.pipeline is not None:
+            dist.all_reduce(loss, group=self.mesh.pp_group)  # zero except on the last stage
+        if self.mesh.dp * self.mesh.cp > 1:
+            dist.all_reduce(loss, group=self.mesh.dp_cp_group)
+            loss /= self.mesh.dp * self.mesh.cp
+        return loss
+
+
+def build_stage(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, virtual_stage: int,
+                virtual_stages: int) -> Transformer:
+    """Steps 1-5 for one stage, on `meta`: nothing is allocated yet."""
+    model = build_model(cfg)
+    if virtual_stages > 1:
+        cut_to_stage(model, virtual_stage, virtual_stages)
+    if parallel.tp > 1:
+        apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=parallel.sp)
+    if parallel.cp > 1:
+        apply_context_parallel(model, mesh.cp_group, parallel.cp_impl)
+    if parallel.ep > 1:
+        apply_expert_parallel(model, mesh.ep_group)
+    set_recompute(model, parallel.recompute)
+    return model
+
+
+def _record_replicas(model: nn.Module, parallel: ParallelConfig) -> None:
+    """How many ranks of the world hold each value: its TP copies times its data-parallel copies (dp x cp, or
+    the ep_dp ranks for an expert). Pipeline stages hold different layers: no copies across pp."""
+    for param in model.parameters():
+        spot = placement_of(param)
+        tp_copies = spot.replicas or 1  # set by TP: 1 for a split piece, tp/n_kv for copied KV heads, tp if whole
+        data_copies = parallel.dp * parallel.cp // (parallel.ep if spot.expert else 1)
+        set_replicas([param], tp_copies * data_copies)
+
+
+def _engine(model: nn.Module, mesh: Mesh | None, parallel: ParallelConfig) -> DataParallel:
+    if mesh is None:
+        return NaiveDP(model, None)
+    if parallel.ep > 1:
+        return ExpertDataParallel(model, mesh.dp_cp_group, mesh.ep_dp_group)
+    if parallel.pp > 1 and not parallel.zero:
+        # A pipeline's backwards are spread over its schedule: gradients are averaged once it is done.
+        return NaiveDP(model, mesh.dp_cp_group)
+    return make_data_parallel(model, mesh.dp_cp_group, zero=parallel.zero, dp_mode=parallel.dp_mode,
+                              bucket_mb=parallel.bucket_mb)
+
+
+def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, device: torch.device,
+                seed: int, seq_len: int) -> Parallelized:
+    """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process)."""
+    schedule = None
+    if parallel.pp > 1:
+        schedule = make_schedule(parallel.pp_schedule, parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages)
+        stages = [build_stage(cfg, mesh, parallel, schedule.virtual_stage(mesh.pp_rank, c), schedule.virtual_stages)
+                  for c in range(schedule.chunks)]
+    else:
+        stages = [build_stage(cfg, mesh, parallel, 0, 1)]
+    for stage in stages:
+        materialize_local(stage, device, seed)
+    model = nn.ModuleList(stages) if schedule is not None else stages[0]
+    _record_replicas(model, parallel)
+    loss_fn = cross_entropy
+    if parallel.tp > 1:
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
+    pipeline = None
+    if schedule is not None:
+        boundary = Boundary(cfg.d_model, parallel.tp if parallel.sp else 1, next(model.parameters()).dtype)
+        pipeline = Pipeline(stages, schedule, mesh.pp_group, loss_fn, boundary=boundary)
+    engine = _engine(model, mesh, parallel)  # after the pipeline: ZeRO's hooks see the pipeline's calls
+    coords = (mesh.dp_rank, mesh.dp, mesh.cp_rank, mesh.cp) if mesh is not None else (0, 1, 0, 1)
+    batch = LocalBatch(*coords, layout_of(parallel.cp_impl), device, seq_len)
+    return Parallelized(model, pipeline, engine, loss_fn, batch, mesh)

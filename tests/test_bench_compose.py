@@ -1,0 +1,48 @@
+"""benchmarks/compose.py: its torch side trains the single-process model, and a layout that cannot run is a row."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab.config import load_config
+from lab.dist import run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _compose():
+    spec = importlib.util.spec_from_file_location("bench_compose", REPO / "benchmarks" / "compose.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("overrides", [
+    # FSDP2 x DTensor TP, two micro-batches (gradient sync held back on the first), clipping over two meshes
+    ("parallel.dp=2", "parallel.tp=2", "parallel.zero=3", "parallel.grad_accum=2"),
+    # replicate over dp x torch's interleaved 1F1B on build_chunk's chunks, clipping summed over the stages
+    ("parallel.dp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+     "parallel.grad_accum=2"),
+], ids=["zero3-dp2-tp2", "dp2-pp2-interleaved"])
+def test_torch_stack_trains_the_single_process_model(overrides):
+    """The ratio means something only if torch's composition computes what lab's does: its per-step losses on
+    4 ranks equal the same worker's on one process (no parallelism), so nothing is dropped or counted twice."""
+    compose = _compose()
+    common = ["train.steps=3"]
+    single = run(compose.torch_worker, 1, load_config(REPO / "configs/tiny.toml", common))[0]["losses"]
+    composed = run(compose.torch_worker, 4, load_config(REPO / "configs/tiny.toml", [*common, *overrides]),
+                   timeout_s=300)[0]["losses"]
+    assert composed == pytest.approx(single, rel=1e-5)
+
+
+def test_a_layout_that_cannot_run_is_a_row_not_a_crash():
+    compose = _compose()
+    layout = compose.Layout("ep-on-dense", "configs/tiny.toml", ("parallel.dp=8", "parallel.ep=2"), "no torch: test")
+    lab_ms, torch_ms = compose.measure(layout, ["train.steps=3"])
+    assert lab_ms.startswith("refused: ") and "ep=2" in lab_ms
+    assert torch_ms == "no torch: test"

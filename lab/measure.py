@@ -107,6 +107,33 @@ class _StorageRecorder(TorchDispatchMode):
         return out
 
 
+class PeakAllocation(TorchDispatchMode):
+    """The most bytes that storages created inside the block held at once (checked after every op), on the
+    CPU as on a GPU — where `torch.cuda.max_memory_allocated` says the same. Meta tensors hold nothing.
+
+        with PeakAllocation() as peak:
+            model = build_and_shard(...)
+        peak.bytes
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, weakref.ref] = {}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                old = self.storages.get(storage.data_ptr())
+                if old is None or old() is None:
+                    self.storages[storage.data_ptr()] = weakref.ref(storage)
+        live = sum(s.nbytes() for ref in self.storages.values() if (s := ref()) is not None)
+        self.bytes = max(self.bytes, live)
+        return out
+
+
 def live_activation_bytes(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                           flash: bool = False) -> int:
     """Bytes of the storages created by forward + loss that are still alive afterwards (the loss excluded).

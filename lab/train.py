@@ -30,10 +30,9 @@ from lab import dist as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
 from lab.config import Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
-from lab.dist import Mesh
 from lab.model import MoE, build_model, moe_losses, num_params
 from lab.parallel.optim import adamw, clip_grad_norm
-from lab.parallel.parallelize import Parallelized, parallelize
+from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
 
 
 @dataclass
@@ -188,10 +187,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     It knows one thing about the layout: whether a pipeline drives the model. Everything else — which rows and
     tokens this rank holds, how the loss and gradients are reduced — is asked of what `parallelize` built."""
     parallel, train = config.parallel, config.train
-    mesh = (Mesh(dp=parallel.dp, pp=parallel.pp, cp=parallel.cp, tp=parallel.tp, ep=parallel.ep)
-            if dist.is_initialized() else None)
     device = _device(config)
-    par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len)
+    par = parallelize(config.model, build_mesh(parallel), parallel, device, train.seed, train.seq_len)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
@@ -356,6 +353,9 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
             raise ValueError(f"torchrun started {dist.get_world_size()} ranks but dp*tp*cp*pp = "
                              f"{config.parallel.world_size}")
         return train_worker(config, log_path, verbose)
+    if nproc != config.parallel.world_size:
+        p = config.parallel
+        raise ValueError(f"nproc={nproc} must equal dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
     if nproc == 1:
         return train_worker(config, log_path, verbose)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"

@@ -122,6 +122,13 @@ class Parallelized:
         return loss
 
 
+def build_mesh(parallel: ParallelConfig) -> Mesh | None:
+    """The mesh of `parallel`'s degrees (every rank must build it, in the same order), or None in one process."""
+    if not dist.is_initialized():
+        return None
+    return Mesh(dp=parallel.dp, pp=parallel.pp, cp=parallel.cp, tp=parallel.tp, ep=parallel.ep)
+
+
 def build_stage(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, virtual_stage: int,
                 virtual_stages: int) -> Transformer:
     """Steps 1-5 for one stage, on `meta`: nothing is allocated yet."""

@@ -20,6 +20,7 @@ from lab.data import SyntheticTokens, shard_rows
 from lab.dist import count_collectives, run
 from lab.model import build_model, materialize, set_recompute
 from lab.parallel.dp import BucketedDP, NaiveDP, TorchDDP
+from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.zero import TorchFSDP2, make_data_parallel
 
 # The tiny preset with 2 layers and odd widths: no parameter count divides by 2 or 4, so ZeRO pads its shards.
@@ -35,12 +36,12 @@ BUCKET_MB = 0.01  # 2,621 fp32 gradients per bucket: about ten buckets for this 
 def make_engine(kind: str, model: nn.Module, bucket_mb: float = BUCKET_MB):
     """"single", a DP mode ("naive", "overlapped", "bucketed"), "zero1".."zero3", "ddp" or "fsdp2"."""
     if kind == "ddp":
-        return TorchDDP(model, None, TRAIN.lr, TRAIN.weight_decay, bucket_mb)
+        return TorchDDP(model, None, bucket_mb)
     if kind == "fsdp2":
-        return TorchFSDP2(model, None, TRAIN.lr, TRAIN.weight_decay)
+        return TorchFSDP2(model, None)
     zero = int(kind[-1]) if kind.startswith("zero") else 0
     dp_mode = "naive" if kind == "single" or zero else kind
-    return make_data_parallel(model, None, TRAIN, zero=zero, dp_mode=dp_mode, bucket_mb=bucket_mb)
+    return make_data_parallel(model, None, zero=zero, dp_mode=dp_mode, bucket_mb=bucket_mb)
 
 
 def micro_batches(step_batch: tuple[torch.Tensor, torch.Tensor], grad_accum: int) -> list[tuple]:
@@ -58,7 +59,8 @@ def train(kind: str, grad_accum: int = 1, steps: int = STEPS, recompute: str = "
     model = materialize(build_model(config), seed=0)
     set_recompute(model, recompute)
     engine = make_engine(kind, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: (step + 1) / steps)  # warm-up
+    optimizer = adamw(engine.parameters(), TRAIN.lr, TRAIN.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / steps)  # warm-up
     data = SyntheticTokens(config.vocab_size, TRAIN.seq_len, TRAIN.global_batch, seed=0)
     losses = []
     for _ in range(steps):
@@ -70,8 +72,9 @@ def train(kind: str, grad_accum: int = 1, steps: int = STEPS, recompute: str = "
                 (micro_loss / grad_accum).backward()
             loss += micro_loss.detach() / grad_accum
         engine.finish()
-        engine.clip_grad_norm(TRAIN.grad_clip)
-        engine.step()
+        clip_grad_norm(engine.parameters(), TRAIN.grad_clip)
+        optimizer.step()
+        engine.after_step()
         scheduler.step()
         engine.zero_grad()
         if dist.is_initialized():
@@ -165,7 +168,7 @@ def test_all_reduce_volume_timing_and_no_sync():
 def test_bucket_layout(bucket_mb):
     """Buckets take the parameters in reverse order and close at the first parameter that brings them to
     at least bucket_mb MiB (torch DDP's rule): these three facts fix the layout."""
-    engine = BucketedDP(materialize(build_model(CONFIG)), None, TRAIN.lr, TRAIN.weight_decay, bucket_mb=bucket_mb)
+    engine = BucketedDP(materialize(build_model(CONFIG)), None, bucket_mb=bucket_mb)
     cap = int(bucket_mb * 2**20) // 4
     assert [p for b in engine.buckets for p in b.params] == engine.params[::-1]
     assert all(b.buffer.numel() >= cap for b in engine.buckets[:-1])
@@ -180,9 +183,9 @@ def test_bucket_layout(bucket_mb):
 
 def test_single_process_and_bad_mode():
     model = materialize(build_model(CONFIG))
-    assert type(make_data_parallel(model, None, TRAIN, dp_mode="naive")) is NaiveDP  # dp=1: no process group
+    assert type(make_data_parallel(model, None, dp_mode="naive")) is NaiveDP  # dp=1: no process group
     with pytest.raises(ValueError, match="dp_mode='ring' must be one of 'naive', 'overlapped', 'bucketed'"):
-        make_data_parallel(model, None, TRAIN, dp_mode="ring")
+        make_data_parallel(model, None, dp_mode="ring")
 
 
 # --- gradients right after finish(), before clipping and the optimizer ----------------------------------------
@@ -268,7 +271,7 @@ def _branchy_grads() -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Branchy()
-    engine = BucketedDP(model, None, TRAIN.lr, TRAIN.weight_decay, bucket_mb=BRANCHY_BUCKET_MB)
+    engine = BucketedDP(model, None, bucket_mb=BRANCHY_BUCKET_MB)
     with count_collectives() as counts:
         model(_branchy_batch(rank), use_sometimes=rank == 0).pow(2).mean().backward()
         engine.finish()

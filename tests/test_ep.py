@@ -166,7 +166,7 @@ def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
 def _finished_gradients(dp: int, ep: int) -> dict[str, torch.Tensor]:
     mesh = Mesh(dp=dp, ep=ep)
     model = apply_expert_parallel(materialize(build_model(DDP_CFG), seed=2), mesh.ep_group)
-    engine = ExpertDataParallel(model, mesh.dp_group, mesh.ep_group, mesh.ep_dp_group, lr=1e-3, weight_decay=0.1)
+    engine = ExpertDataParallel(model, mesh.dp_group, mesh.ep_dp_group)
     _loss(model, _batch(mesh.rank)).backward()
     engine.finish()  # nothing else: no clipping, no step
     return {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -46,7 +46,7 @@ def test_naive_communicates_after_backward_and_bucketed_during_it():
     """Naive: one blocking all-reduce per parameter, all after backward (all of it exposed). Bucketed: one
     all-reduce per bucket, every one but the last launched before the backward pass ends."""
     model = materialize(build_model(CONFIG))
-    n_params, n_buckets = len(list(model.parameters())), len(BucketedDP(model, None, 0.1, 0.0, BUCKET_MB).buckets)
+    n_params, n_buckets = len(list(model.parameters())), len(BucketedDP(model, None, BUCKET_MB).buckets)
     assert n_buckets > 1
     backward_end = {k: max(s.end for s in _spans(k, "compute")) for k in KINDS}
     naive = _spans("naive", "comm", "all_reduce")

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from lab.config import PRESETS
 from lab.dist import Mesh, count_collectives, run
 from lab.model import build_model, materialize
+from lab.parallel.placement import grad_norm
 from lab.parallel.tp import (
     apply_tensor_parallel,
-    grad_norm,
     sync_tensor_parallel_grads,
     torch_tp_plan,
     vocab_parallel_cross_entropy,
@@ -72,7 +72,7 @@ def _tp_grad_norm(tokens, targets):
     model = apply_tensor_parallel(materialize(build_model(CFG), seed=1), mesh.tp_group)
     vocab_parallel_cross_entropy(model(tokens), targets, mesh.tp_group).backward()
     sync_tensor_parallel_grads(model, mesh.tp_group)
-    return grad_norm(model, mesh.tp_group).item()
+    return grad_norm(model.parameters(), mesh.tp_group).item()
 
 
 @pytest.mark.parametrize("tp", [2, 4])

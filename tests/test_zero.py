@@ -25,6 +25,7 @@ from test_dp import _first_batch as first_batch
 from lab.calc.memory import static_bytes
 from lab.dist import count_collectives, run
 from lab.model import build_model, materialize, num_params
+from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.zero import Zero, make_data_parallel
 
 # Units: the root (embedding, final norm, output) and each block; their parameter counts are all odd.
@@ -73,14 +74,17 @@ def test_tied_embeddings_and_experts(kind):
 
 
 def _phase_counts(stage: int, grad_accum: int) -> list[dict]:
-    """Collective calls and bytes in each phase of one step: every micro-batch, finish, clip, step."""
+    """Collective calls and bytes in each phase of one step: every micro-batch, finish, clip, step (the
+    optimizer's, then the engine's `after_step`)."""
     engine = make_engine(f"zero{stage}", materialize(build_model(CONFIG), seed=0))
+    optimizer = adamw(engine.parameters(), TRAIN.lr, TRAIN.weight_decay)
     phases = []
     for i, (x, y) in enumerate(micro_batches(first_batch(), grad_accum)):
         with count_collectives() as counts, engine.backward_context(last_micro_batch=i == grad_accum - 1):
             (F.cross_entropy(engine.model(x).flatten(0, 1), y.flatten()) / grad_accum).backward()
         phases.append(counts)
-    for phase in (engine.finish, lambda: engine.clip_grad_norm(TRAIN.grad_clip), engine.step):
+    for phase in (engine.finish, lambda: clip_grad_norm(engine.parameters(), TRAIN.grad_clip),
+                  lambda: (optimizer.step(), engine.after_step())):
         with count_collectives() as counts:
             phase()
         phases.append(counts)
@@ -95,12 +99,12 @@ def test_exact_collectives_per_step():
     """Per unit and step: ZeRO-1/2 one reduce-scatter (in the last backward) and one all-gather (after the
     optimizer step); ZeRO-3 two all-gathers per micro-batch (before forward, before backward) and one
     reduce-scatter. Bytes: the padded unit into reduce-scatter, one shard out of each rank per all-gather.
-    Clipping adds one all-reduce of a 4-byte scalar."""
+    Clipping adds one all-reduce of an 8-byte scalar (the sum of squares, in float64)."""
     world, grad_accum, units = 4, 3, len(UNIT_NUMELS)
     padded = 4 * sum(_shard(n, world) * world for n in UNIT_NUMELS)
     shards = 4 * sum(_shard(n, world) for n in UNIT_NUMELS)
     rs, ag = "reduce_scatter_tensor", "all_gather_into_tensor"
-    norm = {"all_reduce": (1, 4)}
+    norm = {"all_reduce": (1, 8)}
     for stage, phases in run(_all_stages, world, grad_accum)[0].items():
         *accumulating, last, finish, clip, step = phases
         if stage < 3:
@@ -117,19 +121,21 @@ def _resident(stage: int) -> dict[str, dict[str, int]]:
     ZeRO-3, inside the last block's forward (the only block gathered then; nothing left to prefetch)."""
     model = materialize(build_model(CONFIG), seed=0)
     engine = make_engine(f"zero{stage}" if stage else "naive", model)
+    optimizer = adamw(engine.parameters(), TRAIN.lr, TRAIN.weight_decay)
     seen = {}
 
     def in_last_block(*_) -> None:
-        seen.setdefault("in_last_block", engine.resident_bytes())
+        seen.setdefault("in_last_block", engine.resident_bytes(optimizer))
 
     model.layers[str(CONFIG.n_layers - 1)].attn.register_forward_hook(in_last_block)
     (x, y), = micro_batches(first_batch(), 1)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     engine.finish()
-    seen["after_finish"] = engine.resident_bytes()
-    engine.clip_grad_norm(TRAIN.grad_clip)
-    engine.step()
-    seen["after_step"] = engine.resident_bytes()
+    seen["after_finish"] = engine.resident_bytes(optimizer)
+    clip_grad_norm(engine.parameters(), TRAIN.grad_clip)
+    optimizer.step()
+    engine.after_step()
+    seen["after_step"] = engine.resident_bytes(optimizer)
     return seen
 
 
@@ -168,9 +174,9 @@ def test_resident_bytes_shrink_by_dp(world):
 def test_zero_needs_a_process_group_and_a_stage():
     model = materialize(build_model(CONFIG))
     with pytest.raises(ValueError, match="zero=2 needs a process group"):
-        make_data_parallel(model, None, TRAIN, zero=2)
+        make_data_parallel(model, None, zero=2)
     with pytest.raises(ValueError, match="stage=4 must be 1, 2 or 3"):
-        Zero(model, None, 4, TRAIN.lr, TRAIN.weight_decay)
+        Zero(model, None, 4)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -36,6 +36,7 @@ from lab.config import ModelConfig
 from lab.data import SyntheticTokens, shard_rows
 from lab.model import build_model, materialize
 from lab.parallel.dp import BucketedDP, NaiveDP, OverlappedDP
+from lab.parallel.optim import adamw
 from lab.parallel.zero import Zero
 
 TIMED_OPS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
@@ -155,11 +156,11 @@ class StepRecorder:
 def make_engine(kind: str, model: nn.Module, bucket_mb: float = 0.25) -> NaiveDP | Zero:
     """One of `KINDS` over the default process group (ZeRO-3 with or without prefetching)."""
     if kind in ("naive", "overlapped"):
-        return {"naive": NaiveDP, "overlapped": OverlappedDP}[kind](model, None, LR, WEIGHT_DECAY)
+        return {"naive": NaiveDP, "overlapped": OverlappedDP}[kind](model, None)
     if kind == "bucketed":
-        return BucketedDP(model, None, LR, WEIGHT_DECAY, bucket_mb=bucket_mb)
+        return BucketedDP(model, None, bucket_mb=bucket_mb)
     if kind.startswith("zero") and kind in KINDS:
-        return Zero(model, None, int(kind[4]), LR, WEIGHT_DECAY, prefetch=not kind.endswith("no-prefetch"))
+        return Zero(model, None, int(kind[4]), prefetch=not kind.endswith("no-prefetch"))
     raise ValueError(f"kind={kind!r} must be one of {', '.join(map(repr, KINDS))}")
 
 
@@ -171,6 +172,7 @@ def step_timeline(kind: str, config: ModelConfig | None = None, batch: int = 8, 
     config = config or ModelConfig.from_preset("tiny")
     model = materialize(build_model(config), seed=0)
     engine = make_engine(kind, model, bucket_mb)
+    optimizer = adamw(engine.parameters(), LR, WEIGHT_DECAY)
     recorder = StepRecorder(model)
     data = SyntheticTokens(config.vocab_size, seq_len, batch, seed=0)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -181,7 +183,8 @@ def step_timeline(kind: str, config: ModelConfig | None = None, batch: int = 8, 
             start = time.perf_counter()
             recorder.backward(F.cross_entropy(engine.model(inputs).flatten(0, 1), targets.flatten()))
             engine.finish()
-            engine.step()
+            optimizer.step()
+            engine.after_step()  # ZeRO-1/2: all-gather the updated shards
             engine.zero_grad()
             step_s = time.perf_counter() - start
     spans = recorder.spans

@@ -33,19 +33,20 @@ from lab.data import SyntheticTokens, shard_rows  # noqa: E402
 from lab.dist import run  # noqa: E402
 from lab.model import build_model, materialize, num_params  # noqa: E402
 from lab.parallel.dp import TorchDDP  # noqa: E402
+from lab.parallel.optim import adamw, clip_grad_norm  # noqa: E402
 from lab.parallel.zero import TorchFSDP2, make_data_parallel  # noqa: E402
 
 VARIANTS = ("naive", "overlapped", "bucketed", "ddp", "zero1", "zero2", "zero3", "fsdp2")
 PAIRS = (("bucketed", "ddp"), ("zero3", "fsdp2"))
 
 
-def _engine(kind: str, model: torch.nn.Module, train: TrainConfig, bucket_mb: float):
+def _engine(kind: str, model: torch.nn.Module, bucket_mb: float):
     if kind == "ddp":
-        return TorchDDP(model, None, train.lr, train.weight_decay, bucket_mb)
+        return TorchDDP(model, None, bucket_mb)
     if kind == "fsdp2":
-        return TorchFSDP2(model, None, train.lr, train.weight_decay)
+        return TorchFSDP2(model, None)
     zero = int(kind[-1]) if kind.startswith("zero") else 0
-    return make_data_parallel(model, None, train, zero=zero, dp_mode="naive" if zero else kind, bucket_mb=bucket_mb)
+    return make_data_parallel(model, None, zero=zero, dp_mode="naive" if zero else kind, bucket_mb=bucket_mb)
 
 
 def _return_freed_memory() -> None:
@@ -75,7 +76,8 @@ def bench(kind: str, model_config: ModelConfig, train: TrainConfig, steps: int, 
     if device.type == "cpu":
         _return_freed_memory()
     baseline = 0 if device.type == "cuda" else 1024 * _rss_kib("VmRSS")
-    engine = _engine(kind, materialize(build_model(model_config), device, seed=0), train, bucket_mb)
+    engine = _engine(kind, materialize(build_model(model_config), device, seed=0), bucket_mb)
+    optimizer = adamw(engine.parameters(), train.lr, train.weight_decay)
     data = SyntheticTokens(model_config.vocab_size, train.seq_len, train.global_batch)
     times, state = [], {}
     for step in range(warmup + steps):
@@ -86,12 +88,13 @@ def bench(kind: str, model_config: ModelConfig, train: TrainConfig, steps: int, 
         start = time.perf_counter()
         F.cross_entropy(engine.model(x).flatten(0, 1), y.flatten()).backward()
         engine.finish()
-        engine.clip_grad_norm(train.grad_clip)
-        engine.step()
+        clip_grad_norm(engine.parameters(), train.grad_clip)
+        optimizer.step()
+        engine.after_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-        state = engine.resident_bytes()  # before zero_grad: the gradients are still held
+        state = engine.resident_bytes(optimizer)  # before zero_grad: the gradients are still held
         engine.zero_grad()
     slowest = torch.tensor(times[warmup:], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

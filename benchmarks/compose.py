@@ -4,8 +4,8 @@
     python benchmarks/compose.py --layouts dp2-tp2-pp2 --steps 4
     python benchmarks/compose.py --model tiny --seq 64 --batch 16
 
-lab's side is `lab.train.run(config, 8)`, the loop `python -m lab.train` runs; its config first goes through the
-command line's checks, so a layout `lab.train` cannot run is a row with its one-line refusal, not a crash.
+lab's side is `lab.train.run(config, 8)`, the loop `python -m lab.train` runs; a layout it refuses (its
+`check_supported`) is a row with the one-line reason, not a crash.
 torch's side trains the same model (the same `build_chunk` / `materialize` weights, the same batches) on one
 `DeviceMesh` with dims (dp, pp, tp): DTensor TP (`parallelize_module` with lab's `torch_tp_plan`: the blocks
 split, embedding and output layer whole, where lab splits them along the vocabulary), data parallelism with
@@ -86,22 +86,13 @@ LAYOUTS = (
 )
 
 
-def lab_config(layout: Layout, extra: list[str], checked: bool = True) -> Config:
-    """The layout's config. `checked`: as `python -m lab.train --config ... --nproc 8 --set ...` builds it, whose
-    checks (lab's refusals included) raise ValueError before any rank starts; else the plain config, for torch's
-    side, which lab's refusals do not concern."""
-    overrides = [*layout.overrides, *extra]
-    if not checked:
-        return load_config(ROOT / layout.config, overrides)
-    argv = ["--config", str(ROOT / layout.config), "--nproc", str(WORLD)]
-    for override in overrides:
-        argv += ["--set", override]
-    config, _ = lab_train.config_from_args(lab_train.build_parser().parse_args(argv))
-    return config
+def lab_config(layout: Layout, extra: list[str]) -> Config:
+    return load_config(ROOT / layout.config, [*layout.overrides, *extra])
 
 
 def lab_step_seconds(config: Config) -> list[float]:
-    """Rank 0's seconds per step under `lab.train`, from its tokens/s."""
+    """Rank 0's seconds per step under `lab.train`, from its tokens/s; a layout lab cannot run raises ValueError
+    before any rank starts."""
     tokens = config.train.global_batch * config.train.seq_len
     return [tokens / log.tokens_per_s for log in lab_train.run(config, WORLD, verbose=False)]
 
@@ -150,6 +141,8 @@ def torch_worker(config: Config) -> dict[str, list[float]]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     p, train, cfg = config.parallel, config.train, config.model
+    if p.cp > 1 or p.ep > 1 or p.sp:
+        raise ValueError(f"torch_worker composes dp, zero, tp and pp only (got cp={p.cp}, ep={p.ep}, sp={p.sp})")
     mesh = DeviceMesh("cpu", torch.arange(dist.get_world_size()).view(p.dp, p.pp, p.tp),
                       mesh_dim_names=("dp", "pp", "tp"))
     if p.dp > 1 and p.tp > 1:  # as DTensor advises (and TorchTitan does): a 2-D norm is then one all-reduce, not two
@@ -225,19 +218,20 @@ def measure(layout: Layout, extra: list[str]) -> tuple[float | str, float | str]
     """lab's and torch's median ms per step; a refusal, a failure or a missing torch piece gives its reason."""
     try:
         config = lab_config(layout, extra)
+    except ValueError as error:  # e.g. --seq or --model values the layout's degrees do not divide
+        reason = f"invalid config: {_error_line(error)}"
+        return reason, layout.no_torch or reason
+    try:
+        lab_ms: float | str = _median_ms(lab_step_seconds(config))
     except ValueError as error:
-        lab_ms: float | str = f"refused: {_error_line(error)}"
-    else:
-        try:
-            lab_ms = _median_ms(lab_step_seconds(config))
-        except (ValueError, RankError) as error:
-            lab_ms = f"failed: {_error_line(error)}"
+        lab_ms = f"refused: {_error_line(error)}"
+    except RankError as error:
+        lab_ms = f"failed: {_error_line(error)}"
     if layout.no_torch:
         return lab_ms, layout.no_torch
     try:
-        config = lab_config(layout, extra, checked=False)
         return lab_ms, _median_ms(torch_step_seconds(config))
-    except (ValueError, RankError) as error:
+    except RankError as error:
         return lab_ms, f"failed: {_error_line(error)}"
 
 

@@ -41,8 +41,10 @@ def test_torch_stack_trains_the_single_process_model(overrides):
 
 
 def test_a_layout_that_cannot_run_is_a_row_not_a_crash():
+    """lab.train refuses ZeRO-2 under a pipeline (lab.config.UNSUPPORTED): the row says so; no rank starts."""
     compose = _compose()
-    layout = compose.Layout("ep-on-dense", "configs/tiny.toml", ("parallel.dp=8", "parallel.ep=2"), "no torch: test")
+    layout = compose.Layout("zero2-dp2-pp2-tp2", "configs/tiny.toml",
+                            ("parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.zero=2"), "no torch: test")
     lab_ms, torch_ms = compose.measure(layout, ["train.steps=3"])
-    assert lab_ms.startswith("refused: ") and "ep=2" in lab_ms
+    assert lab_ms.startswith("refused: ") and "zero=2" in lab_ms
     assert torch_ms == "no torch: test"

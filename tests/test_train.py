@@ -75,6 +75,10 @@ def test_cli_lowers_the_loss_and_dp2_matches_single_process(tmp_path):
       "parallel.recompute='full'"], 2),
     (["parallel.pp=4", "parallel.grad_accum=4", "parallel.pp_schedule='zb-h1'"], 4),
     (["parallel.pp=2", "parallel.dp=2", "parallel.grad_accum=2", "parallel.pp_schedule='zb-h1'"], 4),
+    # the W pass on TP's layers: under SP a row-parallel layer's output is reduce-scattered, so W must see the
+    # partial sum it computed, not the reduced output
+    (["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.grad_accum=2", "parallel.pp_schedule='zb-h1'"],
+     4),
 ])
 def test_layouts_match_single_process(overrides, nproc):
     base = [log.loss for log in run(load_config("configs/tiny.toml", ["train.steps=6"]), verbose=False)]
@@ -242,10 +246,9 @@ def test_summary_reports_the_steady_rate_and_start_up_apart():
     (["--ep", "2", "--dp", "2"], "ep=2 needs a mixture-of-experts model (n_experts=0)"),
     (["--config", "configs/tiny-moe.toml", "--ep", "3", "--dp", "3"], "ep=3 must divide n_experts=8"),
     (["--config", "configs/tiny-moe.toml", "--ep", "2", "--dp", "1", "--nproc", "1"], "ep=2 must divide dp*cp = 1*1"),
-    (["--config", "configs/tiny-moe.toml", "--ep", "2", "--dp", "2", "--tp", "2"],
-     "ep=2 with tp=2, cp=1, pp=1, zero=0: lab.train combines expert parallelism with data parallelism only"),
-    (["--config", "configs/tiny-moe.toml", "--pp", "2", "--grad-accum", "2"],
-     "pp=2 with a mixture-of-experts model: pipeline stages do not carry the router's auxiliary losses yet"),
+    (["--config", "configs/tiny-moe.toml", "--ep", "2", "--dp", "2", "--zero", "1"],
+     "lab.train does not run zero with ep (zero=1, ep=2): experts' gradients are averaged over other ranks"),
+    (["--config", "configs/tiny-moe.toml", "--tp", "2", "--sp"], "lab.train does not run sp with moe (sp=True, "),
     (["--pp", "3", "--nproc", "3"], "pp*pp_virtual_stages = 3*1 = 3 must divide n_layers=8"),
     (["--pp", "4", "--grad-accum", "2", "--pp-schedule", "interleaved", "--pp-chunks", "2"],
      "grad_accum=2 (the micro-batches) must be a multiple of pp=4 for pp_schedule='interleaved'"),
@@ -255,10 +258,12 @@ def test_summary_reports_the_steady_rate_and_start_up_apart():
      "grad_accum=1 (the micro-batches) must be a multiple of pp=2 for pp_schedule='interleaved'"),
     (["--nproc", "4", "--set", "parallel.dp=2"], "--nproc=4 must equal dp*tp*cp*pp = 2*1*1*1 = 2"),
     (["--pp", "2", "--pp-chunks", "2"], "pp_virtual_stages=2: only pp_schedule='interleaved' runs several chunks"),
-    (["--pp", "2", "--tp", "2"], "pp=2 with tp=2, cp=1, zero=0: lab.train combines pipeline parallelism with data"),
+    (["--pp", "2", "--dp", "2", "--zero", "2", "--grad-accum", "2"],
+     "lab.train does not run zero>=2 with pp (zero=2, pp=2): ZeRO-2/3 would free gradients"),
     (["--sp"], "sp=True needs tp > 1 (got tp=1)"),
     (["--zero", "1"], "zero=1 needs dp > 1: it shards over the data-parallel ranks (got dp=1)"),
-    (["--zero", "2", "--dp", "2", "--tp", "2"], "zero=2 with tp=2: lab's ZeRO shards a model that is not tensor"),
+    (["--model", "deepseek-v3", "--tp", "2", "--nproc", "2"], "lab.train does not run tp with mla (tp=2, "
+                                                                "attention='mla')"),
     (["--bucket-mb", "0"], "bucket_mb=0.0 must be a number > 0"),
     (["--cp", "3"], "seq_len=32 must be divisible by 2*cp = 6 for cp_impl='zigzag'"),
     (["--cp", "8", "--cp-impl", "ulysses"], "cp=8 must divide the heads per tensor-parallel rank, n_heads/tp = 4/1"),

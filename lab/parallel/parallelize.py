@@ -52,7 +52,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def materialize_local(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
     """Allocate a (sharded) `meta` model on `device`: each parameter is its placement's piece of the full value
     `init_tensor` draws by name, so every layout starts from the single-process weights. Only one full tensor
-    exists at a time, and only while its piece is cut from it."""
+    exists at a time, and only while its piece is cut from it. On `meta` (a dry run) nothing is allocated."""
+    if torch.device(device).type == "meta":
+        return model
     placements = {name: placement_of(param) for name, param in model.named_parameters()}
     model.to_empty(device=device)  # new Parameter objects: the placements are put back below
     model.tie_weights()

@@ -129,7 +129,7 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group:
         norm = torch.nn.utils.get_total_norm([q.grad for q in group])
         square += (norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2)
     dist.all_reduce(square, group=pp_group)
-    for group in by_mesh.values():
+    for group in by_mesh.values() if max_norm > 0 else ():  # grad_clip = 0: the norm only, as lab logs it
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, square.sqrt())
 
 

@@ -95,15 +95,18 @@ def fingerprint(t) -> list[float]:
 def reference(cfg: ModelConfig, seed: int, steps: int, global_batch: int, lr: float, weight_decay: float = 0.0,
               optimizer: str = "sgd") -> dict:
     """One process, the whole global batch in one backward pass: per-step loss, gradient and parameter
-    fingerprints, and the global gradient norm. AdamW is `lab.parallel.dp.adamw` (lab.train's betas, eps)."""
+    fingerprints, and the global gradient norm. AdamW has lab.train's betas and eps and decays every parameter,
+    norms included, as the exercise's optimizer over one flat shard must (`lab.parallel.optim.adamw` would
+    spare the norms)."""
     import torch
 
     from lab.model import build_model, materialize
-    from lab.parallel.dp import adamw
+    from lab.parallel.optim import BETAS, EPS
 
     model = materialize(build_model(cfg), seed=seed)
     params = list(model.parameters())
-    adam = adamw(params, [], lr, weight_decay) if optimizer == "adamw" else None
+    adam = (torch.optim.AdamW(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+            if optimizer == "adamw" else None)
     out = {"names": [n for n, _ in model.named_parameters()], "numels": [p.numel() for p in params],
            "losses": [], "grads": [], "params": [], "grad_norms": [], "params0": [fingerprint(p) for p in params]}
     for step in range(steps):
@@ -128,7 +131,7 @@ def reference_bucket_sizes(cfg: ModelConfig, bucket_mb: float) -> list[int]:
     from lab.model import build_model, materialize
     from lab.parallel.dp import BucketedDP
 
-    return BucketedDP(materialize(build_model(cfg)), None, 1e-3, 0.0, bucket_mb).bucket_sizes
+    return BucketedDP(materialize(build_model(cfg)), None, bucket_mb).bucket_sizes
 
 
 def _close(got, want: float, scale: float, rel: float) -> bool:

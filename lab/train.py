@@ -30,6 +30,7 @@ from lab import dist as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
 from lab.config import Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
+from lab.dryrun import dry_run
 from lab.model import MoE, build_model, moe_losses, num_params
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--log-json", metavar="PATH", help="write one JSON object per step to PATH")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument("--dry-run", action="store_true", help="build one rank of the layout on the meta device under a "
+                   "fake process group and compare its static bytes with lab.calc.memory (lab.dryrun); train nothing")
+    p.add_argument("--rank", type=int, help="the rank --dry-run builds (default 0)")
     group = p.add_argument_group("parallelism (the fields of [parallel]; each flag sets one)")
     for spec in dataclasses.fields(ParallelConfig):
         flag, meta = spec.metadata.get("flag", "--" + spec.name.replace("_", "-")), spec.metadata
@@ -370,6 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         config, nproc = config_from_args(args)
     except ValueError as err:
         return _error_once(parser.prog, str(err))
+    if args.rank is not None and not args.dry_run:
+        return _error_once(parser.prog, f"--rank={args.rank} picks the rank of a --dry-run; a run starts every rank")
+    if args.dry_run:
+        try:
+            report = dry_run(config, 0 if args.rank is None else args.rank)
+        except ValueError as err:
+            return _error_once(parser.prog, str(err))
+        print(report.report())
+        return 1 if report.mismatches else 0
     start = time.perf_counter()
     try:
         logs = run(config, nproc, args.log_json, verbose=not args.quiet)

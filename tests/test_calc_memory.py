@@ -298,3 +298,15 @@ def test_headroom_is_capacity_minus_the_total_the_verdicts_share():
     est = estimate_memory(PRESETS["llama3-8b"], 4096, 1, ParallelConfig(zero=3, dp=8))
     total = est.per_gpu["total"]
     assert est.headroom(total) == 0 and est.headroom(total + 5) == 5 and est.headroom(total - 5) == -5
+
+
+def test_tensor_parallelism_leaves_a_moe_layer_whole_on_every_tp_rank():
+    # lab.parallel.tp splits attention, dense FFNs and the vocabulary; an MoE layer (router, routed and shared
+    # experts) stays whole on every TP rank, expert parallelism being what splits experts. The dry run measures
+    # lab's modules and found calc dividing the experts by tp (Megatron's expert-TP default): 2x too few bytes.
+    mixtral = PRESETS["mixtral-8x7b"]
+    d, v = mixtral.d_model, mixtral.vocab_size
+    moe_layer = d * mixtral.n_experts + mixtral.n_experts * 3 * d * mixtral.d_ff_expert
+    attention = 2 * d * d // 2 + 2 * d * mixtral.n_kv_heads * mixtral.head_dim // 2
+    est = estimate_memory(mixtral, 4096, parallel=ParallelConfig(dp=4, tp=2))
+    assert est.params_on_gpu == mixtral.n_layers * (attention + 2 * d + moe_layer) + 2 * v * d // 2 + d

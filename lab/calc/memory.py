@@ -1,8 +1,9 @@
 """Per-GPU memory of a training step: parameters, gradients, optimizer states and activations.
 
 Static memory is bytes per parameter times the parameters a rank holds. Tensor parallelism splits every
-matrix (norms stay replicated), pipeline parallelism gives each stage its layers (the first stage also
-holds the embedding, the last the final norm and output layer), expert parallelism splits the experts,
+matrix outside the MoE layers (norms and MoE layers stay replicated, as `lab.parallel.tp` leaves them),
+pipeline parallelism gives each stage its layers (the first stage also holds the embedding, the last the
+final norm and output layer), expert parallelism splits the experts,
 and ZeRO shards over the ranks that hold the same weights: stage 1 the optimizer states, stage 2 also the
 gradients, stage 3 also the parameters (ZeRO's 2Ψ + 2Ψ + KΨ with K = 12 for mixed-precision Adam).
 Dense weights are replicated on dp·cp ranks, expert weights on dp·cp/ep (TorchTitan's layout).
@@ -105,16 +106,17 @@ def _attention_on_rank(cfg: ModelConfig, tp: int) -> int:
 
 
 def stage_params(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
-    """(dense, expert) parameters on one rank of pipeline stage `stage`. Experts are split by ep and, inside
-    an expert, by tp (Megatron's default expert-tensor-parallel size). With tied embeddings and pp > 1 the
-    last stage keeps its own copy of the embedding matrix for the output layer."""
+    """(dense, expert) parameters on one rank of pipeline stage `stage`. Experts are split by ep only: as in
+    `lab.parallel.tp`, an MoE layer (router, routed and shared experts) stays whole on every TP rank (Megatron
+    would also split each expert by tp, its default expert-tensor-parallel size). With tied embeddings and pp > 1
+    the last stage keeps its own copy of the embedding matrix for the output layer."""
     d, tp = cfg.d_model, parallel.tp
     dense = expert = 0
     for layer in rank_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage]:
         dense += _attention_on_rank(cfg, tp) + 2 * d
         if cfg.is_moe_layer(layer):
-            dense += d * cfg.n_experts + cfg.n_shared_experts * 3 * d * cfg.d_ff_expert // tp
-            expert += cfg.n_experts * 3 * d * cfg.d_ff_expert // (parallel.ep * tp)
+            dense += d * cfg.n_experts + cfg.n_shared_experts * 3 * d * cfg.d_ff_expert
+            expert += cfg.n_experts * 3 * d * cfg.d_ff_expert // parallel.ep
         else:
             dense += 3 * d * cfg.d_ff // tp
     vocab_shard = cfg.vocab_size * d // tp
@@ -226,7 +228,6 @@ def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, preci
     tp, cp = parallel.tp, parallel.cp
     require(seq % cp == 0, f"cp={cp} must divide seq={seq}")
     require(not parallel.sp or (seq // cp) % tp == 0, f"tp={tp} must divide seq/cp={seq // cp} with sp=True")
-    require(not cfg.is_moe or cfg.d_ff_expert % tp == 0, f"tp={tp} must divide d_ff_expert={cfg.d_ff_expert}")
     require(stage is None or (isinstance(stage, int) and 0 <= stage < parallel.pp),
             f"stage={stage!r} must be None (the fullest stage) or in 0..{parallel.pp - 1}")
     if activation_model == "exact":

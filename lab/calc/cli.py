@@ -5,6 +5,7 @@
     python -m lab calc flops --model llama3-8b --seq 4096 --dp 64 --grad-accum 4 --step-time 5.1 --hardware h100
     python -m lab calc comms --op all_reduce --ranks 16 --hardware h100 --bytes 256MiB
     python -m lab calc bubble --pp-schedule interleaved --pp 8 --grad-accum 32 --pp-chunks 2 --tf 1 --tb 2
+    python -m lab calc search --model llama3-70b --gpus 256 --gpus-per-node 8 --hardware h100 --seq 8192 --gbs-tokens 4M
 
 One vocabulary with `python -m lab train`: a concept has one flag name in every command (`VOCABULARY`).
 Invalid values print one line naming the field, the value and what is allowed, and exit with status 2.
@@ -28,24 +29,27 @@ from lab.calc.memory import ACTIVATION_MODELS, PARAM_CONVENTIONS, PRECISIONS, es
 from lab.calc.network import SYSTEMS
 from lab.calc.params import param_breakdown
 from lab.calc.schedules import INTERLEAVED_CHUNKS, SCHEDULES, chunks_or_default
+from lab.calc.search import REASONS, search
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
 
 # The flags that name the same concept in `lab train` and the `lab calc` subcommands, and the commands that take
 # each: one spelling everywhere (tests/test_calc_cli.py checks every parser accepts them).
 VOCABULARY = {
-    "--model": ("train", "params", "memory", "flops"),
-    "--seq": ("train", "memory", "flops"),
-    "--mbs": ("train", "memory", "flops"),
-    "--dp": ("train", "memory", "flops"), "--tp": ("train", "memory", "flops"),
-    "--cp": ("train", "memory", "flops"), "--pp": ("train", "memory", "flops", "bubble"),
-    "--ep": ("train", "memory"), "--zero": ("train", "memory"), "--sp": ("train", "memory"),
-    "--grad-accum": ("train", "memory", "flops", "bubble"),
-    "--pp-schedule": ("train", "memory", "bubble"),
-    "--pp-chunks": ("train", "memory", "bubble"),
-    "--recompute": ("train", "memory", "flops"),
+    "--model": ("train", "params", "memory", "flops", "search"),
+    "--seq": ("train", "memory", "flops", "search"),
+    "--mbs": ("train", "memory", "flops", "search"),
+    "--dp": ("train", "memory", "flops", "search"), "--tp": ("train", "memory", "flops", "search"),
+    "--cp": ("train", "memory", "flops", "search"), "--pp": ("train", "memory", "flops", "bubble", "search"),
+    "--ep": ("train", "memory", "search"), "--zero": ("train", "memory", "search"), "--sp": ("train", "memory"),
+    "--grad-accum": ("train", "memory", "flops", "bubble", "search"),
+    "--pp-schedule": ("train", "memory", "bubble", "search"),
+    "--pp-chunks": ("train", "memory", "bubble", "search"),
+    "--recompute": ("train", "memory", "flops", "search"),
     "--precision": ("memory", "flops"),
-    "--hardware": ("memory", "flops", "comms"),
+    "--hardware": ("memory", "flops", "comms", "search"),
+    "--gpus-per-node": ("comms", "search"),
 }
+SEARCH_HARDWARE = tuple(h for h in HARDWARE if h in SYSTEMS)  # an accelerator and a cluster design of that name
 # Old spellings, accepted (and not shown in --help) for one release: subcommand -> {old: new}.
 RENAMED = {"flops": {"--gpu": "--hardware", "--dtype": "--precision"},
            "bubble": {"--schedule": "--pp-schedule", "--microbatches": "--grad-accum", "--chunks": "--pp-chunks"}}
@@ -62,6 +66,27 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"bytes={text!r} must be a byte count >= 1: a number (268435456, 1e9) or a number with a "
                          f"unit, B, kB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB (powers of 2), e.g. 256MB, 1GiB")
     return round(float(match[1]) * unit)
+
+
+_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_tokens(text: str) -> int:
+    """A token count: 4194304, 4e6, or with K, M, G = 2^10, 2^20, 2^30 tokens — batches are counted in sequences
+    of power-of-two lengths, so "1M tokens" is the playbook's 256 x 4096 and "4M" Llama 3's 512 x 8192."""
+    match = re.fullmatch(r"\s*(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*([A-Za-z]?)\s*", text)
+    unit = _TOKEN_UNITS.get(match[2].lower()) if match else None
+    if unit is None or round(float(match[1]) * unit) < 1:
+        raise ValueError(f"tokens={text!r} must be a token count >= 1: a number (4194304, 4e6) or a number with K, M "
+                         f"or G (2^10, 2^20, 2^30 tokens), e.g. 1M, 4M")
+    return round(float(match[1]) * unit)
+
+
+def _tokens_arg(text: str) -> int:
+    try:
+        return parse_tokens(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _bytes_arg(text: str) -> int:
@@ -178,6 +203,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="latency of one send between ranks, same unit (default 0)")
     bubble.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     _old_names(bubble, "bubble")
+
+    search = sub.add_parser(
+        "search", help="the config search: every layout that fits, ranked by modelled tokens/s (lab.calc.search)",
+        description="Enumerate dp (ZeRO 0-3), tp (+sp), pp (schedule, chunks), cp, ep, micro-batch, grad-accum "
+                    "and recompute for --gpus GPUs; keep the layouts lab.train runs that fit --hardware's memory; "
+                    "rank them by modelled tokens/s. A layout flag (--tp 8, --cp 1, ...) pins that setting.")
+    search.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    search.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    search.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
+    search.add_argument("--hardware", choices=SEARCH_HARDWARE, default="h100",
+                        help="the accelerator and its cluster design (default h100)")
+    search.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    search.add_argument("--gbs-tokens", type=_tokens_arg, required=True,
+                        help="global batch in tokens, rounded to whole sequences: 4194304, 4e6, 1M, 4M "
+                             "(K, M, G = 2^10, 2^20, 2^30)")
+    for flag in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad-accum"):
+        search.add_argument(f"--{flag}", type=int, default=None, help="pin it (default: searched)")
+    search.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None, help="pin it (default: searched)")
+    search.add_argument("--pp-chunks", type=int, default=None, help="pin it (default: searched)")
+    search.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None, help="pin it (default: searched)")
+    search.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
+    search.add_argument("--json", action="store_true")
     return parser
 
 
@@ -332,6 +379,43 @@ def _flops(cfg: ModelConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _search(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise ValueError(f"top={args.top} must be an integer >= 1")
+    pins = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "zero": args.zero,
+            "mbs": args.mbs, "grad_accum": args.grad_accum, "pp_schedule": args.pp_schedule,
+            "pp_virtual_stages": args.pp_chunks, "recompute": args.recompute}
+    result = search(args.model, args.gpus, args.gpus_per_node, args.hardware, args.seq, args.gbs_tokens,
+                    fixed={k: v for k, v in pins.items() if v is not None})
+    if args.json:
+        print(json.dumps(result.as_dict(args.top)))
+        return 0
+    nodes = max(args.gpus // args.gpus_per_node, 1)
+    print(f"{result.model.name} on {args.gpus} x {args.hardware} ({nodes} node{'s' if nodes > 1 else ''} of "
+          f"{min(args.gpus, args.gpus_per_node)}); seq {args.seq}; global batch {result.global_batch} sequences = "
+          f"{result.tokens_per_step:,} tokens (asked {args.gbs_tokens:,}, rounded to whole sequences)")
+    print(f"{len(result.candidates):,} layouts fit; compute at {result.efficiency:.0%} of the bf16 peak; "
+          f"searched in {result.elapsed_s:.2f} s. Times per step, in ms; memory of the fullest GPU.")
+    print(f"{'#':>3}  {'layout':<52} {'mbs':>4} {'accum':>5} {'GiB':>6} {'compute':>9} {'comms':>8} {'bubble':>8} "
+          f"{'MFU':>6} {'tokens/s':>11} {'tok/s/GPU':>9}")
+    for i, c in enumerate(result.top(args.top), 1):
+        t = c.time
+        print(f"{i:>3}  {c.layout:<52} {c.mbs:>4} {c.grad_accum:>5} {c.memory.per_gpu['total'] / 2**30:>6.1f} "
+              f"{t.compute * 1e3:>9.1f} {t.comms * 1e3:>8.1f} {t.bubble * 1e3:>8.1f} {c.mfu:>6.1%} "
+              f"{c.tokens_per_s:>11,.0f} {c.tokens_per_s_per_gpu:>9,.0f}")
+    if not result.candidates:
+        print("  no layout fits" + (" with the pinned settings" if any(v is not None for v in pins.values()) else ""))
+    rejected = result.rejected_families()
+    if rejected:
+        print(f"rejected families ({len(rejected)}; degrees dp·tp·pp·cp·ep, each over its ZeRO stages, schedules "
+              f"and recompute modes):")
+    for family, why in sorted(rejected.items()):
+        reason, message = why.main_reason()
+        counts = ", ".join(f"{n} {r}" for r, n in sorted(why.counts.items(), key=lambda rn: REASONS.index(rn[0])))
+        print(f"  {family:<22} {why.total:>3} rejected ({counts}): {message}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -340,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             return _comms(args)
         if args.what == "bubble":
             return _bubble(args)
+        if args.what == "search":
+            return _search(args)
         cfg = ModelConfig.from_preset(args.model)
         return {"params": _params, "memory": _memory, "flops": _flops}[args.what](cfg, args)
     except ValueError as err:

@@ -94,6 +94,7 @@ SCHEDULES = (("1f1b", 1), ("interleaved", INTERLEAVED_CHUNKS), ("zb-h1", 1))  # 
 # saves no memory and costs FLOPs, so it can never win and is not enumerated.
 RECOMPUTE_SEARCHED = ("none", "full")
 DIMENSIONS = ("dp", "tp", "pp", "cp", "ep")
+REASONS = ("memory", "batch", "unsupported", "shape")  # why a layout is rejected, the closest to running first
 # Pipelines deeper than n_layers / 2 are not enumerated: a one-layer stage (Megatron's 1T model ran 128 layers
 # on 64 stages, two each) does little but wait for its neighbours, and replaying such schedules is slow.
 MIN_STAGE_LAYERS = 2
@@ -183,19 +184,21 @@ class Rejections:
     the first message met for each. A layout is a family with a ZeRO stage, a schedule and a recompute mode."""
 
     counts: Counter = field(default_factory=Counter)
-    examples: dict[str, str] = field(default_factory=dict)
+    messages: dict[str, Counter] = field(default_factory=dict)  # reason -> its messages, counted
 
     def add(self, reason: str, message: str, count: int = 1) -> None:
         self.counts[reason] += count
-        self.examples.setdefault(reason, message)
+        self.messages.setdefault(reason, Counter())[message] += count
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
     def main_reason(self) -> tuple[str, str]:
-        reason = max(self.counts, key=lambda r: (self.counts[r], r))
-        return reason, self.examples[reason]
+        """The reason that stops the layouts closest to running: memory (lab.train runs them, they do not
+        fit), then the batch split, then what lab.train does not run, then the model's shape."""
+        reason = min(self.counts, key=REASONS.index)
+        return reason, self.messages[reason].most_common(1)[0][0]
 
 
 @dataclass
@@ -430,8 +433,11 @@ def _check_fixed(fixed: dict) -> None:
             allowed = PP_SCHEDULES if key == "pp_schedule" else RECOMPUTE_MODES
             if value not in allowed:
                 raise ValueError(f"{key}={value!r} must be one of {', '.join(map(repr, allowed))}")
-        elif not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "zero" else 1):
-            raise ValueError(f"{key}={value!r} must be an integer >= {0 if key == 'zero' else 1}")
+        elif key == "zero":
+            if value not in (0, 1, 2, 3):
+                raise ValueError(f"zero={value!r} must be one of 0, 1, 2, 3")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key}={value!r} must be an integer >= 1")
 
 
 def _options(cfg: ModelConfig, dp: int, pp: int, fixed: dict) -> list[tuple[int, str, int, str]]:

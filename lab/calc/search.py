@@ -26,8 +26,9 @@ The time model of one step (all ranks do the same work; the slowest pipeline sta
   is no matmul, so an untied model's MFU is not inflated by 6 FLOPs per embedding weight as "6N" would).
 * **Where a group lives.** Ranks are numbered TP fastest, then CP, PP, DP (Llama 3's order), in nodes of
   `gpus_per_node`: a group whose members share a node talks over NVLink, one that spans nodes over the
-  NICs, multi-rail (`lab.calc.comms.collective_time` with the group's members per node). TP wider than a
-  node is enumerated too, and priced across nodes: that is why it never wins.
+  NICs, multi-rail (`lab.calc.comms.collective_time` with the group's members per node). TP's degree
+  divides the node size, so its group never leaves the node (the playbook's rule, §10: TP's collectives
+  sit on the critical path after every matmul).
 * **Tensor parallelism** (exposed: its collectives sit between the matmuls that need them). Per layer and
   micro-batch, forward: an all-gather and a reduce-scatter around attention and around the MLP (SP; an
   all-reduce each without SP, same bytes), of mbs·seq/cp·d bf16 values; backward the same again; full
@@ -500,7 +501,7 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
     for pp in _divisors(gpus):  # pp outermost: estimate_memory caches a pipeline's schedule replay per pp
         if pp > 1 and cfg.n_layers < MIN_STAGE_LAYERS * pp:
             continue
-        for tp in _divisors(gpus // pp):
+        for tp in (t for t in _divisors(gpus // pp) if gpus_per_node % t == 0):  # TP inside a node
             for cp in _divisors(gpus // (pp * tp)):
                 dp = gpus // (tp * cp * pp)
                 eps = [e for e in _divisors(dp * cp) if cfg.n_experts % e == 0] if cfg.is_moe else [1]
@@ -513,14 +514,14 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
                     families.add(family)
                     why = rejected.setdefault(family, Rejections())
                     options = _options(cfg, dp, pp, fixed)
+                    if ctx.batch % dp:
+                        why.add("batch", f"the global batch of {ctx.batch} sequences is not a multiple of dp={dp}",
+                                len(options))
+                        continue
                     try:  # the family's shape: heads, layers, experts, sequence chunks
                         Config(cfg, base, ctx.train()).validate()
                     except ValueError as err:
                         why.add("shape", str(err), len(options))
-                        continue
-                    if ctx.batch % dp:
-                        why.add("batch", f"the global batch of {ctx.batch} sequences is not a multiple of dp={dp}",
-                                len(options))
                         continue
                     candidates += _fit(ctx, base, options, why, fixed)
     candidates.sort(key=_rank)

@@ -1,6 +1,8 @@
 """lab.calc.search: the playbook's 3-step config search. Its rankings against the published ones (the playbook's
 single-node table, TorchTitan's recipes), the playbook's benchmark lessons, and what every proposal must satisfy."""
 
+import time
+
 import pytest
 
 from lab.calc.memory import estimate_memory
@@ -240,6 +242,9 @@ def test_pins_and_bad_input_are_one_line_errors():
 
 
 def test_512_gpus_search_in_seconds():
-    """Kept fast: pruned by ZeRO stage and recomputation before any memory estimate of a setting that cannot fit,
-    pipelines no deeper than n_layers/2, the fullest stage from two estimates (measured ~1.6 s on a quiet core)."""
-    assert search(LLAMA_405B, 512, 8, "h100", 8192, 2**21).elapsed_s < 10
+    """Kept fast: a ZeRO stage whose most frugal setting does not fit is not estimated further, pipelines are no
+    deeper than n_layers/2, CP ranks keep >= 1024 tokens, the fullest stage comes from two estimates. CPU time,
+    so that other processes on the machine do not count (about 1.5 s for this, the slowest case met)."""
+    started = time.process_time()
+    search(LLAMA_405B, 512, 8, "h100", 8192, 2**21)
+    assert time.process_time() - started < 6

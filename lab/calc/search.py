@@ -99,6 +99,9 @@ REASONS = ("memory", "batch", "unsupported", "shape")  # why a layout is rejecte
 # Pipelines deeper than n_layers / 2 are not enumerated: a one-layer stage (Megatron's 1T model ran 128 layers
 # on 64 stages, two each) does little but wait for its neighbours, and replaying such schedules is slow.
 MIN_STAGE_LAYERS = 2
+# Nor context parallelism that leaves a rank fewer than 1024 tokens of a sequence (Llama 3 ran CP16 on 128k
+# tokens, 8k each): its attention blocks would be too small to hide the ring's hops behind.
+MIN_CP_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -502,7 +505,7 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
         if pp > 1 and cfg.n_layers < MIN_STAGE_LAYERS * pp:
             continue
         for tp in (t for t in _divisors(gpus // pp) if gpus_per_node % t == 0):  # TP inside a node
-            for cp in _divisors(gpus // (pp * tp)):
+            for cp in (c for c in _divisors(gpus // (pp * tp)) if seq // c >= MIN_CP_TOKENS or c == 1):
                 dp = gpus // (tp * cp * pp)
                 eps = [e for e in _divisors(dp * cp) if cfg.n_experts % e == 0] if cfg.is_moe else [1]
                 for ep in eps:

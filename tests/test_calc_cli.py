@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lab.calc import estimate_memory, training_flops
-from lab.calc.cli import RENAMED, VOCABULARY, build_parser, main, parse_bytes
+from lab.calc.cli import RENAMED, VOCABULARY, build_parser, main, parse_bytes, parse_tokens
 from lab.config import PRESETS, ParallelConfig
 
 
@@ -190,9 +190,11 @@ def test_bubble_argparse_errors_exit_2_with_one_line(capsys, argv, message):
 
 EXAMPLES = {"--model": "tiny", "--seq": "64", "--mbs": "2", "--dp": "2", "--tp": "2", "--cp": "2", "--pp": "2",
             "--ep": "2", "--zero": "1", "--sp": None, "--grad-accum": "4", "--pp-schedule": "interleaved",
-            "--pp-chunks": "2", "--recompute": "full", "--precision": "bf16", "--hardware": "h100"}
+            "--pp-chunks": "2", "--recompute": "full", "--precision": "bf16", "--hardware": "h100",
+            "--gpus-per-node": "4"}
 REQUIRED = {"params": ["--model", "tiny"], "memory": ["--model", "tiny"], "flops": ["--model", "tiny"],
-            "comms": ["--bytes", "1e6", "--ranks", "8"], "bubble": [], "train": []}
+            "comms": ["--bytes", "1e6", "--ranks", "8"], "bubble": [], "train": [],
+            "search": ["--model", "tiny", "--gpus", "8", "--gbs-tokens", "1M"]}
 
 
 def _parse(command: str, argv: list[str]):
@@ -211,7 +213,9 @@ def test_every_command_takes_the_one_name_of_a_shared_concept(flag, commands):
     value = EXAMPLES[flag]
     for command in commands:
         args = _parse(command, [flag] if value is None else [flag, value])
-        stored = getattr(args, flag.lstrip("-").replace("-", "_"))
+        # lab train's flags come from ParallelConfig's fields: --pp-chunks stores into pp_virtual_stages
+        stored = getattr(args, "pp_virtual_stages" if command == "train" and flag == "--pp-chunks"
+                         else flag.lstrip("-").replace("-", "_"))
         assert stored == (True if value is None else type(stored)(value)), (command, flag)
 
 
@@ -299,3 +303,79 @@ def test_memory_interleaved_defaults_to_2_chunks_like_bubble_and_train(capsys):
     assert data == json.loads(run(capsys, *argv, "--pp-chunks", "2", "--json")[1])
     parallel = ParallelConfig(pp=4, grad_accum=8, pp_schedule="interleaved", pp_virtual_stages=2)
     assert data["per_gpu_bytes"] == estimate_memory(PRESETS["llama3-8b"], 4096, 1, parallel).as_dict()["per_gpu_bytes"]
+
+
+# --- python -m lab calc search ----------------------------------------------------------------------------
+
+SEARCH = ["search", "--model", "llama3-70b", "--gpus", "256", "--gpus-per-node", "8", "--hardware", "h100", "--seq",
+          "8192", "--gbs-tokens", "4M"]
+
+
+def test_search_table_is_the_ranking_with_its_time_split_and_the_rejected_families(capsys):
+    """Issue 16's command: the ranked table (layout, mbs, grad-accum, memory, compute/comms/bubble, MFU, tokens/s) and
+    one line per rejected family with its reason and count."""
+    from lab.calc.search import search
+
+    code, out, err = run(capsys, *SEARCH, "--top", "5")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert "global batch 512 sequences = 4,194,304 tokens" in lines[0]
+    header = lines[2].split()
+    assert header == ["#", "layout", "mbs", "accum", "GiB", "compute", "comms", "bubble", "MFU", "tokens/s",
+                      "tok/s/GPU"]
+    result = search("llama3-70b", 256, 8, "h100", 8192, 2**22)
+    for i, candidate in enumerate(result.top(5), 1):
+        row = lines[2 + i]
+        assert row.split()[0] == str(i) and candidate.layout in row and f"{candidate.tokens_per_s:,.0f}" in row
+    rejected = [line for line in lines if " rejected (" in line]
+    assert len(rejected) == len(result.rejected_families()) > 0
+    assert any("memory" in line and "GiB per GPU > 80 GiB" in line for line in rejected)
+    assert any("memory, 12 unsupported): needs at least" in line for line in rejected)  # ZeRO-2/3 with pp
+
+
+def test_search_json_is_the_library_result(capsys):
+    from lab.calc.search import search
+
+    data = json.loads(run(capsys, *SEARCH, "--top", "3", "--json")[1])
+    expected = search("llama3-70b", 256, 8, "h100", 8192, 2**22).as_dict(3)
+    data.pop("elapsed_s"), expected.pop("elapsed_s")
+    assert data == json.loads(json.dumps(expected))
+    assert len(data["candidates"]) == 3
+    assert {"layout", "parallel", "mbs", "grad_accum", "memory_bytes", "time_s", "mfu", "tokens_per_s",
+            "tokens_per_s_per_gpu"} <= set(data["candidates"][0])
+    assert set(data["candidates"][0]["time_s"]) == {"compute", "tp", "cp", "ep", "pp", "dp", "bubble", "comms", "total"}
+
+
+def test_search_layout_flags_pin_settings(capsys):
+    """The flags lab train takes (--tp, --cp, --pp-schedule, ...) pin what the search would vary."""
+    data = json.loads(run(capsys, *SEARCH, "--tp", "8", "--cp", "1", "--pp", "1", "--recompute", "none", "--json")[1])
+    assert data["candidates"] and all(c["family"] == "dp32·tp8" and c["parallel"]["recompute"] == "none"
+                                      for c in data["candidates"])
+    out = run(capsys, *SEARCH, "--tp", "8", "--pp", "1", "--cp", "1", "--zero", "0", "--mbs", "64")[1]
+    assert "no layout fits with the pinned settings" in out
+
+
+@pytest.mark.parametrize("text, expected", [("1M", 2**20), ("4M", 4 * 2**20), ("512k", 2**19), ("1.5M", 3 * 2**19),
+                                            ("4e6", 4_000_000), ("4194304", 4 * 2**20), ("2G", 2**31)])
+def test_parse_tokens_counts_k_m_g_in_powers_of_two(text, expected):
+    """Batches are counted in sequences of power-of-two lengths: the playbook's "1M tokens" is 256 x 4096."""
+    assert parse_tokens(text) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "250"], "gpus=250 must be a multiple of gpus_per_node=8 (whole nodes) or fit in one node"),
+    (["--zero", "5"], "zero=5 must be one of 0, 1, 2, 3"),
+    (["--top", "0"], "top=0 must be an integer >= 1"),
+    (["--seq", "200000"], "seq=200000 must be <= max_seq_len=131072"),
+    (["--gbs-tokens", "100"], "global_batch_tokens=100 must be at least one sequence of seq=8192 tokens"),
+    (["--model", "gpt-17"], "unknown model preset 'gpt-17'"),
+    (["--gbs-tokens", "4X"], "argument --gbs-tokens: tokens='4X' must be a token count >= 1"),
+    (["--hardware", "tpu-v5e"], "argument --hardware: invalid choice: 'tpu-v5e'"),
+])
+def test_search_bad_values_exit_2_with_one_line(capsys, argv, message):
+    try:
+        code, out, err = run(capsys, *SEARCH, *argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code, (out, err) = exit_.code, capsys.readouterr()
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -52,8 +52,8 @@ class ConfigExplorer(Explorer):
 
     def __init__(self, model: str = "llama3-8b", gpus: int = 8, gpus_per_node: int = 8, hardware: str = "h100",
                  seq: int = 4096, global_batch_tokens: int = 2**20, top: int = 10) -> None:
-        wide = widgets.Layout(width="300px")
-        style = {"description_width": "130px"}
+        wide = widgets.Layout(width="330px")
+        style = {"description_width": "150px"}
         super().__init__({
             "model": widgets.Dropdown(options=list(PRESETS), value=model, description="model", layout=wide,
                                       style=style),
@@ -76,7 +76,7 @@ class ConfigExplorer(Explorer):
         left = [*self.controls.values(),
                 note("The search ranks every layout that fits by modelled tokens/s (lab.calc.search). Pick one "
                      "in <i>selected</i> to see where its step time goes.")]
-        column = widgets.VBox(left, layout=widgets.Layout(width="330px", flex="0 0 auto"))
+        column = widgets.VBox(left, layout=widgets.Layout(width="350px", flex="0 0 auto"))
         self.children = [widgets.HBox([column, widgets.VBox([self.plot, self.summary, self.table, self.rejected,
                                                             self.error])])]
         self.update()
@@ -185,7 +185,8 @@ class ConfigExplorer(Explorer):
     def _draw(self, top: list[Candidate], capacity: int, v: dict) -> None:
         import matplotlib.pyplot as plt
 
-        fig, (mem, split) = plt.subplots(1, 2, figsize=(10, 0.9 + 0.3 * len(top)), width_ratios=(3, 2))
+        fig, (mem, split) = plt.subplots(1, 2, figsize=(10, 1.8 + 0.25 * len(top)), width_ratios=(3, 2),
+                                         layout="constrained")
         labels = [f"#{i + 1}" for i in range(len(top))]
         for i, c in enumerate(top):
             left = 0.0
@@ -200,7 +201,6 @@ class ConfigExplorer(Explorer):
         mem.invert_yaxis()
         mem.set_xlabel("GiB on the fullest GPU (2³⁰ bytes)")
         mem.set_title("memory per layout", fontsize=10)
-        mem.legend(fontsize=7, loc="lower right")
 
         t = self.selected.time.as_dict()
         left = 0.0
@@ -211,9 +211,8 @@ class ConfigExplorer(Explorer):
         split.set_yticks([])
         split.set_xlabel("seconds per step")
         split.set_title(f"#{self.controls['layout'].value + 1}: where the step goes", fontsize=10)
-        split.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(top) < 4 else -0.1),
-                     ncol=2)
-        fig.tight_layout()
+        handles = [h for ax in (mem, split) for h in ax.get_legend_handles_labels()[0]]
+        fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncol=6)
         show_figure(self.plot, fig)
 
 

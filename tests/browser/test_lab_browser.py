@@ -289,3 +289,50 @@ def test_capacity_explorer_drops_more_as_the_capacity_shrinks(browser, lab_serve
         assert _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src") != drawn
         notebook.assert_no_errors()
     record_property("wall_s", ("browser   chapters/07_expert_parallel.ipynb", time.perf_counter() - start))
+
+
+def test_config_explorer_reranks_when_the_gpu_count_changes(browser, lab_server: LabServer, record_property) -> None:
+    """The chapter 08 explorer, alone in a one-cell notebook (the chapter also trains on 8 ranks: slow to run
+    here): it renders the search's ranking, and 256 GPUs instead of 8 put another layout on top."""
+    import nbformat
+
+    from lab.calc.search import search
+
+    start = time.perf_counter()
+    cell = nbformat.v4.new_code_cell("from lab.widgets.search import config_explorer\n\nconfig_explorer()")
+    notebook_file = nbformat.v4.new_notebook(cells=[cell], metadata={"kernelspec": {
+        "display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}})
+    nbformat.write(notebook_file, lab_server.root_dir / "config_explorer.ipynb")
+    on_8, on_256 = (search("llama3-8b", gpus).top(1)[0].layout for gpus in (8, 256))
+    assert on_8 != on_256
+    with open_notebook(browser, lab_server, "config_explorer.ipynb", ARTIFACTS) as notebook:
+        notebook.run_all()
+        notebook.assert_no_errors()
+        widget = notebook.output(".widget-label", "global batch (tokens)")
+        best = widget.locator(".lab-search-best")
+        assert best.inner_text().startswith(f"Best: {on_8},")  # llama3-8b on one node of 8 H100s
+        assert widget.locator("table.lab-search-table tbody tr").count() == 10
+        image = widget.locator(".widget-output img")
+        assert image.count() == 1  # the memory bars and the time split were drawn
+        drawn = image.get_attribute("src")
+
+        label = notebook.page.locator(".widget-label", has_text=re.compile(r"^GPUs$"))
+        gpus = widget.locator(".widget-text", has=label).locator("input")
+        gpus.fill("256")
+        gpus.press("Enter")
+        best.filter(has_text=f"Best: {on_256},").wait_for(timeout=30_000)
+        assert _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src") != drawn
+
+        gpus.fill("12")  # not whole nodes of 8: one line instead of the results
+        gpus.press("Enter")
+        error = widget.locator(".lab-error")
+        error.filter(has_text="gpus=12 must be a multiple of gpus_per_node=8").wait_for(timeout=30_000)
+        widget.locator(".widget-output img").wait_for(state="detached", timeout=30_000)
+        assert best.count() == 0 and widget.locator("table.lab-search-table").count() == 0
+        gpus.fill("8")
+        gpus.press("Enter")
+        best.filter(has_text=f"Best: {on_8},").wait_for(timeout=30_000)
+        widget.locator(".widget-output img").wait_for(timeout=30_000)
+        assert error.count() == 0
+        notebook.assert_no_errors()
+    record_property("wall_s", ("browser   config_explorer.ipynb", time.perf_counter() - start))

@@ -6,7 +6,8 @@ The mesh exercises are compared with `lab.dist.layout` and `lab.dist.axis_groups
 classic mistake — the first axis taken as the fastest, lab's order assumed whatever the order given, a group taken
 as consecutive ranks, dense gradients reduced over dp without cp, EP groups strided, K/V heads split below one per
 rank, norms split by TP, ZeRO over dp alone or rounded down, the output layer on every stage, a batch that ignores
-CP or the pipeline's micro-batches, a fix that loses ranks, edits the batch or its input — and only the checks that
+CP or the pipeline's micro-batches, a fix that loses ranks, edits the batch or its input, the search read from
+the wrong end or a reason read from the family alone — and only the checks that
 must catch it are run, to keep this file fast.
 """
 
@@ -19,7 +20,8 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch08
 
-EXERCISES = ("08.mesh_coords", "08.collective_group", "08.layout_memory", "08.batch_budget", "08.fix_config")
+EXERCISES = ("08.mesh_coords", "08.collective_group", "08.layout_memory", "08.batch_budget", "08.fix_config",
+             "08.best_layout")
 
 COORDS_LAB = "lab's order (dp, pp, cp, tp): each rank's coordinates, as lab.dist.layout lays them out"
 COORDS_ANY = "other axis orders (Megatron's pp outermost, random ones): coordinates, and the rank back from them"
@@ -32,7 +34,7 @@ GROUPS_BIG = "DeepSeek-V3's 2,048 ranks (pp16, ep64 over dp128) and Llama 3's 16
 MEM_ONE = "no parallelism: 2 + 2 + 12 bytes per parameter, tied and untied embeddings"
 MEM_TP = "tensor parallelism: matrices split, norms replicated, K/V heads replicated beyond n_kv_heads ranks"
 MEM_PP = "pipeline stages: the first holds the embedding, the last the final norm and the output layer"
-MEM_ZERO = "ZeRO-1/2/3 over the dp × cp ranks, shards rounded up"
+MEM_ZERO = "ZeRO-1/2/3 over the dp × cp ranks, each unit's shard rounded up"
 MEM_BIG = "Llama 3 70B (tp8 pp4 dp8 ZeRO-1) and 405B (tp16 over its 8 K/V heads, pp2, dp16, ZeRO-1)"
 BUDGET = "the playbook's example (1 M tokens, seq 4096, 8 GPUs, pp 4) and random clusters with tp and cp"
 BUDGET_PP = "pipelines need at least pp − 1 micro-batches; too small a batch, or not whole sequences, gives no layout"
@@ -41,6 +43,9 @@ DIAGNOSE = "diagnose: the rule each broken config breaks, and None for one lab r
 FIX_SHAPES = "fix tp, pp and ep that do not divide the model: same ranks, dp takes what the degree gives up"
 FIX_REFUSED = "fix the layouts lab.train refuses: ZeRO with PP or EP, TP with MLA, PP with tied embeddings"
 FIX_BATCH = "fix the batch split, SP without TP and ZeRO without DP, leaving the global batch as it is"
+BEST = "the best layout: the search's first candidate (degrees, ZeRO, schedule, recompute, mbs, grad_accum)"
+WHY_REJECTED = "why not a family the search rejected: the reason that stops its layouts closest to running"
+WHY_SLOWER = "why not a family that runs but is slower: the part of the step time where it loses most to the best"
 
 PEEL = "    for axis in reversed(order):  # the last axis varies fastest"
 STRIP_DP = 'p["dp"] *= p[name] // new'
@@ -85,11 +90,15 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "zero_over_dp_only": (
         "08.layout_memory", [("replicas = parallel.dp * parallel.cp", "replicas = parallel.dp")], {MEM_ZERO}),
     "shards_rounded_down": (
-        "08.layout_memory", [("math.ceil(n / replicas)", "n // replicas")], {MEM_ZERO}),
+        "08.layout_memory", [("math.ceil(u / replicas)", "u // replicas")], {MEM_ZERO}),
+    "stage_sharded_as_one_buffer": (  # padded once, not per unit: fewer bytes than lab.parallel.zero holds
+        "08.layout_memory", [("sum(math.ceil(u / replicas) for u in units)", "math.ceil(sum(units) / replicas)")],
+        {MEM_ZERO}),
     "zero_ladder_off_by_one": (
         "08.layout_memory", [("parallel.zero >= zero_stage", "parallel.zero > zero_stage")], {MEM_ZERO, MEM_BIG}),
     "output_layer_on_every_stage": (
-        "08.layout_memory", [("    if stage == parallel.pp - 1:", "    if True:")], {MEM_PP}),
+        "08.layout_memory", [("    if stage == parallel.pp - 1:\n        root +=", "    if True:\n        root +=")],
+        {MEM_PP}),
     "tied_output_layer_counted_twice": (
         "08.layout_memory", [("(0 if model.tie_embeddings and parallel.pp == 1 else vocab)", "vocab")], {MEM_ONE}),
     "tied_output_layer_shared_across_stages": (
@@ -123,6 +132,22 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                            '    elif rule == "sp_without_tp":')], {FIX_BATCH}),
     "fix_edits_its_input": (
         "08.fix_config", [("fixed = copy.deepcopy(config)", "fixed = config")], {FIX_SHAPES, FIX_REFUSED, FIX_BATCH}),
+    "best_is_the_last_candidate": (
+        "08.best_layout", [('"h100", seq, gbs_tokens).candidates[0]', '"h100", seq, gbs_tokens).candidates[-1]')],
+        {BEST}),
+    "best_is_the_smallest_footprint": (  # the layout that leaves the most memory free, not the fastest
+        "08.best_layout", [('"h100", seq, gbs_tokens).candidates[0]',
+                            '"h100", seq, gbs_tokens).candidates[0]\n    best = min(search(model, gpus, '
+                            'gpus_per_node, "h100", seq, gbs_tokens).candidates, key=lambda c: c.memory.per_gpu['
+                            '"total"])')], {BEST}),
+    "why_not_gives_the_message": (
+        "08.best_layout", [("return result.rejected[family].main_reason()[0]",
+                            "return result.rejected[family].main_reason()[1]")], {WHY_REJECTED}),
+    "why_not_reads_the_family_alone": (  # its own largest part (compute), not what it loses to the best
+        "08.best_layout", [("getattr(ours[0].time, part) - getattr(best.time, part)", "getattr(ours[0].time, part)")],
+        {WHY_SLOWER}),
+    "why_not_the_part_it_gains_on": (
+        "08.best_layout", [("return max(lost, key=lost.get)", "return min(lost, key=lost.get)")], {WHY_SLOWER}),
 }
 CHAPTER = Chapter("08_5d_parallelism.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 globals().update(chapter_tests(CHAPTER))

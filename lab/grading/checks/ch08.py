@@ -278,10 +278,10 @@ def memory_pipeline_stages(student, rng):
 
 
 @MEMORY.check(points=1, hint="ZeRO shards over the dp·cp ranks that hold the same weights — CP ranks do too; "
-                             "stage 1 the optimizer, 2 also the gradients, 3 also the weights; a shard is "
-                             "ceil(n / (dp·cp))")
+                             "stage 1 the optimizer, 2 also the gradients, 3 also the weights; each unit (a block, "
+                             "the root) is padded on its own: ceil(unit / (dp·cp)) per unit")
 def memory_zero(student, rng):
-    """ZeRO-1/2/3 over the dp × cp ranks, shards rounded up"""
+    """ZeRO-1/2/3 over the dp × cp ranks, each unit's shard rounded up"""
     for zero in (1, 2, 3):
         dp, cp, tp = rng.choice([3, 5, 6, 7]), rng.choice([1, 2, 3]), rng.choice([1, 2])
         model = random_model(rng, tp, 1, False)
@@ -505,3 +505,96 @@ def fix_batch_and_switches(student, rng):
     """fix the batch split, SP without TP and ZeRO without DP, leaving the global batch as it is"""
     for rule, config in _cases(rng, ("batch", "sp_without_tp", "zero_without_dp")):
         expect_fix(student, config, rule)
+
+
+# --- 08.best_layout ----------------------------------------------------------------------------------------------
+
+BEST = exercise("08.best_layout", entry=("best_layout", "why_not", "run_best_layout", "run_why_not"),
+                modules=("lab.config", "lab.calc"))
+STEP_PARTS = ("compute", "tp", "cp", "ep", "pp", "dp", "bubble")
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "pp_schedule", "recompute")
+
+
+def random_cluster(rng: random.Random) -> tuple:
+    """(model, gpus, gpus_per_node, seq, gbs_tokens): a small model on up to 32 H100s, so that a search is quick."""
+    model = rng.choice(["llama3-1b", "smollm-135m", "llama3-8b"])
+    gpus_per_node = rng.choice([4, 8])
+    gpus = gpus_per_node * rng.choice([2, 4] if model == "llama3-8b" else [1, 2, 4])
+    seq = 2048 if model == "smollm-135m" else rng.choice([2048, 4096])  # SmolLM's max_seq_len is 2048
+    return model, gpus, gpus_per_node, seq, seq * gpus * rng.choice([4, 8, 16])
+
+
+def _search(args: tuple):
+    from lab.calc.search import search
+
+    model, gpus, gpus_per_node, seq, gbs_tokens = args
+    return search(model, gpus, gpus_per_node, "h100", seq, gbs_tokens)
+
+
+def losing_part(result, family: str) -> tuple[str, float]:
+    """The step-time part in which `family`'s best layout loses most to the best one, and by how much over the
+    runner-up part (seconds)."""
+    best = result.candidates[0]
+    ours = next(c for c in result.candidates if c.family == family)
+    lost = sorted(((getattr(ours.time, p) - getattr(best.time, p), p) for p in STEP_PARTS), reverse=True)
+    return lost[0][1], lost[0][0] - lost[1][0]
+
+
+def _call(args: tuple) -> str:
+    return ", ".join(map(repr, args))
+
+
+@BEST.check(points=1, hint="search(...).candidates is ranked best first: take candidates[0], its parallel config's "
+                           "fields, its mbs and grad_accum")
+def best_is_the_first_candidate(student, rng):
+    """the best layout: the search's first candidate (degrees, ZeRO, schedule, recompute, mbs, grad_accum)"""
+    for _ in range(2):
+        args = random_cluster(rng)
+        best = _search(args).candidates[0]
+        expected = {**{k: getattr(best.parallel, k) for k in LAYOUT_FIELDS}, "mbs": best.mbs,
+                    "grad_accum": best.grad_accum}
+        call = f"run_best_layout({_call(args)})"
+        got = driver(call, "the best layout", student.run_best_layout, *args)
+        if {k: got.get(k) for k in expected} != expected:
+            raise CheckFailed(f"{call} returned {got}, expected {expected} ({best.layout}, mbs {best.mbs})")
+
+
+def _expect_reasons(student, args: tuple, families: list[str], expected: list[str], what: str) -> None:
+    call = f"run_why_not({_call(args)}, {families})"
+    got = driver(call, "a reason per family", student.run_why_not, *args, families)
+    if got.get("reasons") != expected:
+        raise CheckFailed(f"{call} returned {got.get('reasons')}, expected {expected} ({what})")
+
+
+@BEST.check(points=1, hint="a family with no candidate left was rejected: result.rejected[family].main_reason()[0] "
+                           "names why (memory, batch, unsupported or shape) — the reason, not its message")
+def why_not_a_rejected_family(student, rng):
+    """why not a family the search rejected: the reason that stops its layouts closest to running"""
+    for _ in range(10):
+        args = random_cluster(rng)
+        rejected = _search(args).rejected_families()
+        if rejected:
+            family = rng.choice(sorted(rejected))
+            _expect_reasons(student, args, [family], [rejected[family].main_reason()[0]],
+                            f"no layout of {family} survived: {rejected[family].main_reason()[1]}")
+            return
+    raise RuntimeError("no cluster with a rejected family in 10 draws")
+
+
+@BEST.check(points=1, hint="compare the family's best candidate (its first in the ranked list) with the overall best, "
+                           "part by part: family time minus best time, and name the part with the largest loss")
+def why_not_a_slower_family(student, rng):
+    """why not a family that runs but is slower: the part of the step time where it loses most to the best"""
+    for _ in range(10):
+        args = random_cluster(rng)
+        result = _search(args)
+        best = result.candidates[0]
+        families = list(dict.fromkeys(c.family for c in result.candidates if c.family != best.family))
+        clear = [f for f in families if losing_part(result, f)[1] > 1e-3 * best.time.total]  # no near-tie
+        pick = [f for f in clear if losing_part(result, f)[0] != "compute"][:1] + \
+            [f for f in clear if losing_part(result, f)[0] == "compute"][:1]
+        if pick:
+            _expect_reasons(student, args, pick, [losing_part(result, f)[0] for f in pick],
+                            f"the best is {best.layout}")
+            return
+    raise RuntimeError("no cluster with a clearly slower family in 10 draws")

@@ -28,6 +28,7 @@ from torch import nn
 
 from lab import dist as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
+from lab.checkpoint import Checkpointer, CheckpointOptions
 from lab.config import Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
 from lab.dryrun import dry_run
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="build one rank of the layout on the meta device under a "
                    "fake process group and compare its static bytes with lab.calc.memory (lab.dryrun); train nothing")
     p.add_argument("--rank", type=int, help="the rank --dry-run builds (default 0)")
+    ckpt = p.add_argument_group("checkpoints (lab.checkpoint: torch.distributed.checkpoint, reshardable)")
+    ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints as DIR/step-N (and at the end)")
+    ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps")
+    ckpt.add_argument("--keep", type=int, default=0, metavar="K", help="keep the newest K checkpoints (0: all)")
+    ckpt.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
+                      "--checkpoint-dir, at this run's layout (which may differ from the one that saved it)")
     group = p.add_argument_group("parallelism (the fields of [parallel]; each flag sets one)")
     for spec in dataclasses.fields(ParallelConfig):
         flag, meta = spec.metadata.get("flag", "--" + spec.name.replace("_", "-")), spec.metadata
@@ -185,8 +192,10 @@ def _lr_factor(step: int, config: Config) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
-def train_worker(config: Config, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
-    """The training loop run by every rank (or by the only process). Returns the per-step log.
+def train_worker(config: Config, log_path: str | None = None, verbose: bool = True,
+                 checkpoint: CheckpointOptions | None = None) -> list[StepLog]:
+    """The training loop run by every rank (or by the only process). Returns the per-step log (of the steps
+    this run made: after a resume, those after the checkpoint's step).
 
     It knows one thing about the layout: whether a pipeline drives the model. Everything else — which rows and
     tokens this rank holds, how the loss and gradients are reduced — is asked of what `parallelize` built."""
@@ -201,12 +210,15 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     if par.pipeline is not None and moe is not None:
         par.pipeline.extra_loss = moe.router_loss  # each stage's MoE layers, after its forward
 
+    checkpointer = Checkpointer(checkpoint, config) if checkpoint is not None else None
+    first = checkpointer.resume(par, optimizer, scheduler, data) if checkpointer is not None else 0
+
     rank = dist.get_rank() if dist.is_initialized() else 0
-    log_file = open(log_path, "w") if (log_path and rank == 0) else None  # noqa: SIM115 - closed below
+    log_file = _open_log(log_path, first) if (log_path and rank == 0) else None
     progress = _progress(train.steps, enabled=verbose and rank == 0)
     logs: list[StepLog] = []
     try:
-        for step in range(train.steps):
+        for step in range(first, train.steps):
             start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -236,10 +248,23 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
                 log_file.write(json.dumps(entry.as_dict()) + "\n")
                 log_file.flush()
             progress(entry)
+            if checkpointer is not None:
+                checkpointer.after_step(step + 1, par, optimizer, scheduler, data)
     finally:
         if log_file:
             log_file.close()
     return logs
+
+
+def _open_log(path: str, first: int):
+    """The JSON log, opened for writing; a resumed run keeps the entries up to the step it resumed from."""
+    kept = []
+    if first and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= first]
+    log_file = open(path, "w")  # noqa: SIM115 - closed by the caller
+    log_file.writelines(kept)
+    return log_file
 
 
 class MoEStats:
@@ -347,7 +372,8 @@ def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tup
     return tokens_per_step * len(steady) / step_seconds, max(0.0, seconds - step_seconds), which
 
 
-def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True) -> list[StepLog]:
+def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True,
+        checkpoint: CheckpointOptions | None = None) -> list[StepLog]:
     """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched. A layout
     lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`)."""
     check_supported(config)
@@ -356,15 +382,23 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
         if dist.get_world_size() != config.parallel.world_size:
             raise ValueError(f"torchrun started {dist.get_world_size()} ranks but dp*tp*cp*pp = "
                              f"{config.parallel.world_size}")
-        return train_worker(config, log_path, verbose)
+        return train_worker(config, log_path, verbose, checkpoint)
     if nproc != config.parallel.world_size:
         p = config.parallel
         raise ValueError(f"nproc={nproc} must equal dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
     if nproc == 1:
-        return train_worker(config, log_path, verbose)
+        return train_worker(config, log_path, verbose, checkpoint)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
-    return lab_dist.run(train_worker, nproc, config, log_path, verbose, backend=backend,
+    return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, backend=backend,
                         timeout_s=max(600.0, 10.0 * config.train.steps))[0]
+
+
+def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions | None:
+    if args.checkpoint_dir is None:
+        if args.resume or args.checkpoint_every or args.keep:
+            raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir")
+        return None
+    return CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,9 +417,13 @@ def main(argv: list[str] | None = None) -> int:
             return _error_once(parser.prog, str(err))
         print(report.report())
         return 1 if report.mismatches else 0
+    try:
+        checkpoint = _checkpoint_options(args)
+    except ValueError as err:
+        return _error_once(parser.prog, str(err))
     start = time.perf_counter()
     try:
-        logs = run(config, nproc, args.log_json, verbose=not args.quiet)
+        logs = run(config, nproc, args.log_json, verbose=not args.quiet, checkpoint=checkpoint)
     except ValueError as err:
         return _error_once(parser.prog, str(err))
     except lab_dist.RankError as err:

@@ -9,13 +9,16 @@ From the modules the dry run then measures what the rank keeps from step to step
 `lab.calc.memory.estimate_memory` for the same rank's pipeline stage:
 
 - parameters: the numel of the rank's local parameters x their dtype size (under ZeRO-3, only its shard pieces);
-- gradients: the same tensors as the parameters (under ZeRO-2 and 3, the shard pieces);
+- gradients: of the same tensors as the parameters (under ZeRO-2 and 3, the shard pieces);
 - optimizer: AdamW's two fp32 states (m, v) over what the rank's optimizer updates, `engine.parameters()` (ZeRO's
   pieces), plus an fp32 master copy when the weights are not fp32 (calc's "mixed" precision).
 
-lab trains in fp32, so the comparison is in calc's `precision="fp32"` (4 + 4 + 8 bytes per parameter). The
-two are independent accounts of the same layout — one counts tensors that exist, the other multiplies out a
-formula — so they must agree to the byte; a difference is a bug in one of them.
+Tensors are counted, not the flat buffers behind them: ZeRO's padding of each unit to a multiple of the group
+(at most dp·cp - 1 elements a unit) is in neither column, and the last ranks of a ZeRO group, where the padding
+falls, hold fewer elements (calc's `zero_rank`). lab trains in fp32, so the comparison is in calc's
+`precision="fp32"` (4 + 4 + 8 bytes per parameter). The two are independent accounts of the same layout — one
+counts tensors that exist, the other multiplies out a formula — so they must agree to the byte; a difference is a
+bug in one of them.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def measure_static(par: Parallelized, zero: int) -> tuple[dict[str, int], str]:
     """Bytes of weights, gradients and optimizer states the rank keeps between steps, counted on its modules,
     and the calc precision they correspond to ("fp32", or "mixed" for 16-bit weights with fp32 master copies)."""
     local = list(par.model.parameters())  # a ZeRO-3 model's parameters are views of freed buffers...
-    updated = par.parameters()  # ...what the rank keeps is its shard: the pieces its optimizer updates
+    updated = par.parameters()  # ...what the rank keeps is its shard; its optimizer updates the shard's pieces
     dtype = local[0].dtype
     if any(t.dtype != dtype for t in local + updated):
         raise ValueError(f"the rank's parameters mix dtypes ({sorted({str(t.dtype) for t in local})}): the dry run "
@@ -135,5 +138,6 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
         dist.destroy_process_group()
     seconds = time.perf_counter() - start
     mbs = config.train.global_batch // (p.dp * p.grad_accum)
-    estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, precision=precision, stage=coords["pp"])
+    estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, precision=precision, stage=coords["pp"],
+                               zero_rank=groups["dp_cp"].index(rank))
     return DryRun(config, rank, coords, groups, measured, estimate.per_gpu, precision, seconds)

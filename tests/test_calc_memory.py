@@ -310,3 +310,13 @@ def test_tensor_parallelism_leaves_a_moe_layer_whole_on_every_tp_rank():
     attention = 2 * d * d // 2 + 2 * d * mixtral.n_kv_heads * mixtral.head_dim // 2
     est = estimate_memory(mixtral, 4096, parallel=ParallelConfig(dp=4, tp=2))
     assert est.params_on_gpu == mixtral.n_layers * (attention + 2 * d + moe_layer) + 2 * v * d // 2 + d
+
+
+def test_zero_pads_each_unit_and_the_padding_lies_on_the_last_ranks():
+    # lab.parallel.zero (like FSDP's flat buffers) pads each unit, a block or the root, to a multiple of dp: two
+    # units of 9 over 4 ranks are shards of 3 + 3 on the first rank, not ceil(18 / 4) = 5; the last rank's shards
+    # are all padding, and padding is no tensor. (tests/test_dryrun.py measures both on lab's modules.)
+    assert static_bytes([9, 9], "fp32", zero=3, dp=4) == {"params": 4 * 6, "grads": 4 * 6, "optimizer": 8 * 6}
+    assert static_bytes([9, 9], "fp32", zero=3, dp=4, zero_rank=3) == {"params": 0, "grads": 0, "optimizer": 0}
+    assert static_bytes([9, 9], "fp32", zero=1, dp=4, zero_rank=2) == {"params": 72, "grads": 72, "optimizer": 48}
+    assert static_bytes(18, "fp32", zero=1, dp=4)["optimizer"] == 8 * 5  # one number: one unit, as before

@@ -33,6 +33,7 @@ of one under 1F1B; interleaving keeps more embeddings on the first stage than mi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -71,17 +72,22 @@ class MemoryEstimate:
         return capacity_bytes - self.per_gpu["total"]
 
 
-def static_bytes(num_params: int, precision: str = "mixed", *, zero: int = 0, dp: int = 1,
-                 fp32_grad_accum: bool = False) -> dict[str, int]:
-    """ZeRO's ladder for `num_params` weights replicated on `dp` ranks; shards are rounded up (flat buffers
-    are padded to a multiple of dp)."""
+def static_bytes(num_params: float | Sequence[int], precision: str = "mixed", *, zero: int = 0, dp: int = 1,
+                 fp32_grad_accum: bool = False, zero_rank: int = 0) -> dict[str, int]:
+    """ZeRO's ladder for `num_params` weights replicated on `dp` ranks: the elements of the tensors a rank keeps.
+
+    `num_params` may also be the sizes of ZeRO's units (lab.parallel.zero shards each transformer block, and a
+    root of the rest, as one flat buffer, like FSDP): each unit is padded to a multiple of dp and cut into
+    shards of ceil(unit / dp), so the padding lies on the group's last ranks, which hold fewer real elements.
+    Padding is not counted (at most dp - 1 elements a unit); `zero_rank` is the rank's place in the group, by
+    default 0, whose shards are all real: the fullest."""
+    units = list(num_params) if isinstance(num_params, Sequence) else [num_params]
     p, g, o = PRECISIONS[precision]
     g += FP32_GRAD_ACCUM_BYTES if fp32_grad_accum else 0
-
-    def shard(stage: int) -> int:
-        return math.ceil(num_params / dp) if zero >= stage else num_params
-
-    return {"params": p * shard(3), "grads": g * shard(2), "optimizer": o * shard(1)}
+    whole = sum(units)
+    shard = sum(min(max(u - zero_rank * math.ceil(u / dp), 0), math.ceil(u / dp)) for u in units)
+    return {"params": p * (shard if zero >= 3 else whole), "grads": g * (shard if zero >= 2 else whole),
+            "optimizer": o * (shard if zero >= 1 else whole)}
 
 
 def playbook_num_params(cfg: ModelConfig, seq: int) -> int:
@@ -105,26 +111,33 @@ def _attention_on_rank(cfg: ModelConfig, tp: int) -> int:
     return q + kv + h * cfg.v_head_dim * d // tp
 
 
-def stage_params(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
-    """(dense, expert) parameters on one rank of pipeline stage `stage`. Experts are split by ep only: as in
-    `lab.parallel.tp`, an MoE layer (router, routed and shared experts) stays whole on every TP rank (Megatron
-    would also split each expert by tp, its default expert-tensor-parallel size). With tied embeddings and pp > 1
-    the last stage keeps its own copy of the embedding matrix for the output layer."""
+def zero_units(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> list[tuple[int, int]]:
+    """(dense, expert) parameters of each ZeRO unit on one rank of pipeline stage `stage`: the root (embedding,
+    final norm, output layer: what lies outside the blocks), then each of the rank's blocks. Experts are split
+    by ep only: as in `lab.parallel.tp`, an MoE layer (router, routed and shared experts) stays whole on every
+    TP rank (Megatron would also split each expert by tp, its default expert-tensor-parallel size). With tied
+    embeddings and pp > 1 the last stage keeps its own copy of the embedding matrix for the output layer."""
     d, tp = cfg.d_model, parallel.tp
-    dense = expert = 0
+    vocab_shard = cfg.vocab_size * d // tp
+    root = vocab_shard if stage == 0 else 0
+    if stage == parallel.pp - 1:
+        root += d + (0 if cfg.tie_embeddings and parallel.pp == 1 else vocab_shard)
+    units = [(root, 0)]
     for layer in rank_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage]:
-        dense += _attention_on_rank(cfg, tp) + 2 * d
+        dense, expert = _attention_on_rank(cfg, tp) + 2 * d, 0
         if cfg.is_moe_layer(layer):
             dense += d * cfg.n_experts + cfg.n_shared_experts * 3 * d * cfg.d_ff_expert
-            expert += cfg.n_experts * 3 * d * cfg.d_ff_expert // parallel.ep
+            expert = cfg.n_experts * 3 * d * cfg.d_ff_expert // parallel.ep
         else:
             dense += 3 * d * cfg.d_ff // tp
-    vocab_shard = cfg.vocab_size * d // tp
-    if stage == 0:
-        dense += vocab_shard
-    if stage == parallel.pp - 1:
-        dense += d + (0 if cfg.tie_embeddings and parallel.pp == 1 else vocab_shard)
-    return dense, expert
+        units.append((dense, expert))
+    return units
+
+
+def stage_params(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters on one rank of pipeline stage `stage` (`zero_units` added up)."""
+    units = zero_units(cfg, parallel, stage)
+    return sum(dense for dense, _ in units), sum(expert for _, expert in units)
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: bool = False,
@@ -273,27 +286,37 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
 def estimate_memory(cfg: ModelConfig, seq: int, mbs: int = 1, parallel: ParallelConfig | None = None, *,
                     precision: str = "mixed", fp32_grad_accum: bool = False, flash: bool = False,
                     activation_model: str = "korthikanti", param_convention: str = "exact",
-                    stage: int | None = None) -> MemoryEstimate:
+                    stage: int | None = None, zero_rank: int = 0) -> MemoryEstimate:
     """Per-GPU bytes of training `cfg` on micro-batches of `mbs` sequences of `seq` tokens with `parallel`
     (dp, zero, tp, sp, pp, cp, ep, recompute, grad_accum, pp schedule). Invalid input raises ValueError.
 
     `param_convention="playbook"` counts N with the playbook's GPT-2 formula (split evenly over tp·pp): with
     precision="fp32" and recompute it reproduces the plots of its §2.1; the parallelism chapters' plots use
-    the exact count, precision="bf16" and recompute="selective".
+    the exact count, precision="bf16" and recompute="selective". With ZeRO, `zero_rank` is the rank's place in
+    its dp x cp group: the last places hold fewer elements when padding falls on them (`static_bytes`); the
+    default, 0, is the fullest.
     """
     parallel = parallel or ParallelConfig()
     _check(cfg, seq, mbs, parallel, precision, fp32_grad_accum, activation_model, param_convention, stage)
     replicas = parallel.dp * parallel.cp
+    if not (isinstance(zero_rank, int) and not isinstance(zero_rank, bool) and 0 <= zero_rank < replicas):
+        raise ValueError(f"zero_rank={zero_rank!r} must be in 0..{replicas - 1} (a place among dp*cp = {replicas})")
     estimates = []
     for k in range(parallel.pp) if stage is None else [stage]:
         if param_convention == "playbook":
-            dense, expert = math.ceil(playbook_num_params(cfg, seq) / (parallel.tp * parallel.pp)), 0
+            units = [(math.ceil(playbook_num_params(cfg, seq) / (parallel.tp * parallel.pp)), 0)]
         else:
-            dense, expert = stage_params(cfg, parallel, k)
-        kw = {"precision": precision, "zero": parallel.zero, "fp32_grad_accum": fp32_grad_accum}
-        static = static_bytes(dense, dp=replicas, **kw)
-        for key, value in static_bytes(expert, dp=replicas // parallel.ep, **kw).items():
-            static[key] += value
+            units = zero_units(cfg, parallel, k)
+        dense, expert = sum(u for u, _ in units), sum(e for _, e in units)
+        kw = {"precision": precision, "zero": parallel.zero, "fp32_grad_accum": fp32_grad_accum,
+              "zero_rank": zero_rank}
+        if parallel.ep == 1:  # a block's experts are in its unit, sharded with it over dp x cp
+            static = static_bytes([u + e for u, e in units], dp=replicas, **kw)
+        else:  # experts are held by dp x cp / ep ranks: their shards are cut over those
+            static = static_bytes([u for u, _ in units], dp=replicas, **kw)
+            kw["zero_rank"] = zero_rank // parallel.ep  # its place among the ranks holding the same experts
+            for key, value in static_bytes([e for _, e in units], dp=replicas // parallel.ep, **kw).items():
+                static[key] += value
         acts = _activations(cfg, seq, mbs, parallel, k, flash, activation_model)
         per_gpu = {**static, "activations": sum(acts.values())}
         per_gpu["total"] = sum(per_gpu.values())

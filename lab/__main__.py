@@ -4,6 +4,7 @@
     python -m lab train --config configs/tiny.toml --nproc 2
     python -m lab calc params --model llama3-8b
     python -m lab calc bubble --pp-schedule zb-h1 --pp 8 --grad-accum 32
+    python -m lab checkpoint inspect ckpt/step-00000020
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ COMMANDS = {
     "release": ("lab.grading.release", "write exercises/ (or one assignment's hand-out) from solutions/"),
     "grade": ("lab.grading.grade", "grade notebooks in sandboxes: CSV, Gradescope results.json, feedback"),
     "check": ("lab.grading.learner", "check a saved exercise notebook, as lab.check() does in JupyterLab"),
+    "checkpoint": ("lab.checkpoint", "inspect a DCP checkpoint, or convert it to one plain state_dict file"),
 }
 
 
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         print("\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
-            print(f"  {name:<8} {help_text}")
+            print(f"  {name:<10} {help_text}")
         return 0
     if argv[0] not in COMMANDS:
         print(f"python -m lab: error: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}",

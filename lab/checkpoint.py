@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -426,25 +427,34 @@ def inspect(path: str) -> str:
     return "\n".join(lines)
 
 
+def read_full(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint whose key starts with `prefix`, whole, in this process (no process group):
+    what any layout's ranks saved, gathered."""
+    metadata = _read_metadata(path)
+    full = {fqn: torch.empty(md.size, dtype=md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(full, checkpoint_id=path, planner=_BoxLoadPlanner({}), no_dist=True)
+    return full
+
+
 def to_single_file(path: str) -> tuple[dict[str, torch.Tensor], object]:
     """The model's plain `state_dict` (every key `build_model(cfg).state_dict()` has) and the run's config."""
     from lab.config import Config
     from lab.model import build_model
 
-    metadata = _read_metadata(path)
     with open(os.path.join(path, LAB_FILE)) as f:
         config = Config.from_dict(json.load(f)["config"])
-    wanted = {fqn: torch.empty(md.size, dtype=md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()
-              if fqn.startswith("model.")}
-    dcp.load(wanted, checkpoint_id=path, planner=_BoxLoadPlanner({}), no_dist=True)
+    saved = read_full(path, "model.")
     with torch.device("meta"):
         model = build_model(config.model)
     names = {id(param): name for name, param in model.named_parameters()}  # a tied weight has one name
     params = dict(model.named_parameters(remove_duplicate=False))
     state = {}
     for key in model.state_dict():
-        source = names.get(id(params[key]), key) if key in params else key
-        state[key] = wanted[f"model.{source}"]
+        source = names[id(params[key])] if key in params else key
+        state[key] = saved[f"model.{source}"]
     return state, config
 
 

@@ -58,8 +58,11 @@ class DryRun:
     def report(self) -> str:
         c, p = self.config, self.config.parallel
         world, mbs = p.world_size, c.train.global_batch // (p.dp * p.grad_accum)
-        layout = ", ".join(f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "zero")
-                           if getattr(p, k) != (0 if k == "zero" else 1)) or "one rank"
+        layout = ", ".join([f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "zero")
+                            if getattr(p, k) != (0 if k == "zero" else 1)] + (["sp"] if p.sp else [])
+                           + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
+                           + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])
+                           + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])) or "one rank"
         lines = [f"dry run of {c.model.name} on {world:,} ranks [{layout}]: rank {self.rank} built on the meta "
                  f"device under a fake process group in {self.seconds:.1f} s (no rank started, no collective run)",
                  "coordinates: " + "  ".join(f"{axis}={self.coords[axis]}" for axis in (*AXES, "ep")),

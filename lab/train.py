@@ -3,6 +3,7 @@
     python -m lab.train --config configs/tiny.toml --steps 20
     python -m lab.train --config configs/tiny.toml --nproc 2             # two local gloo ranks: dp=2
     torchrun --nproc_per_node 8 -m lab.train --model llama3-1b --seq 2048 --mbs 1 --tp 2   # dp=4 x tp=2
+    python -m lab.train --config configs/llama3-70b.toml --dp 8 --tp 8 --pp 4 --dry-run --rank 37  # lab.dryrun
 
 On a CPU it starts `--nproc` gloo ranks through `lab.dist.run`; under `torchrun` it joins the launched
 group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,

@@ -112,7 +112,7 @@ def test_the_cli_prints_coordinates_and_groups():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "dry run of llama3-70b on 256 ranks [dp=8, tp=8, pp=4, zero=1]: rank 37" in out
+    assert "dry run of llama3-70b on 256 ranks [dp=8, tp=8, pp=4, zero=1, sp, pp_schedule=1f1b]: rank 37" in out
     assert "coordinates: dp=1  pp=0  cp=0  tp=5  ep=0" in out  # rank = 32·dp + 8·pp + tp
     assert "  tp     32, 33, 34, 35, 36, 37, 38, 39 (8 ranks)" in out
     assert "  pp     37, 45, 53, 61 (4 ranks)" in out

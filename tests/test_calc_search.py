@@ -248,3 +248,22 @@ def test_512_gpus_search_in_seconds():
     started = time.process_time()
     search(LLAMA_405B, 512, 8, "h100", 8192, 2**21)
     assert time.process_time() - started < 6
+
+
+@pytest.mark.parametrize("seq", [256, 8192])
+def test_zero3_gathers_hide_when_the_a3_ratio_is_below_1(seq):
+    """Playbook appendix A3 (comms.zero3_overlap_ratio): a ZeRO-3 all-gather hides behind the previous layer's
+    forward when bytes_per_param·(dp-1)/dp·F / (2·tokens·B) <= 1. 8B on dp64 (8 nodes, multi-rail 400 GB/s per
+    node): at 8192 tokens per micro-batch the ratio is 0.18 and next to nothing is exposed; at 256 it is 5.7
+    and the exposed gathers outlast the compute."""
+    from lab.calc.comms import multi_rail_link, zero3_overlap_ratio
+    from lab.calc.network import SYSTEMS
+
+    result = search("llama3-8b", 64, 8, "h100", seq, 64 * seq, fixed={"dp": 64, "zero": 3, "mbs": 1,
+                                                                      "recompute": "none"})
+    step = result.candidates[0].time
+    ratio = zero3_overlap_ratio(seq, 64, result.efficiency * 989.4e12, multi_rail_link(SYSTEMS["h100"], 8).bandwidth)
+    if ratio < 1:
+        assert ratio < 0.2 and step.dp < 0.01 * step.compute
+    else:
+        assert ratio > 5 and step.dp > step.compute

@@ -267,3 +267,22 @@ def test_zero3_gathers_hide_when_the_a3_ratio_is_below_1(seq):
         assert ratio < 0.2 and step.dp < 0.01 * step.compute
     else:
         assert ratio > 5 and step.dp > step.compute
+
+
+def test_proposals_build_under_the_dry_run():
+    """Issue 16: every layout the search proposes must run under `lab.train --dry-run`: rank 0 of the best
+    layouts (and the best with a pipeline, and with experts) is built on meta under a fake process group, and its
+    static bytes equal calc.memory's. The dry run's groups follow the order the time model assumes: TP, CP, PP, DP."""
+    from lab.dryrun import dry_run
+
+    dense = _search("llama3-70b", 256, 8192, 2**22)
+    moe = _search("mixtral-8x7b", 32, 4096, 2**21)
+    layouts = [*dense.top(2), next(c for c in dense.candidates if c.parallel.pp > 1),
+               next(c for c in moe.candidates if c.parallel.ep > 1)]
+    for candidate, result in zip(layouts, (dense, dense, dense, moe), strict=True):
+        run = dry_run(candidate.config(result.model, result.seq), 0)
+        assert run.mismatches == [], (candidate.layout, run.measured, run.estimated)
+        p = candidate.parallel
+        assert run.groups["tp"] == list(range(p.tp))
+        assert run.groups["cp"] == [i * p.tp for i in range(p.cp)]
+        assert run.groups["pp"] == [i * p.tp * p.cp for i in range(p.pp)]

@@ -5,7 +5,11 @@
    parallelism, expert parallelism for MoE models, activation recomputation — and keep those that
    `ParallelConfig`/`Config` accept, that `lab.config.check_supported` says `lab.train` runs, and whose
    fullest GPU fits the accelerator's memory (`lab.calc.memory.estimate_memory`, mixed precision, flash
-   attention). Every rejection is counted under its layout family (the degrees dp·tp·pp·cp·ep) and reason.
+   attention). Every rejection is counted under its layout family (the degrees dp·tp·pp·cp·ep) and reason
+   (`REASONS`). Not enumerated at all, as never worth a row: TP wider than a node, pipelines deeper than
+   n_layers/2 or with fewer micro-batches than stages, CP ranks with fewer than 1024 tokens, AFAB (1F1B's
+   bubble, more memory), selective recomputation (with flash attention it saves nothing), and full
+   recomputation at a micro-batch size that fits without it (the same layout with more FLOPs).
 2. **Hit the global batch.** The target in tokens is rounded to the nearest whole number of sequences B;
    a layout keeps only the splits B = dp × mbs × grad_accum that are exact (no layout gets a different
    batch than the others, so their tokens/s compare). Every micro-batch size that divides B/dp and fits is

@@ -19,10 +19,11 @@ The search keeps >= 1024 tokens per CP rank, so with the tiny model's 32-token s
 What to expect: the model is built for GPUs, where a step is large matmuls and bandwidth-bound collectives.
 The tiny model's CPU steps are Python dispatch and gloo messages for a few MFLOPs each, modelled at a few ms
 and measured at hundreds: the ranking rests on the communication terms alone. Measured on the course's 2-core
-machine while other jobs loaded it (load 5-12), three runs: at 4 ranks rho = 0.89-0.94 over the families and
-0.50-0.94 over every layout run; at 8 ranks 0.50-0.81 and 0.49-0.65. What holds: tensor parallelism's
-per-layer collectives (32 of them at α = 0.5 ms for tp=2) put every TP layout below the DP and PP ones, in
-both rankings. What misranks is the pipeline: at 8 ranks the search's first, dp4 · pp2, ran 2-3x slower than
+machine while other jobs loaded it (load 5-12), over four runs: at 4 ranks rho = 0.89-0.94 over the families and
+0.50-0.94 over every layout run; at 8 ranks 0.50-0.81 and 0.49-0.65. What holds: pure data parallelism
+was measured fastest in every run (the search has it in its top 4), and tensor parallelism's per-layer
+collectives (32 a step at α = 0.5 ms for tp=2) put the tp=4 layouts at or near the bottom of both rankings.
+What misranks is the pipeline: at 8 ranks the search's first, dp4 · pp2, ran 2-3.5x slower than
 dp8 and dp2 · pp4 in every run, where it models 1 ms of sends and < 1 ms of bubble; and the bubble term's
 order of the schedules (ZB-H1 < interleaved < 1F1B) is not measured here, where 1F1B is often the fastest.
 Eight one-thread ranks share two cores: a stage that waits for its neighbour does not idle a GPU, its

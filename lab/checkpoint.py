@@ -76,6 +76,7 @@ class CheckpointOptions:
     every: int = 0  # save after every `every` steps (0: only at the end)
     keep: int = 0  # keep the newest `keep` checkpoints (0: all)
     resume: bool = False
+    asynchronous: bool = False  # write in the background; a checkpoint appears when the next save starts
 
     def __post_init__(self) -> None:
         for name in ("every", "keep"):
@@ -274,8 +275,21 @@ def layout_of(parallel) -> dict:
     return {k: getattr(parallel, k) for k in ("dp", "tp", "cp", "pp", "ep", "zero", "pp_virtual_stages")}
 
 
-def save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config) -> str:
-    """Save the run's state after `step` steps as `directory/step-N` (atomically); return its path."""
+@dataclass
+class PendingSave:
+    """A save whose files are being written (in the background when asynchronous): visible once `finish`ed."""
+
+    tmp: str
+    final: str
+    lab_info: dict
+    future: object | None = None  # DCP's future for an asynchronous save
+
+
+def start_save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config,
+               async_group: dist.ProcessGroup | None = None, asynchronous: bool = False) -> PendingSave:
+    """Write the run's state after `step` steps into `directory/.tmp-step-N`. Asynchronous: DCP copies the state
+    to CPU memory (the part that blocks training) and a background thread writes it, over `async_group` (its own
+    gloo group, so that its collectives never interleave with training's)."""
     final = os.path.join(directory, f"step-{step:08d}")
     tmp = os.path.join(directory, f"{TMP_PREFIX}step-{step:08d}")
     if _rank() == 0:
@@ -288,15 +302,32 @@ def save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, sched
     meta = {"step": step, "layout": layout_of(config.parallel), "world": world}
     state = {**tensors, "scheduler": scheduler.state_dict(), "data": data.state_dict(), "meta": meta,
              f"rng.rank{_rank()}": torch.get_rng_state()}
-    dcp.save(state, checkpoint_id=tmp, planner=_BoxSavePlanner(boxes), no_dist=not dist.is_initialized())
+    pending = PendingSave(tmp, final, {**meta, "config": config.to_dict()})
+    options = {"checkpoint_id": tmp, "planner": _BoxSavePlanner(boxes), "no_dist": not dist.is_initialized()}
+    if asynchronous:
+        pending.future = dcp.async_save(state, process_group=async_group, **options)
+    else:
+        dcp.save(state, **options)
+    return pending
+
+
+def finish_save(pending: PendingSave) -> str:
+    """Wait for the files, then make the checkpoint visible with one rename (rank 0); return its path."""
+    if pending.future is not None:
+        pending.future.result()
     _barrier()  # every rank's files and the metadata are written
     if _rank() == 0:
-        with open(os.path.join(tmp, LAB_FILE), "w") as f:
-            json.dump({**meta, "config": config.to_dict()}, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # the checkpoint appears, complete
+        with open(os.path.join(pending.tmp, LAB_FILE), "w") as f:
+            json.dump(pending.lab_info, f, indent=1)
+        shutil.rmtree(pending.final, ignore_errors=True)
+        os.rename(pending.tmp, pending.final)  # the checkpoint appears, complete
     _barrier()
-    return final
+    return pending.final
+
+
+def save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config) -> str:
+    """Save the run's state after `step` steps as `directory/step-N` (atomically); return its path."""
+    return finish_save(start_save(directory, step, par, optimizer, scheduler, data, config))
 
 
 def prune(directory: str, keep: int) -> None:
@@ -372,6 +403,9 @@ class Checkpointer:
 
     def __init__(self, options: CheckpointOptions, config) -> None:
         self.options, self.config = options, config
+        self.pending: PendingSave | None = None
+        # an asynchronous save's collectives run beside training's: they get their own group (made by every rank)
+        self.group = dist.new_group(backend="gloo") if options.asynchronous and dist.is_initialized() else None
 
     def resume(self, par, optimizer, scheduler, data) -> int:
         """Load the newest complete checkpoint if asked to; return the step to continue from."""
@@ -389,9 +423,20 @@ class Checkpointer:
         return step
 
     def after_step(self, step: int, par, optimizer, scheduler, data) -> None:
+        """Save every `every` steps and after the last one (which waits for its files)."""
         every, last = self.options.every, step == self.config.train.steps
-        if (every and step % every == 0) or last:
-            save(self.options.dir, step, par, optimizer, scheduler, data, self.config)
+        if not ((every and step % every == 0) or last):
+            return
+        self._finish_pending()
+        self.pending = start_save(self.options.dir, step, par, optimizer, scheduler, data, self.config,
+                                  self.group, self.options.asynchronous)
+        if last or not self.options.asynchronous:
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        if self.pending is not None:
+            finish_save(self.pending)
+            self.pending = None
             prune(self.options.dir, self.options.keep)
 
 

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = p.add_argument_group("checkpoints (lab.checkpoint: torch.distributed.checkpoint, reshardable)")
     ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints as DIR/step-N (and at the end)")
     ckpt.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps")
+    ckpt.add_argument("--async-checkpoint", action="store_true", help="write checkpoints in the background "
+                      "(DCP async_save): training waits only for the copy to CPU memory")
     ckpt.add_argument("--keep", type=int, default=0, metavar="K", help="keep the newest K checkpoints (0: all)")
     ckpt.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                       "--checkpoint-dir, at this run's layout (which may differ from the one that saved it)")
@@ -396,10 +398,11 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
 
 def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions | None:
     if args.checkpoint_dir is None:
-        if args.resume or args.checkpoint_every or args.keep:
-            raise ValueError("--resume, --checkpoint-every and --keep need --checkpoint-dir")
+        if args.resume or args.checkpoint_every or args.keep or args.async_checkpoint:
+            raise ValueError("--resume, --checkpoint-every, --keep and --async-checkpoint need --checkpoint-dir")
         return None
-    return CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume)
+    return CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume,
+                             args.async_checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

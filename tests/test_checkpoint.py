@@ -238,3 +238,16 @@ def test_bad_input_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "lab.train", "--resume"], capture_output=True, text=True,
                           timeout=60, env=ENV)
     assert done.returncode == 2 and "need --checkpoint-dir" in done.stderr
+
+
+def test_async_checkpoints_hold_the_same_state(trained, tmp_path):
+    """--async-checkpoint: training goes on while a checkpoint is written from its copy in CPU memory; every
+    checkpoint equals the synchronous run's, tensor by tensor."""
+    source, reference = trained("dp2")
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    _train("dp2", ckpt, log, "--checkpoint-every", "2", "--async-checkpoint")
+    assert _losses(log) == _losses(reference)
+    for step in (2, 4, 6):
+        name = f"step-{step:08d}"
+        got, expected = checkpoint.read_full(str(ckpt / name)), checkpoint.read_full(str(source / name))
+        assert all(torch.equal(got[k], expected[k]) for k in expected if not k.startswith("rng.")), name

@@ -77,8 +77,8 @@ class DryRun:
             flag = "" if got == want else f"   MISMATCH: {got - want:+,} bytes"
             lines.append(f"  {key:<12}{got:>20,}{want:>20,}{want / 2**30:>10,.2f}{flag}")
         acts = self.estimated["activations"]
-        lines.append(f"  {'activations':<12}{'-':>20}{acts:>20,}{acts / 2**30:>10,.2f}   calc only (Korthikanti), "
-                     f"micro-batch {mbs} x {c.train.seq_len} tokens")
+        lines.append(f"  {'activations':<12}{'-':>20}{acts:>20,}{acts / 2**30:>10,.2f}   calc only (Korthikanti, "
+                     f"flash attention), micro-batch {mbs} x {c.train.seq_len} tokens")
         lines.append("static bytes agree exactly" if not self.mismatches else
                      f"static bytes differ in {', '.join(self.mismatches)}: a bug in the modules or in calc.memory")
         return "\n".join(lines)
@@ -142,5 +142,5 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
     seconds = time.perf_counter() - start
     mbs = config.train.global_batch // (p.dp * p.grad_accum)
     estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, precision=precision, stage=coords["pp"],
-                               zero_rank=groups["dp_cp"].index(rank))
+                               zero_rank=groups["dp_cp"].index(rank), flash=True)  # SDPA's fused kernel on a GPU
     return DryRun(config, rank, coords, groups, measured, estimate.per_gpu, precision, seconds)

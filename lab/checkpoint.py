@@ -30,13 +30,14 @@ leaves a `.tmp-*` directory that resume ignores (it says so) and the next save o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -266,6 +267,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns whenever it runs without a process group, even when asked to (`no_dist`): a single process is
+    a layout like any other here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -304,10 +314,11 @@ def start_save(directory: str, step: int, par, optimizer: torch.optim.Optimizer,
              f"rng.rank{_rank()}": torch.get_rng_state()}
     pending = PendingSave(tmp, final, {**meta, "config": config.to_dict()})
     options = {"checkpoint_id": tmp, "planner": _BoxSavePlanner(boxes), "no_dist": not dist.is_initialized()}
-    if asynchronous:
-        pending.future = dcp.async_save(state, process_group=async_group, **options)
-    else:
-        dcp.save(state, **options)
+    with _quiet_single_process():
+        if asynchronous:
+            pending.future = dcp.async_save(state, process_group=async_group, **options)
+        else:
+            dcp.save(state, **options)
     return pending
 
 
@@ -374,7 +385,8 @@ def load(path: str, par, optimizer: torch.optim.Optimizer, scheduler, data, conf
     rng_key = f"rng.rank{_rank()}"
     if saved_world == world:
         state[rng_key] = torch.get_rng_state()
-    dcp.load(state, checkpoint_id=path, planner=_BoxLoadPlanner(boxes), no_dist=not dist.is_initialized())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path, planner=_BoxLoadPlanner(boxes), no_dist=not dist.is_initialized())
     apply()
     scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
@@ -478,8 +490,7 @@ def read_full(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
     metadata = _read_metadata(path)
     full = {fqn: torch.empty(md.size, dtype=md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()
             if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point here
-        warnings.simplefilter("ignore", UserWarning)
+    with _quiet_single_process():
         dcp.load(full, checkpoint_id=path, planner=_BoxLoadPlanner({}), no_dist=True)
     return full
 

@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: {err}", file=sys.stderr)
         return 1
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(summary(config, logs, nproc, time.perf_counter() - start))
+        print(summary(config, logs, nproc, time.perf_counter() - start) if logs else
+              f"nothing to train: the checkpoint is already at step {config.train.steps} (--steps)")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

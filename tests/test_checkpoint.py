@@ -30,6 +30,7 @@ LAYOUTS = {  # the flags of each layout, on top of configs/tiny.toml
     "zero3": ["--nproc", "2", "--zero", "3"],
     "tp2": ["--nproc", "2", "--tp", "2"],
     "pp2": ["--nproc", "2", "--pp", "2"],
+    "tp4": ["--nproc", "4", "--tp", "4"],  # 2 KV heads: each copied on 2 TP ranks
     "dp4": ["--nproc", "4"],
     "zero3_dp4": ["--nproc", "4", "--zero", "3"],
 }
@@ -175,6 +176,7 @@ def _reshard_worker(source: str, target: str, parallel: dict) -> int:
     ("zero3_dp4", {"dp": 2, "zero": 1}),
     ("pp2", {}),
     ("tp2", {}),
+    ("tp4", {"dp": 2, "tp": 2}),
 ])
 def test_reshard_is_exact(trained, tmp_path, source_layout, parallel):
     """Load at another layout and save again: every model and optimizer tensor, gathered whole, is equal."""
@@ -251,3 +253,10 @@ def test_async_checkpoints_hold_the_same_state(trained, tmp_path):
         name = f"step-{step:08d}"
         got, expected = checkpoint.read_full(str(ckpt / name)), checkpoint.read_full(str(source / name))
         assert all(torch.equal(got[k], expected[k]) for k in expected if not k.startswith("rng.")), name
+
+
+def test_resume_at_the_last_step_trains_nothing(trained, tmp_path):
+    source, _ = trained("dp2")
+    shutil.copytree(source / f"step-{STEPS:08d}", tmp_path / f"step-{STEPS:08d}")
+    done = _train("single", tmp_path, tmp_path / "log.jsonl", "--resume")
+    assert "resharded (dp 2->1)" in done.stdout and f"already at step {STEPS}" in done.stdout

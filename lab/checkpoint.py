@@ -251,9 +251,9 @@ def _zero_state(par, optimizer: torch.optim.Optimizer, loading: bool):
             unit.shard.copy_(full["param"][unit.start:unit.start + unit.shard_numel])
             if engine.stage < 3:
                 unit.full.copy_(full["param"])
-        for unit, param, piece, lo, hi in pieces:
-            start = unit.start
-            full = dict(flats)[unit]
+        fulls = {id(unit): full for unit, full in flats}
+        for unit, param, piece, lo, hi in pieces:  # each piece keeps its range of the unit's moments
+            full, start = fulls[id(unit)], unit.start
             optimizer.state[piece] = {"step": steps[param].clone(),
                                       **{s: full[s][start + lo:start + hi].clone() for s in ADAM_STATES}}
 

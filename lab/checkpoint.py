@@ -378,6 +378,9 @@ def newest(directory: str) -> tuple[str | None, str]:
 def load(path: str, par, optimizer: torch.optim.Optimizer, scheduler, data, config) -> dict:
     """Load a checkpoint saved at any layout into this rank's part of the run; return its `meta`."""
     tensors, boxes, apply = _rank_state(par, optimizer, loading=True)
+    if not any(k.startswith("optim.") for k in _read_metadata(path).state_dict_metadata):
+        # saved before the first optimizer step: AdamW's zero moments and step 0, as a fresh optimizer has
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
     state = {**tensors, "scheduler": None, "data": None, "meta": None}
     with open(os.path.join(path, LAB_FILE)) as f:
         saved_world = json.load(f)["world"]

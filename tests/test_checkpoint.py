@@ -143,6 +143,25 @@ def test_an_unfinished_save_is_ignored_and_named(trained, tmp_path):
     assert note == (f"resuming from {path} (ignoring .tmp-step-00000004: a save that did not finish)")
 
 
+def test_a_save_killed_after_dcp_finished_stays_invisible(tmp_path, monkeypatch):
+    """Killed after DCP wrote every file and its .metadata, but before lab's own file and the rename: the
+    checkpoint is not visible, and resume takes the previous one (writing in place would expose it)."""
+    state = _build({})
+    first = checkpoint.save(str(tmp_path), 1, *state)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(json, "dump", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(str(tmp_path), 2, *state)
+    monkeypatch.undo()
+    assert os.path.exists(tmp_path / ".tmp-step-00000002" / ".metadata")
+    path, note = checkpoint.newest(str(tmp_path))
+    assert path == first and ".tmp-step-00000002" in note
+    checkpoint.load(path, *state)
+
+
 def test_keep_keeps_the_newest(tmp_path):
     ckpt = tmp_path / "ckpt"
     _train("single", ckpt, tmp_path / "log.jsonl", "--checkpoint-every", "1", "--keep", "2")
@@ -158,14 +177,20 @@ def _config(parallel: dict) -> Config:
                                        "warmup_steps": 2, "seed": 0}})
 
 
-def _reshard_worker(source: str, target: str, parallel: dict) -> int:
-    """Build the run at `parallel`'s layout as `lab.train` does, load `source` into it, save it to `target`."""
+def _build(parallel: dict) -> tuple:
+    """(par, optimizer, scheduler, data, config) at `parallel`'s layout, built as `lab.train` builds them."""
     config = _config(parallel)
     par = parallelize(config.model, build_mesh(config.parallel), config.parallel, torch.device("cpu"),
                       config.train.seed, config.train.seq_len)
     optimizer = adamw(par.parameters(), config.train.lr, config.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, config.train.seq_len, config.train.global_batch, 0)
+    return par, optimizer, scheduler, data, config
+
+
+def _reshard_worker(source: str, target: str, parallel: dict) -> int:
+    """Build the run at `parallel`'s layout, load `source` into it, save it to `target`."""
+    par, optimizer, scheduler, data, config = _build(parallel)
     meta = checkpoint.load(source, par, optimizer, scheduler, data, config)
     checkpoint.save(target, meta["step"], par, optimizer, scheduler, data, config)
     return data.step

@@ -108,6 +108,7 @@ def test_saves_killed_at_random_moments_never_load_wrongly(trained, tmp_path):
     n_params = len(list(build_model(_config({}).model).parameters()))
     rng = random.Random(17)
     resume: list[str] = []
+    unfinished = 0  # kills that landed inside a save (its .tmp directory left behind)
     for _ in range(3):
         before = len(checkpoint.complete_checkpoints(str(ckpt)))
         run = subprocess.Popen(_train_args("dp2", ckpt, log, "--checkpoint-every", "1", *resume), env=ENV,
@@ -120,6 +121,7 @@ def test_saves_killed_at_random_moments_never_load_wrongly(trained, tmp_path):
         finally:
             run.wait()
         resume = ["--resume"]
+        unfinished += any(name.startswith(".tmp-") for name in os.listdir(ckpt))
         for path in checkpoint.complete_checkpoints(str(ckpt)):
             full = checkpoint.read_full(path)  # every tensor there, whole
             assert len([k for k in full if k.startswith(("model.", "optim."))]) == 4 * n_params
@@ -127,6 +129,7 @@ def test_saves_killed_at_random_moments_never_load_wrongly(trained, tmp_path):
             if twin.exists():
                 expected = checkpoint.read_full(str(twin))
                 assert all(torch.equal(full[k], expected[k]) for k in expected if not k.startswith("rng."))
+    assert unfinished >= 1  # saves take most of a step here: 6 of 6 kills landed in one when this was written
     path, note = checkpoint.newest(str(ckpt))
     assert path is not None and note.startswith(f"resuming from {path}")
     _train("dp2", ckpt, log, "--checkpoint-every", "1", "--resume")

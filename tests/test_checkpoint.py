@@ -1,6 +1,7 @@
 """`lab.checkpoint`: resume is bit-for-bit, a checkpoint saved at one layout loads exactly at another, a save killed
 at any moment never leaves a checkpoint that loads wrongly, and `python -m lab checkpoint` inspects and converts."""
 
+import contextlib
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -95,6 +97,28 @@ def test_kill_9_between_checkpoints_then_resume(trained, tmp_path):
     finally:
         run.wait()
     assert checkpoint.complete_checkpoints(str(ckpt))
+    _train("dp2", ckpt, log, "--checkpoint-every", "2", "--resume")
+    assert _losses(log) == _losses(reference)
+
+
+def test_kill_9_of_one_rank_then_resume(trained, tmp_path):
+    """SIGKILL one rank once the first checkpoint exists: the launcher stops the others and fails; `--resume`
+    ends with the uninterrupted run's losses, bit for bit."""
+    _, reference = trained("dp2")
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    run = subprocess.Popen(_train_args("dp2", ckpt, log, "--checkpoint-every", "2"), env=ENV,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not checkpoint.complete_checkpoints(str(ckpt)) and run.poll() is None:
+            time.sleep(0.02)
+        ranks = sorted(psutil.Process(run.pid).children(), key=lambda p: p.pid)  # forked by lab.dist.run
+        ranks[-1].send_signal(signal.SIGKILL)  # rank 1
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    assert run.returncode != 0 and "rank" in stderr
     _train("dp2", ckpt, log, "--checkpoint-every", "2", "--resume")
     assert _losses(log) == _losses(reference)
 

@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from lab import checkpoint  # noqa: E402
 from lab.config import Config  # noqa: E402
 from lab.data import SyntheticTokens  # noqa: E402
-from lab.dist import run  # noqa: E402
+from lab.distributed import run  # noqa: E402
 from lab.model import build_model, num_params  # noqa: E402
 from lab.parallel.optim import adamw  # noqa: E402
 from lab.parallel.parallelize import build_mesh, parallelize  # noqa: E402

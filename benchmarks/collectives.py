@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.calc.comms import bus_factor, collective_time, fit_alpha_beta  # noqa: E402
 from lab.calc.network import Link  # noqa: E402
 from lab.collectives.timing import OPS, time_collectives  # noqa: E402
-from lab.dist import run  # noqa: E402
+from lab.distributed import run  # noqa: E402
 
 
 def _size(nbytes: int) -> str:

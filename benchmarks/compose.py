@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from lab import train as lab_train  # noqa: E402
 from lab.config import Config, load_config  # noqa: E402
 from lab.data import SyntheticTokens, shard_rows  # noqa: E402
-from lab.dist import RankError, run  # noqa: E402
+from lab.distributed import RankError, run  # noqa: E402
 from lab.model import build_model, materialize  # noqa: E402
 from lab.parallel.pp import build_chunk  # noqa: E402
 from lab.parallel.tp import torch_tp_plan  # noqa: E402

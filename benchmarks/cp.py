@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.calc.cp import attention_work, chunk_ids  # noqa: E402
-from lab.dist import run  # noqa: E402
+from lab.distributed import run  # noqa: E402
 from lab.parallel.cp import layout_of, shard_sequence, ulysses_attention  # noqa: E402
 from lab.parallel.ring_attention import ring_attention  # noqa: E402
 

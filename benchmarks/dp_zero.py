@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from lab.config import ModelConfig, TrainConfig  # noqa: E402
 from lab.data import SyntheticTokens, shard_rows  # noqa: E402
-from lab.dist import run  # noqa: E402
+from lab.distributed import run  # noqa: E402
 from lab.model import build_model, materialize, num_params  # noqa: E402
 from lab.parallel.dp import TorchDDP  # noqa: E402
 from lab.parallel.optim import adamw, clip_grad_norm  # noqa: E402

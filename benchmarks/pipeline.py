@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.calc.bubble import simulate  # noqa: E402
 from lab.calc.schedules import make_schedule  # noqa: E402
 from lab.config import PRESETS  # noqa: E402
-from lab.dist import run  # noqa: E402
+from lab.distributed import run  # noqa: E402
 from lab.parallel.pp import timed_step  # noqa: E402
 
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=8, vocab_size=96)

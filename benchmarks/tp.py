@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.config import PRESETS  # noqa: E402
-from lab.dist import Mesh, count_collectives, run  # noqa: E402
+from lab.distributed import Mesh, count_collectives, run  # noqa: E402
 from lab.model import build_model, materialize  # noqa: E402
 from lab.parallel.tp import apply_tensor_parallel, torch_tp_plan, vocab_parallel_cross_entropy  # noqa: E402
 

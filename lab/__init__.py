@@ -1,7 +1,7 @@
 """Ultra-Scale Lab: the package behind the course's notebooks.
 
 Chapters import it for working implementations of every parallelism (`lab.parallel`), the rank
-launcher (`lab.dist`), cost models (`lab.calc`), widgets (`lab.widgets`) and exercise checks.
+launcher (`lab.distributed`), cost models (`lab.calc`), widgets (`lab.widgets`) and exercise checks.
 Submodules are imported on first use, so `import lab` stays cheap.
 """
 
@@ -12,7 +12,7 @@ import os
 import random
 
 __version__ = "0.1.0"
-_SUBMODULES = ("calc", "config", "data", "dist", "doctor", "grading", "model", "parallel", "train", "widgets")
+_SUBMODULES = ("calc", "config", "data", "distributed", "doctor", "grading", "model", "parallel", "train", "widgets")
 
 
 def setup(seed: int = 0, threads: int | None = None, quiet: bool = False) -> None:

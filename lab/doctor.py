@@ -45,7 +45,7 @@ def _all_reduce_rank(_: int = 0) -> float:
 
 
 def _check_gloo() -> Check:
-    from lab import dist as lab_dist
+    from lab import distributed as lab_dist
 
     start = time.perf_counter()
     try:
@@ -61,7 +61,7 @@ def _check_gloo() -> Check:
 def gpu_names() -> list[str]:
     """The GPUs' names, asked of nvidia-smi rather than torch: `torch.cuda.get_device_name` initialises CUDA in
     this process, and a process that has initialised CUDA can no longer fork ranks that use it (a notebook
-    that printed its GPU could not then run `lab.dist.run(..., backend="nccl")`)."""
+    that printed its GPU could not then run `lab.distributed.run(..., backend="nccl")`)."""
     import torch
 
     count = torch.cuda.device_count()  # does not initialise CUDA

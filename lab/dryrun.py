@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lab.calc.memory import estimate_memory
 from lab.config import Config, check_supported
-from lab.dist.mesh import AXES, GROUPS
+from lab.distributed.mesh import AXES, GROUPS
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
 
 STATIC = ("params", "grads", "optimizer")

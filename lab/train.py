@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 8 -m lab.train --model llama3-1b --seq 2048 --mbs 1 --tp 2   # dp=4 x tp=2
     python -m lab.train --config configs/llama3-70b.toml --dp 8 --tp 8 --pp 4 --dry-run --rank 37  # lab.dryrun
 
-On a CPU it starts `--nproc` gloo ranks through `lab.dist.run`; under `torchrun` it joins the launched
+On a CPU it starts `--nproc` gloo ranks through `lab.distributed.run`; under `torchrun` it joins the launched
 group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,
 peak_bytes) to `--log-json`; the final summary compares the loss with the data's known floor.
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab import dist as lab_dist
+from lab import distributed as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
 from lab.checkpoint import Checkpointer, CheckpointOptions
 from lab.config import Config, ParallelConfig, check_supported, parse_override, read_config

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lab.config import load_config
-from lab.dist import run
+from lab.distributed import run
 
 REPO = Path(__file__).resolve().parents[1]
 

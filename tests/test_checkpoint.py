@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lab import checkpoint
-from lab import dist as lab_dist
+from lab import distributed as lab_dist
 from lab.config import Config
 from lab.data import SyntheticTokens
 from lab.model import build_model
@@ -111,7 +111,7 @@ def test_kill_9_of_one_rank_then_resume(trained, tmp_path):
     try:
         while not checkpoint.complete_checkpoints(str(ckpt)) and run.poll() is None:
             time.sleep(0.02)
-        ranks = sorted(psutil.Process(run.pid).children(), key=lambda p: p.pid)  # forked by lab.dist.run
+        ranks = sorted(psutil.Process(run.pid).children(), key=lambda p: p.pid)  # forked by lab.distributed.run
         ranks[-1].send_signal(signal.SIGKILL)  # rank 1
         _, stderr = run.communicate(timeout=120)
     finally:

@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 from lab import collectives as lc
 from lab.collectives.p2p import REDUCE_OPS
-from lab.dist import run
-from lab.dist.comm import count_collectives
+from lab.distributed import run
+from lab.distributed.comm import count_collectives
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,

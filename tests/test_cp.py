@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lab.calc.cp import attention_work, block_work, chunk_ids, num_chunks
 from lab.config import PRESETS, ParallelConfig
-from lab.dist import Mesh, RankError, count_collectives, run
+from lab.distributed import Mesh, RankError, count_collectives, run
 from lab.model import build_model, materialize
 from lab.parallel.cp import (
     apply_context_parallel,

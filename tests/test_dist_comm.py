@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab.dist import count_collectives, run
+from lab.distributed import count_collectives, run
 
 
 def _counted_ops():

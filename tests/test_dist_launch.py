@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from dist_workers import all_reduce_on_gpu, all_reduce_rank
 
-from lab.dist import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
+from lab.distributed import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,7 +225,7 @@ def test_ranks_die_when_their_parent_is_killed(tmp_path):
     script = textwrap.dedent(f"""
         import os, time
         from pathlib import Path
-        from lab.dist import run
+        from lab.distributed import run
 
         def sleeper():
             Path({str(tmp_path)!r}, str(os.getpid())).touch()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab.dist import Mesh, axis_groups, layout, run
+from lab.distributed import Mesh, axis_groups, layout, run
 
 
 def test_dp2_tp4_by_hand():

@@ -17,7 +17,7 @@ from torch import nn
 
 from lab.config import ModelConfig, TrainConfig
 from lab.data import SyntheticTokens, shard_rows
-from lab.dist import count_collectives, run
+from lab.distributed import count_collectives, run
 from lab.model import build_model, materialize, set_recompute
 from lab.parallel.dp import BucketedDP, NaiveDP, TorchDDP
 from lab.parallel.optim import adamw, clip_grad_norm
@@ -54,7 +54,7 @@ def micro_batches(step_batch: tuple[torch.Tensor, torch.Tensor], grad_accum: int
 def train(kind: str, grad_accum: int = 1, steps: int = STEPS, recompute: str = "none",
           model_name: str = "tiny") -> dict:
     """The training loop `lab.train` runs, with engine `kind`; per-step losses and final parameters (numpy:
-    lab.dist.run cannot send tensors back)."""
+    lab.distributed.run cannot send tensors back)."""
     config = MODELS[model_name]
     model = materialize(build_model(config), seed=0)
     set_recompute(model, recompute)

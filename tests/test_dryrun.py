@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lab.config import PRESETS, Config, ParallelConfig, TrainConfig, check_supported, load_config
-from lab.dist.mesh import GROUPS, axis_groups
+from lab.distributed.mesh import GROUPS, axis_groups
 from lab.dryrun import describe_ranks, dry_run
 
 ROOT = Path(__file__).resolve().parents[1]

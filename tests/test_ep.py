@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lab.calc.moe import expected_all_to_all_bytes, layer_all_to_all_bytes
 from lab.config import PRESETS
-from lab.dist import Mesh, count_collectives, run
+from lab.distributed import Mesh, count_collectives, run
 from lab.model import MoE, build_model, materialize, moe_losses
 from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
 

@@ -151,7 +151,7 @@ def test_the_references_agree_with_lab_parallel():
     """The checks' single-process references are what `lab.parallel.tp`'s layers compute on real ranks."""
     import torch
 
-    from lab.dist import run
+    from lab.distributed import run
 
     shape, d_model, d_ff, vocab, seed, world = [2, 3], 5, 6, 9, 11, 3
     mlp, ce = ch04.mlp_reference(shape, d_model, d_ff, seed), ch04.ce_reference(shape, vocab, seed, 2.0)

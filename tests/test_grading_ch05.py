@@ -149,7 +149,7 @@ def test_the_ring_reference_agrees_with_lab_parallel(kind, cp):
     real ranks, and its rank parts are `lab.parallel.cp.shard_sequence`'s for the library's layouts."""
     import torch
 
-    from lab.dist import run
+    from lab.distributed import run
     from lab.parallel.cp import shard_sequence
 
     rng = random.Random(cp)

@@ -161,7 +161,7 @@ def test_the_ep_reference_draws_the_drivers_layer():
 def test_the_plan_references_are_lab_parallel_eps_layout(ep):
     """`dispatch_reference` and `receive_reference`, followed on real ranks (rows sorted by expert, counts
     exchanged, rows regrouped by expert), give every local expert the rows `lab.parallel.ep` gives it."""
-    from lab.dist import run
+    from lab.distributed import run
 
     for rank, (mine, lab_rows) in enumerate(run(_plan_on_ranks, ep, 8 // ep)):
         assert mine == lab_rows, f"rank {rank}"

@@ -1,7 +1,8 @@
 """Chapter 08's checks: the solutions pass with any secret, the released stubs score nothing, and every
 plausible-but-wrong answer (mutant) fails the checks named for it.
 
-The mesh exercises are compared with `lab.dist.layout` and `lab.dist.axis_groups`, the memory of a layout with
+The mesh exercises are compared with `lab.distributed.layout` and `lab.distributed.axis_groups`, the memory of a
+layout with
 `lab.calc.memory`, the batch budget and the failing configs with `lab.config`. A mutant is the solution cell with one
 classic mistake — the first axis taken as the fastest, lab's order assumed whatever the order given, a group taken
 as consecutive ranks, dense gradients reduced over dp without cp, EP groups strided, K/V heads split below one per
@@ -23,9 +24,10 @@ from lab.grading.checks import ch08
 EXERCISES = ("08.mesh_coords", "08.collective_group", "08.layout_memory", "08.batch_budget", "08.fix_config",
              "08.best_layout")
 
-COORDS_LAB = "lab's order (dp, pp, cp, tp): each rank's coordinates, as lab.dist.layout lays them out"
+COORDS_LAB = "lab's order (dp, pp, cp, tp): each rank's coordinates, as lab.distributed.layout lays them out"
 COORDS_ANY = "other axis orders (Megatron's pp outermost, random ones): coordinates, and the rank back from them"
-GROUPS = "the group along each axis, by coordinate: lab.dist.axis_groups for lab's order, the grid's lines for others"
+GROUPS = ("the group along each axis, by coordinate: lab.distributed.axis_groups for lab's order, the grid's lines "
+          "for others")
 MESH_BIG = "Llama 3 405B's 16,384 ranks (tp8, cp1 or 16, pp16, dp128 or 8)"
 TP_CP_PP = "tensor, context and pipeline parallelism: the op, and the tp, cp or pp line through the rank"
 DP_CP = "dense gradients and ZeRO-3 weights: the dp × cp ranks, not dp alone"
@@ -155,13 +157,14 @@ globals().update(chapter_tests(CHAPTER))
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_grid_reference_is_lab_dist_for_labs_order_and_the_view_for_others(seed):
-    """For lab's order the checks' grid (`grid_coords`, `grid_group`) is `lab.dist.layout` and `axis_groups`; for any
+    """For lab's order the checks' grid (`grid_coords`, `grid_group`) is `lab.distributed.layout` and `axis_groups`;
+    for any
     other order it is `arange(world).view(*sizes in order)`, the rule the exercise states."""
     import math
 
     import torch
 
-    from lab.dist import axis_groups, layout
+    from lab.distributed import axis_groups, layout
 
     rng = random.Random(seed)
     sizes = ch08.random_sizes(rng)

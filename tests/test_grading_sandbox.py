@@ -130,7 +130,7 @@ def test_isolation_layers_of_this_machine():
 
 
 def test_a_hung_collective_names_the_rank_and_a_good_one_passes():
-    """Multi-rank exercises run their ranks through lab.dist.run inside the sandbox."""
+    """Multi-rank exercises run their ranks through lab.distributed.run inside the sandbox."""
     ex = checks.load_file(REPO / "tests" / "fixtures" / "grading" / "checks_ranks.py")[0]
     good = ("import torch\nimport torch.distributed as dist\n\ndef rank_sum(x):\n"
             "    t = torch.tensor([float(x * (dist.get_rank() + 1))])\n"

@@ -4,7 +4,7 @@ import it makes is checked against the directions the design forbids.
 Deferred imports (inside a function) count like module-level ones: a function that imports `widgets` from
 `grading` ties the two together as surely as a top-level import, it only delays the cost. The one exception
 the design grants is written out in `WIDGET_DEFERRED`: a widget may, inside a function, import what a live
-demonstration runs (ranks started through `lab.dist`, the collectives or the model they execute). Nothing
+demonstration runs (ranks started through `lab.distributed`, the collectives or the model they execute). Nothing
 else is exempt.
 """
 
@@ -17,17 +17,18 @@ from pathlib import Path
 LAB = Path(__file__).resolve().parents[1] / "lab"
 RULE_SOURCE = "DESIGN.md, 'Which way imports run'"
 
-IMPLEMENTATION = ("lab.parallel", "lab.dist", "lab.model", "lab.calc", "lab.collectives", "lab.config", "lab.data")
+IMPLEMENTATION = ("lab.parallel", "lab.distributed", "lab.model", "lab.calc", "lab.collectives", "lab.config",
+                  "lab.data")
 TORCH_FREE = ("lab.calc", "lab.config")  # they run in a browser kernel and make widgets instant
 WIDGET_MODULE_LEVEL = ("lab.calc", "lab.config", "lab.widgets")  # widgets ─► calc: instant to import
-# The exception, each entry for a demonstration that runs the real code: ranks started through lab.dist
+# The exception, each entry for a demonstration that runs the real code: ranks started through lab.distributed
 # (welcome, collectives, ring, sharding), the ring all-reduce those ranks execute (ring), the MoE router (moe).
-WIDGET_DEFERRED = ("lab.dist", "lab.collectives", "lab.model")
+WIDGET_DEFERRED = ("lab.distributed", "lab.collectives", "lab.model")
 
 # (importer, imported it must not reach, the rule as DESIGN.md states it)
 FORBIDDEN = [
-    (("lab.model",), ("lab.parallel", "lab.dist"), "model imports nothing from parallel or dist"),
-    (("lab.dist",), ("lab.parallel",), "dist knows nothing of the techniques above it"),
+    (("lab.model",), ("lab.parallel", "lab.distributed"), "model imports nothing from parallel or dist"),
+    (("lab.distributed",), ("lab.parallel",), "dist knows nothing of the techniques above it"),
     (("lab.parallel",), ("lab.train", "lab.widgets", "lab.grading"), "parallel imports no train, widgets or grading"),
     (("lab.grading",), ("lab.widgets",), "grading imports no widgets (a reference both need lives in calc)"),
     (IMPLEMENTATION, ("lab.widgets", "lab.grading", "lab.train"),

@@ -8,7 +8,7 @@ import pytest
 
 from lab.calc.comms import zero3_overlap_ratio
 from lab.config import ModelConfig
-from lab.dist import run
+from lab.distributed import run
 from lab.model import build_model, materialize
 from lab.parallel.dp import BucketedDP
 from lab.parallel.overlap import Span, make_engine, plot_timelines, step_timeline

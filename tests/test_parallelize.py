@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab import dist as lab_dist
+from lab import distributed as lab_dist
 from lab import train
 from lab.config import PRESETS, UNSUPPORTED, ParallelConfig, check_supported, load_config
-from lab.dist import Mesh
+from lab.distributed import Mesh
 from lab.measure import PeakAllocation
 from lab.model import build_model, materialize, num_params
 from lab.parallel.parallelize import parallelize

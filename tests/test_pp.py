@@ -13,7 +13,7 @@ from lab.calc.bubble import simulate
 from lab.calc.memory import estimate_memory
 from lab.calc.schedules import make_schedule, rank_layers, virtual_stage_of
 from lab.config import PRESETS, ParallelConfig
-from lab.dist import count_collectives, run
+from lab.distributed import count_collectives, run
 from lab.model import build_model, materialize
 from lab.parallel.pp import Pipeline, build_chunk, weight_gradients
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lab.config import PRESETS
-from lab.dist import Mesh, count_collectives, run
+from lab.distributed import Mesh, count_collectives, run
 from lab.model import build_model, materialize
 from lab.parallel.placement import grad_norm
 from lab.parallel.tp import (

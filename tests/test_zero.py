@@ -23,7 +23,7 @@ from test_dp import (
 from test_dp import _first_batch as first_batch
 
 from lab.calc.memory import static_bytes
-from lab.dist import count_collectives, run
+from lab.distributed import count_collectives, run
 from lab.model import build_model, materialize, num_params
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.zero import Zero, make_data_parallel

@@ -1,7 +1,7 @@
 """The two things every hand-written collective needs: who am I in this group, and swap one message.
 
 Everything in `lab.collectives` is built from `isend`/`irecv` alone, so a collective's cost is visible as
-the messages it sends (count them with `lab.dist.comm`).
+the messages it sends (count them with `lab.distributed.comm`).
 """
 
 from __future__ import annotations

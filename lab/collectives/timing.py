@@ -49,7 +49,7 @@ def _median_time(call: Callable[[], None], iterations: int, device: torch.device
 
 
 def time_collectives(ops: tuple[str, ...], sizes: list[int], iterations: int = 5) -> list[dict]:
-    """Run on every rank (inside `lab.dist.run`): one row per (op, size) with lab's and torch's seconds."""
+    """Run on every rank (inside `lab.distributed.run`): one row per (op, size) with lab's and torch's seconds."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     rows = []
     for op in ops:

@@ -71,7 +71,7 @@ def seed(secret: str | None, exercise_id: str, check_name: str) -> int:
 
 class Student:
     """What checks call: `student.fn(*args)` runs the exercise's `fn` in the sandbox and returns plain data;
-    `student.ranks(fn, world_size, *args)` runs it on `world_size` ranks (through `lab.dist.run`) and
+    `student.ranks(fn, world_size, *args)` runs it on `world_size` ranks (through `lab.distributed.run`) and
     returns one value per rank."""
 
     def __init__(self, box: Sandbox, entry: Sequence[str]) -> None:

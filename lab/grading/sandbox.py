@@ -145,7 +145,7 @@ class Sandbox:
             raise ExerciseError("the sandbox's channel was tampered with (unexpected message)")
 
     def call(self, fn: str, *args: Any, world_size: int | None = None, **kwargs: Any) -> Any:
-        """fn(*args, **kwargs) in the child (on `world_size` ranks through lab.dist.run if given)."""
+        """fn(*args, **kwargs) in the child (on `world_size` ranks through lab.distributed.run if given)."""
         request_id = next(self._ids)
         remaining = max(1.0, self.deadline - time.monotonic() - max(2.0, self.limits.wall_s / 5))  # to report
         self._send({"id": request_id, "fn": fn, "args": _encode(list(args)), "kwargs": _encode(kwargs),

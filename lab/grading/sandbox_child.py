@@ -163,7 +163,7 @@ def _decode(value):
 
 def _rank_crash(error: BaseException):
     """The RankError of a rank that raised (not of ranks that hung: they have no line to blame), else None."""
-    launcher = sys.modules.get("lab.dist")  # only there if the exercise ran ranks
+    launcher = sys.modules.get("lab.distributed")  # only there if the exercise ran ranks
     if launcher is None or not isinstance(error, launcher.RankError) or isinstance(error, launcher.RankTimeout):
         return None
     return error if isinstance(error.rank, int) else None  # a list: ranks that never joined a collective
@@ -203,7 +203,7 @@ def _where(error: BaseException, answer: str) -> list:
 
 
 def _unattempted_on_ranks(error: BaseException) -> str | None:
-    """The stub's error when ranks ran an answer left as released: lab.dist.run wraps it in a RankError."""
+    """The stub's error when ranks ran an answer left as released: lab.distributed.run wraps it in a RankError."""
     crash = _rank_crash(error)
     if crash is not None:
         inner = crash.message.partition(" failed: ")[2].split(" (then rank")[0]
@@ -232,7 +232,7 @@ def _call(module, request: dict, answer: str) -> dict:
     args, kwargs = _decode(request["args"]), _decode(request["kwargs"])
     try:
         if request.get("world_size"):
-            from lab.dist import run
+            from lab.distributed import run
 
             value = run(fn, request["world_size"], *args, timeout_s=request["timeout_s"],
                         pg_timeout_s=max(1.0, request["timeout_s"] / 2), **kwargs)

@@ -10,10 +10,10 @@ playbook's first optimisation. This module records one training step of any engi
   else it is the moment a `wait()` on it returned — an upper bound;
 - "wait": time the training loop sat blocked in a collective: communication that did *not* hide.
 
-Collectives are timed the way `lab.dist.count_collectives` counts them, by temporarily wrapping the
+Collectives are timed the way `lab.distributed.count_collectives` counts them, by temporarily wrapping the
 functions of `torch.distributed` (so torch's own DDP and FSDP2, which bypass them, are not timed).
 
-    timelines = {kind: lab.dist.run(step_timeline, 2, kind)[0] for kind in ("naive", "bucketed")}
+    timelines = {kind: lab.distributed.run(step_timeline, 2, kind)[0] for kind in ("naive", "bucketed")}
     plot_timelines(timelines)
 
 `lab.calc.comms.zero3_overlap_ratio` is the other half of the story: appendix A3's condition for ZeRO-3's
@@ -167,7 +167,7 @@ def make_engine(kind: str, model: nn.Module, bucket_mb: float = 0.25) -> NaiveDP
 def step_timeline(kind: str, config: ModelConfig | None = None, batch: int = 8, seq_len: int = 64,
                   bucket_mb: float = 0.25, steps: int = 3) -> dict:
     """Train `steps` steps of `kind` on this rank's share of `batch` sequences; the timeline of the last one
-    (the first steps warm up allocators and the optimizer's states). A rank function for `lab.dist.run`:
+    (the first steps warm up allocators and the optimizer's states). A rank function for `lab.distributed.run`:
     returns {"spans": [Span as tuples], "step_s": seconds, "exposed_s": seconds blocked in collectives}."""
     config = config or ModelConfig.from_preset("tiny")
     model = materialize(build_model(config), seed=0)

@@ -33,7 +33,7 @@ from torch import nn
 from lab.calc.schedules import make_schedule
 from lab.config import ModelConfig, ParallelConfig
 from lab.data import shard_rows
-from lab.dist import Mesh
+from lab.distributed import Mesh
 from lab.model import Transformer, build_model, init_tensor, set_recompute
 from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
 from lab.parallel.dp import DataParallel, NaiveDP

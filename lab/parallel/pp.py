@@ -290,7 +290,7 @@ def timed_step(cfg: ModelConfig, schedule: Schedule, tf: float, tb: float, tw: f
     """Run one pipeline step on this rank with `tf`, `tb`, `tw` seconds of synthetic work added to each op
     (F, and B as the whole backward or, split, B = tb - tw then W = tw — the simulator's time model), and
     return its op timings, in seconds from a barrier that all ranks leave together. Called on every rank
-    (`lab.dist.run(timed_step, pp, ...)`), to lay the measured timeline over `lab.calc.bubble.simulate`'s."""
+    (`lab.distributed.run(timed_step, pp, ...)`), to lay the measured timeline over `lab.calc.bubble.simulate`'s."""
     rank = dist.get_rank(group=None)
     chunks = [build_chunk(cfg, schedule.virtual_stage(rank, c), schedule.virtual_stages)
               for c in range(schedule.chunks)]

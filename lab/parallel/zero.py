@@ -308,7 +308,7 @@ def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zer
     """
     if zero:
         if not dist.is_initialized():
-            raise ValueError(f"zero={zero} needs a process group: start ranks with lab.dist.run or torchrun")
+            raise ValueError(f"zero={zero} needs a process group: start ranks with lab.distributed.run or torchrun")
         return Zero(model, group, zero)
     if dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode={dp_mode!r} must be one of {', '.join(map(repr, DP_MODES))}")

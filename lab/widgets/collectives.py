@@ -62,7 +62,7 @@ def _collective_rank(name: str, numel: int) -> dict:
 
 def run_collective(name: str, world_size: int = 4, numel: int = 2) -> list[dict]:
     """Every rank's {"before", "lab", "torch"} tensors (as lists) for collective `name`."""
-    from lab.dist import run
+    from lab.distributed import run
 
     if name not in COLLECTIVES:
         raise ValueError(f"name={name!r} must be one of {', '.join(COLLECTIVES)}")

@@ -30,7 +30,7 @@ def _traced_rank() -> list[tuple[str, int, list[int]]]:
 
 def trace_ring_all_reduce(world_size: int = 4) -> list[dict]:
     """Per step: {"phase", "step", "masks": [rank][chunk] bitmask of contributing ranks}."""
-    from lab.dist import run
+    from lab.distributed import run
 
     if not 2 <= world_size <= 8:
         raise ValueError(f"world_size={world_size} must be between 2 and 8")

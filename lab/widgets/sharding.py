@@ -67,7 +67,7 @@ def _matmul_rank(a: Spec, b: Spec, shape: tuple[int, int, int], reduce_scatter: 
     import torch
     import torch.distributed as dist
 
-    from lab.dist import count_collectives
+    from lab.distributed import count_collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = {"X": world}
@@ -111,7 +111,7 @@ def run_matmul_case(a: Spec, b: Spec, world_size: int = 4, shape: tuple[int, int
                     reduce_scatter: bool = False) -> list[dict]:
     """Run A[I, J] · B[J, K] with shardings over mesh axis "X" (size `world_size`) on real ranks. Each
     rank's {"local_c", "max_error" vs the full product's shard, "calls" and "bytes" of its collectives}."""
-    from lab.dist import run
+    from lab.distributed import run
 
     for spec in (a, b):
         check_spec(spec, {"X": world_size})

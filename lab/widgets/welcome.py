@@ -1,7 +1,7 @@
 """The welcome chapter's widget: choose a number of ranks and watch a real gloo job run on them.
 
-Moving the slider starts that many real processes through `lab.dist.run`. Each rank joins the process
-group, all-reduces `rank + 1` and reports back. The table shows three facts that every later chapter
+Moving the slider starts that many real processes through `lab.distributed.run`. Each rank joins the
+process group, all-reduces `rank + 1` and reports back. The table shows three facts that every later chapter
 relies on: ranks are separate processes (different pids), they agree on the world size, and a collective
 gives every rank the same answer (1 + 2 + ... + n = n(n+1)/2).
 """
@@ -47,12 +47,12 @@ class HelloRanks(widgets.VBox):
 
     def run(self, world_size: int) -> None:
         """Run `hello_rank` on `world_size` ranks and show a table, or a one-line error."""
-        from lab import dist  # imported here because it imports torch (see hello_rank)
+        from lab import distributed  # imported here because it imports torch (see hello_rank)
 
         self.result.value = f"<i>starting {world_size} rank(s)…</i>"
         start = time.perf_counter()
         try:
-            reports = dist.run(hello_rank, world_size=world_size, timeout_s=60.0)
+            reports = distributed.run(hello_rank, world_size=world_size, timeout_s=60.0)
         except Exception as error:  # the learner needs the first line (it names the rank), not a traceback
             first_line = (str(error).splitlines() or [""])[0]
             self.result.value = (f'<p class="lab-error" style="color: #b00">{type(error).__name__}: '

@@ -221,7 +221,7 @@ def expect_close(got: Any, expected: float, what: str, rel: float = 1e-6, mistak
 # --- helpers for checks that run torch or ranks: floats, drivers' dicts, crashes, messages ---------------------
 # torch is imported inside the functions: `lab.check` loads every chapter's checks, the grader imports this.
 
-RANKS = {"modules": ("lab.config", "lab.dist"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+RANKS = {"modules": ("lab.config", "lab.distributed"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
 TORCH = {"modules": ("lab.config",), "packages": ("tomli_w", "torch"), "memory_mb": 2048}
 POINT_TO_POINT = ("send", "isend", "recv", "irecv")
 

@@ -1,4 +1,5 @@
-"""Chapter 08, 5D parallelism. The mesh exercises are checked against `lab.dist.layout` and `lab.dist.axis_groups`
+"""Chapter 08, 5D parallelism. The mesh exercises are checked against `lab.distributed.layout` and
+`lab.distributed.axis_groups`
 (and, for axis orders other than lab's, against the grid `arange(world).view(*sizes in order)` they generalise); the
 memory of a layout against `lab.calc.memory.estimate_memory`; the batch budget and the failing configs against the
 rules of `lab.config` (`Config.validate` and `check_supported`).
@@ -7,7 +8,7 @@ Sizes are random and not only powers of two (3, 5, 6 ranks along an axis); model
 TP degree and parameter counts that no dp·cp divides; every broken config breaks exactly one rule, which the check
 confirms with `lab.config` before asking the student about it.
 
-torch (through `lab.dist`) is imported inside the functions: `lab.check` of other chapters loads this module too.
+torch (through `lab.distributed`) is imported inside the functions: `lab.check` of other chapters loads this module too.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def grid_coords(rank: int, sizes: dict[str, int], order: tuple[str, ...]) -> lis
 
 
 def grid_group(rank: int, axis: str, sizes: dict[str, int], order: tuple[str, ...]) -> list[int]:
-    """The line of that grid through `rank` along `axis`, by coordinate: lab.dist.axis_groups for lab's order."""
+    """The line of that grid through `rank` along `axis`, by coordinate: lab.distributed.axis_groups for lab's order."""
     if tuple(order) == AXES:
-        from lab.dist import axis_groups
+        from lab.distributed import axis_groups
 
         return next(g for g in axis_groups(math.prod(sizes.values()), axis, **sizes) if rank in g)
     here = grid_coords(rank, sizes, order)
@@ -78,8 +79,8 @@ def _expect_coords(student, sizes: dict, order: tuple, ranks: list[int]) -> None
 @MESH.check(points=1, hint="the last axis of `order` varies fastest: peel the coordinates off with divmod, from the "
                            "last axis to the first (tp first in lab's order)")
 def coords_lab_order(student, rng):
-    """lab's order (dp, pp, cp, tp): each rank's coordinates, as lab.dist.layout lays them out"""
-    from lab.dist import layout
+    """lab's order (dp, pp, cp, tp): each rank's coordinates, as lab.distributed.layout lays them out"""
+    from lab.distributed import layout
 
     for _ in range(3):
         sizes = random_sizes(rng)
@@ -106,7 +107,8 @@ def coords_any_order(student, rng):
 @MESH.check(points=1, hint="a group along `axis` keeps every other coordinate of the rank and runs `axis`'s "
                            "coordinate from 0 to sizes[axis] - 1: rank_of for each")
 def groups_along_an_axis(student, rng):
-    """the group along each axis, by coordinate: lab.dist.axis_groups for lab's order, the grid's lines for others"""
+    """the group along each axis, by coordinate: lab.distributed.axis_groups for lab's order, the grid's lines for
+    others"""
     for order in (AXES, tuple(rng.sample(AXES, 4))):
         sizes = random_sizes(rng)
         for axis in AXES:
@@ -135,7 +137,7 @@ def llama3_405b_mesh(student, rng):
 GROUP = exercise("08.collective_group", entry=("collective_group", "run_collective_group"),
                  requires=("08.mesh_coords",))
 
-KINDS = {  # kind: (op, lab.dist.axis_groups axis)
+KINDS = {  # kind: (op, lab.distributed.axis_groups axis)
     "sp_activations": ("all_gather", "tp"), "row_linear_output": ("all_reduce", "tp"), "ring_kv": ("send", "cp"),
     "stage_activations": ("send", "pp"), "dense_grads": ("all_reduce", "dp_cp"),
     "zero3_params": ("all_gather", "dp_cp"), "moe_tokens": ("all_to_all", "ep"),
@@ -144,7 +146,7 @@ KINDS = {  # kind: (op, lab.dist.axis_groups axis)
 
 
 def _expect_groups(student, rng: random.Random, sizes: dict, ep: int, kinds: tuple[str, ...], n: int = 4) -> None:
-    from lab.dist import axis_groups
+    from lab.distributed import axis_groups
 
     world = math.prod(sizes.values())
     ranks = _ranks(rng, sizes, n)
@@ -159,7 +161,8 @@ def _expect_groups(student, rng: random.Random, sizes: dict, ep: int, kinds: tup
             raise CheckFailed(f"{call} returned {found!r:.200}, expected {expected}")
         for r, g, want in zip(ranks, found, expected, strict=True):
             if g.get("op") != want["op"] or g.get("ranks") != want["ranks"]:
-                raise CheckFailed(f"{call}: rank {r} returned {g}, expected {want} (lab.dist.axis_groups {axis!r})")
+                raise CheckFailed(f"{call}: rank {r} returned {g}, expected {want} "
+                                  f"(lab.distributed.axis_groups {axis!r})")
 
 
 def _ep_sizes(rng: random.Random) -> tuple[dict[str, int], int]:

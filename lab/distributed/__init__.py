@@ -8,9 +8,9 @@ This package knows nothing of the techniques built on it: it imports torch, and 
 
 import warnings
 
-from lab.dist.comm import CollectiveCounts, OpCounts, count_collectives
-from lab.dist.launch import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
-from lab.dist.mesh import Mesh, axis_groups, layout
+from lab.distributed.comm import CollectiveCounts, OpCounts, count_collectives
+from lab.distributed.launch import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
+from lab.distributed.mesh import Mesh, axis_groups, layout
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on every call. The
 # course keeps the old names: they are what torch 2.5-2.12 and almost every codebase in the field use.

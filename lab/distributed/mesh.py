@@ -68,7 +68,7 @@ def axis_groups(world_size: int, axis: str, dp: int = 1, pp: int = 1, cp: int = 
 class Mesh:
     """This rank's coordinates and process groups for dp, pp, cp, tp, ep (and dp x cp).
 
-    Built by every rank of an initialised default group, e.g. inside `lab.dist.run`:
+    Built by every rank of an initialised default group, e.g. inside `lab.distributed.run`:
 
         mesh = Mesh(dp=2, tp=2)
         dist.all_reduce(grad, group=mesh.dp_group)
@@ -76,8 +76,8 @@ class Mesh:
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("Mesh needs an initialised process group: build it inside lab.dist.run "
-                               "(or after lab.dist.init_from_env under torchrun)")
+            raise RuntimeError("Mesh needs an initialised process group: build it inside lab.distributed.run "
+                               "(or after lab.distributed.init_from_env under torchrun)")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.pp, self.cp, self.tp, self.ep = dp, pp, cp, tp, ep
         _check(self.world_size, dp, pp, cp, tp, ep)

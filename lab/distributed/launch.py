@@ -22,7 +22,8 @@ ways a course cannot afford (measured in the course's reference notes):
 The rendezvous store lives in the parent (created on port 0, so there is no free-port race) and the
 ranks join it as clients. It is created only after every rank has been forked, and each rank learns its
 port through its pipe: forking while the store's server thread holds a lock leaves the child stuck in
-that lock for good (seen in CI: one rank in four never reached `init_process_group`). Under `torchrun` none of this is needed: `init_from_env` joins that group.
+that lock for good (seen in CI: one rank in four never reached `init_process_group`). Under `torchrun` none
+of this is needed: `init_from_env` joins that group.
 POSIX only (process groups, signals); PDEATHSIG is Linux only and skipped elsewhere.
 """
 
@@ -88,7 +89,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> tupl
         if not launched_by_torchrun():
             missing = ", ".join(key for key in _TORCHRUN_ENV if key not in os.environ)
             raise RuntimeError(f"init_from_env needs the variables torchrun sets; {missing} not set "
-                               f"(start local ranks with lab.dist.run instead)")
+                               f"(start local ranks with lab.distributed.run instead)")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

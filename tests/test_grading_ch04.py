@@ -113,14 +113,15 @@ def _lab_tp(shape, d_model, d_ff, vocab, seed, scale):
     import torch.distributed as dist
     from torch import nn
 
-    from lab.parallel.tp import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+    from lab.parallel.tp import ColumnParallelLinear, RowParallelLinear, reduce_output, vocab_parallel_cross_entropy
     from lab.parallel.tp_comms import copy_to_tp, gather_sequence, scatter_sequence
 
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     t = ch04.mlp_inputs(shape, d_model, d_ff, seed)
     first, second = nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_ff, d_model, bias=False)
     first.weight.data, second.weight.data = t["w1"], t["w2"]
-    column, row = ColumnParallelLinear(first, group), RowParallelLinear(second, group, sequence_parallel=False)
+    column, row = ColumnParallelLinear(first, group), RowParallelLinear(second, group)
+    reduce_output(row, group, sequence_parallel=False)  # the row layer's all-reduce lives in a hook
     x = t["x"].requires_grad_()
     y = row(torch.relu(column(copy_to_tp(x, group))))
     (y * t["probe"]).sum().backward()

@@ -107,8 +107,7 @@ def coords_any_order(student, rng):
 @MESH.check(points=1, hint="a group along `axis` keeps every other coordinate of the rank and runs `axis`'s "
                            "coordinate from 0 to sizes[axis] - 1: rank_of for each")
 def groups_along_an_axis(student, rng):
-    """the group along each axis, by coordinate: lab.distributed.axis_groups for lab's order, the grid's lines for
-    others"""
+    """the group along each axis, by coordinate: lab.distributed.axis_groups for lab's order, the grid's lines for others"""  # noqa: E501 - the check's name
     for order in (AXES, tuple(rng.sample(AXES, 4))):
         sizes = random_sizes(rng)
         for axis in AXES:

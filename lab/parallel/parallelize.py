@@ -14,7 +14,7 @@ Each step that shards a parameter records its `Placement`; once the layout is kn
 ranks hold each value, so that gradient reduction, clipping (and checkpoints) read one description. The model
 itself (`lab.model`) knows nothing of any of it.
 
-    par = parallelize(config.model, mesh, config.parallel, device, seed)
+    par = parallelize(config.model, mesh, config.parallel, device, seed, seq_len)
     optimizer = adamw(par.parameters(), lr, weight_decay)
     inputs, targets = par.batch(*data.next_batch())
     ... forward/backward: par.pipeline.step(...) or par.model(...) with par.loss_fn ...
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lab.calc.schedules import make_schedule
@@ -39,13 +38,9 @@ from lab.parallel.cp import apply_context_parallel, layout_of, sequence_position
 from lab.parallel.dp import DataParallel, NaiveDP
 from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
 from lab.parallel.placement import placement_of, set_replicas, sum_partial_gradients
-from lab.parallel.pp import Boundary, LossFn, Pipeline, cut_to_stage
+from lab.parallel.pp import Boundary, LossFn, Pipeline, cross_entropy, cut_to_stage
 from lab.parallel.tp import apply_tensor_parallel, vocab_parallel_cross_entropy
 from lab.parallel.zero import make_data_parallel
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 @torch.no_grad()

@@ -47,7 +47,8 @@ from lab.model import RMSNorm, Transformer, build_model, materialize
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss of logits (B, T, vocab): the last stage's loss, and one process's."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -148,7 +149,7 @@ class Pipeline:
     """
 
     def __init__(self, chunks: list[Transformer], schedule: Schedule, group: dist.ProcessGroup | None,
-                 loss_fn: LossFn = _cross_entropy, op_delay: dict[str, float] | None = None,
+                 loss_fn: LossFn = cross_entropy, op_delay: dict[str, float] | None = None,
                  boundary: Boundary | None = None,
                  extra_loss: Callable[[nn.Module], torch.Tensor | None] | None = None) -> None:
         if schedule.bidirectional:

@@ -40,7 +40,7 @@ from torch import nn
 
 from lab.model import Block
 from lab.parallel.dp import BucketedDP, DataParallel, NaiveDP, OverlappedDP, storage_bytes
-from lab.parallel.placement import place, placement_of
+from lab.parallel.placement import place, placement_of, set_replicas
 
 DP_MODES = {"naive": NaiveDP, "overlapped": OverlappedDP, "bucketed": BucketedDP}
 
@@ -276,8 +276,7 @@ class TorchFSDP2(NaiveDP):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         super().__init__(model, group)  # the parameters are now DTensor shards
-        for param in self.params:
-            place(param, dataclasses.replace(placement_of(param), replicas=1))  # each shard on one rank only
+        set_replicas(self.params, 1)  # each shard on one rank only
 
     def backward_context(self, last_micro_batch: bool) -> AbstractContextManager:
         self.model.set_requires_gradient_sync(last_micro_batch)

@@ -5,6 +5,7 @@
     python -m lab calc params --model llama3-8b
     python -m lab calc bubble --pp-schedule zb-h1 --pp 8 --grad-accum 32
     python -m lab checkpoint inspect ckpt/step-00000020
+    python -m lab launch slurm --config configs/llama3-8b.toml --nodes 2 --gpus-per-node 8 --set parallel.dp=16
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ COMMANDS = {
     "grade": ("lab.grading.grade", "grade notebooks in sandboxes: CSV, Gradescope results.json, feedback"),
     "check": ("lab.grading.learner", "check a saved exercise notebook, as lab.check() does in JupyterLab"),
     "checkpoint": ("lab.checkpoint", "inspect a DCP checkpoint, or convert it to one plain state_dict file"),
+    "launch": ("lab.distributed.slurm", "write the sbatch script that runs lab.train on N nodes of G GPUs (Slurm)"),
 }
 
 

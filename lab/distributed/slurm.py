@@ -1,0 +1,291 @@
+"""`python -m lab launch slurm`: the sbatch script that runs `lab.train` on N nodes of G GPUs each.
+
+    python -m lab launch slurm --config configs/llama3-8b.toml --nodes 2 --gpus-per-node 8 \\
+        --set parallel.dp=16 --partition gpu --checkpoint-dir ckpt --checkpoint-every 100 --max-restarts 2 \\
+        --output llama3-8b.sbatch
+    sbatch llama3-8b.sbatch
+
+The script is the usual shape of a multi-node PyTorch job; each piece is there for a reason:
+
+- `--ntasks-per-node=1`: Slurm starts one `torchrun` per node and torchrun starts the node's G ranks, one per
+  GPU. (Slurm could start every rank itself, but then nothing would restart a failed one.)
+- The first host of `scontrol show hostnames "$SLURM_JOB_NODELIST"` hosts torchrun's c10d rendezvous, a TCP
+  store on `--port`: every node's torchrun meets there and is given its node rank, so no node has to be told
+  its rank. `--rdzv-id $SLURM_JOB_ID` keeps two jobs whose first node is the same host apart.
+- `--max-restarts K`: when a rank fails, every node's torchrun stops its ranks and starts them again, up to K
+  times; `--resume` makes them continue from the newest complete checkpoint (so does a resubmitted job).
+- The NCCL and torch environment knobs (`KNOBS`), each with a comment saying what it does and when to change
+  it; the ones that depend on the cluster's network are written commented out.
+
+Nothing is left for the cluster to discover: the layout is checked before the script is written (the config's
+dp x tp x cp x pp must equal nodes x GPUs per node), and a bad value is one `error:` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab.config import Config, check_supported, read_config
+
+PROG = "python -m lab launch"
+TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$")  # [D-]HH:MM:SS, one of the forms sbatch accepts
+FLIGHT_RECORDER_DIR = "flight-recorder"
+
+# (variable, value, what it does and when to change it, whether it is set). Those not set name what only the
+# cluster knows (its adapters and interfaces) or are debugging switches: the script shows them commented out.
+KNOBS: tuple[tuple[str, str, str, bool], ...] = (
+    ("NCCL_DEBUG", "WARN", "NCCL's log level: WARN prints problems only; INFO also logs the network (IB or "
+     "sockets) and adapters each rank chose: use it when a job does not start, or is slow, across nodes", True),
+    ("NCCL_IB_HCA", "=mlx5_0,mlx5_1", "the InfiniBand/RoCE adapters NCCL may use (default: all): name the compute "
+     "fabric's when nodes also have storage or management ones; '=' makes names exact (mlx5_1 alone would also "
+     "match mlx5_10)", False),
+    ("NCCL_SOCKET_IFNAME", "=ib0", "the IP interface NCCL bootstraps over (and sends data through when there is no "
+     "IB): set it when NCCL picks a wrong one; '=ib0' is exactly ib0, '^docker,lo' anything but those", False),
+    ("GLOO_SOCKET_IFNAME", "ib0", "the same for gloo groups (an --async-checkpoint saves over one): set it "
+     "together with NCCL_SOCKET_IFNAME", False),
+    ("NCCL_NET_GDR_LEVEL", "LOC", "up to which PCI distance a NIC reads and writes GPU memory directly (GPUDirect "
+     "RDMA); NCCL picks it from the topology. A debugging switch: LOC (off) tests whether GPUDirect causes a hang "
+     "or corruption; remove it afterwards", False),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "a failed or timed-out collective ends its process (3: without NCCL's "
+     "cleanup, which can hang too), so torchrun restarts the group instead of every rank waiting until --time; "
+     "torch's default, and what the Flight Recorder's dump needs. NCCL_ASYNC_ERROR_HANDLING is its deprecated "
+     "name", True),
+    ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000", "torch's Flight Recorder: every rank keeps its last 2000 collectives "
+     "(op, group, sequence number, sizes) in a ring buffer; 0 turns it off. torch >= 2.9 calls it "
+     "TORCH_FR_BUFFER_SIZE and warns once that this name is old; this one works from torch 2.5", True),
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", "on a collective timeout every rank writes that buffer to a file; "
+     f"torchfrtrace --prefix rank_ {FLIGHT_RECORDER_DIR}/JOBID reads them and names the ranks that diverged",
+     True),
+    ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f'"$PWD/{FLIGHT_RECORDER_DIR}/$SLURM_JOB_ID/rank_"', "where those files go: "
+     "a shared folder, since the default, /tmp/nccl_trace_rank_, is on each node's own disk", True),
+)
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """What the script needs; `main` fills it from the command line. Defaults are those of `--help`."""
+
+    config: str
+    nodes: int
+    gpus_per_node: int
+    overrides: tuple[str, ...] = ()  # `--set section.field=value`, checked here and passed on to lab.train
+    cpus_per_task: int | None = None  # None: 8 per GPU
+    time: str = "24:00:00"
+    partition: str | None = None
+    account: str | None = None
+    job_name: str | None = None  # None: lab-<config file name>
+    log: str = "%x-%j.out"  # sbatch's patterns: %x the job name, %j its id
+    port: int = 29500
+    max_restarts: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep: int = 0
+    async_checkpoint: bool = False
+
+    @property
+    def cpus(self) -> int:
+        return 8 * self.gpus_per_node if self.cpus_per_task is None else self.cpus_per_task
+
+    @property
+    def name(self) -> str:
+        return self.job_name or f"lab-{Path(self.config).stem}"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_time(text: str) -> bool:
+    """A time limit sbatch accepts as [D-]HH:MM:SS, and longer than zero."""
+    match = TIME.match(text)
+    if match is None:
+        return False
+    days, hours, minutes, seconds = (int(group or 0) for group in match.groups())
+    return minutes < 60 and seconds < 60 and (match[1] is None or hours < 24) and days + hours + minutes + seconds > 0
+
+
+def check_values(job: SlurmJob) -> None:
+    """Every flag's range, as one line naming the value: a script with a bad one would fail on the cluster, after
+    waiting in the queue."""
+    for flag, value, low in (("--nodes", job.nodes, 1), ("--gpus-per-node", job.gpus_per_node, 1),
+                             ("--max-restarts", job.max_restarts, 0), ("--keep", job.keep, 0),
+                             ("--checkpoint-every", job.checkpoint_every, 0)):
+        _require(value >= low, f"{flag}={value} must be an integer >= {low}")
+    _require(job.cpus >= job.gpus_per_node,
+             f"--cpus-per-task={job.cpus} must be >= --gpus-per-node={job.gpus_per_node} (a core per rank at least)")
+    _require(1024 <= job.port <= 65535, f"--port={job.port} must be in 1024-65535 (the rendezvous' TCP port)")
+    _require(_is_time(job.time), f"--time={job.time!r} must be [D-]HH:MM:SS with minutes and seconds 00-59 (hours "
+                                 f"00-23 after days), e.g. 24:00:00 or 2-00:00:00")
+    for flag, value in (("--partition", job.partition), ("--account", job.account), ("--job-name", job.job_name),
+                        ("--log", job.log)):
+        _require(value is None or re.fullmatch(r"\S+", value) is not None,
+                 f"{flag}={value!r} must be one word, without spaces (it is written on an #SBATCH line)")
+    if job.checkpoint_dir is None:
+        _require(not (job.checkpoint_every or job.keep or job.async_checkpoint),
+                 "--checkpoint-every, --keep and --async-checkpoint need --checkpoint-dir")
+    _require(not job.max_restarts or (job.checkpoint_dir is not None and job.checkpoint_every > 0),
+             f"--max-restarts={job.max_restarts} needs --checkpoint-dir and --checkpoint-every N: a restarted group "
+             f"resumes from the newest checkpoint, and without one it starts over at step 0")
+
+
+def _config(job: SlurmJob, *more: str) -> Config:
+    """The run config as lab.train will read it (file, then `--set`s), validated and runnable."""
+    config = Config.from_dict(read_config(job.config, [*job.overrides, *more]))
+    check_supported(config)
+    return config
+
+
+def check_layout(job: SlurmJob) -> tuple[Config, list[str]]:
+    """The run config and the warnings to write into the script. The layout must fill the allocation exactly;
+    the refusal names both products and what would fit."""
+    config = _config(job)
+    p, world = config.parallel, job.nodes * job.gpus_per_node
+    if p.world_size != world:
+        fits = [f"--nodes {p.world_size // job.gpus_per_node}"] if p.world_size % job.gpus_per_node == 0 else []
+        dp = world // (p.tp * p.cp * p.pp)
+        if dp * p.tp * p.cp * p.pp == world:
+            try:
+                _config(job, f"parallel.dp={dp}")
+                fits.append(f"--set parallel.dp={dp}")
+            except ValueError:  # e.g. that dp does not divide the global batch
+                pass
+        valid = " or ".join(fits) if fits else f"a config whose dp*tp*cp*pp is {world}"
+        raise ValueError(f"dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size} ranks, but --nodes * "
+                         f"--gpus-per-node = {job.nodes}*{job.gpus_per_node} = {world} GPUs: use {valid}")
+    warnings = []
+    if job.gpus_per_node % p.tp:
+        # Warned, not refused: where NVLink spans nodes (GB200 NVL72: 4 GPUs a Slurm node, 72 in one NVLink
+        # domain) TP across nodes is right. Elsewhere every layer's TP collectives cross the slower network.
+        where = "spans nodes" if p.tp > job.gpus_per_node else "straddles two nodes"
+        warnings.append(f"warning: tp={p.tp} does not divide --gpus-per-node={job.gpus_per_node}, so a TP group "
+                        f"{where} and every layer's TP collectives cross the inter-node network unless NVLink spans "
+                        f"nodes (TP across nodes: see chapter 04)")
+    return config, warnings
+
+
+def train_args(job: SlurmJob) -> list[str]:
+    """`lab.train`'s arguments. With checkpoints it always passes --resume: a restarted group and a resubmitted
+    job then continue from the newest complete checkpoint (a first run, with none, starts at step 0)."""
+    args = ["--config", job.config]
+    for override in job.overrides:
+        args += ["--set", override]
+    if job.checkpoint_dir is not None:
+        args += ["--checkpoint-dir", job.checkpoint_dir]
+        args += ["--checkpoint-every", str(job.checkpoint_every)] if job.checkpoint_every else []
+        args += ["--keep", str(job.keep)] if job.keep else []
+        args += ["--async-checkpoint"] if job.async_checkpoint else []
+        args += ["--resume"]
+    return args
+
+
+def _comment(text: str) -> list[str]:
+    return textwrap.wrap(text, width=116, initial_indent="# ", subsequent_indent="# ")
+
+
+def sbatch_script(job: SlurmJob, command: str | None = None) -> tuple[str, list[str]]:
+    """The batch script and its warnings (also in it, as comments); ValueError, one line, if a value is bad.
+    `command`, the line that wrote the script, is recorded at its top so that it can be written again."""
+    check_values(job)
+    config, warnings = check_layout(job)
+    p = config.parallel
+    sbatch = [f"--job-name={job.name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
+              f"--gpus-per-node={job.gpus_per_node}", f"--cpus-per-task={job.cpus}", f"--time={job.time}"]
+    sbatch += [f"--partition={job.partition}"] if job.partition else []
+    sbatch += [f"--account={job.account}"] if job.account else []
+    sbatch += [f"--output={job.log}"]
+    shared = (f" {job.checkpoint_dir} must be on a filesystem every node sees: each rank writes its own part of "
+              f"a checkpoint, and a resume may read any." if job.checkpoint_dir is not None else "")
+    lines = ["#!/bin/bash", *([f"# Written by: {command}"] if command else []),
+             *_comment("Submit it with `sbatch FILE` from the directory the paths below are relative to: the job "
+                       "starts there, with the submitting shell's environment (activate the one that has lab)."
+                       + shared),
+             *(f"#SBATCH {line}" for line in sbatch), "",
+             "set -eu", "",
+             f"# Layout: dp={p.dp} x tp={p.tp} x cp={p.cp} x pp={p.pp} = {p.world_size} ranks = {job.nodes} nodes x "
+             f"{job.gpus_per_node} GPUs.", *(line for warning in warnings for line in _comment(warning)), ""]
+    lines.append("# NCCL and torch settings: what each does, and when to change it.")
+    for variable, value, what, enabled in KNOBS:
+        lines += [*_comment(what), f"{'' if enabled else '# '}export {variable}={value}"]
+    lines += [f'mkdir -p "{FLIGHT_RECORDER_DIR}/$SLURM_JOB_ID"',
+              *_comment(f"CPU threads for each rank's CPU work: the node's {job.cpus} cores over its "
+                        f"{job.gpus_per_node} ranks (torchrun would set 1)"),
+              f"export OMP_NUM_THREADS={max(1, job.cpus // job.gpus_per_node)}", "",
+              "# The first node hosts the c10d rendezvous: every node's torchrun meets there and gets its node rank.",
+              'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "",
+              *_comment("One torchrun per node, each starting one rank per GPU. srun takes --cpus-per-task again "
+                        "(since Slurm 22.05 it does not inherit sbatch's); --kill-on-bad-exit stops every node once "
+                        "one node's torchrun has given up.")]
+    torchrun = [f"srun --cpus-per-task={job.cpus} --kill-on-bad-exit=1 torchrun", '--nnodes "$SLURM_NNODES"',
+                f"--nproc-per-node {job.gpus_per_node}", "--rdzv-backend c10d",
+                f'--rdzv-endpoint "$HEAD:{job.port}"', '--rdzv-id "$SLURM_JOB_ID"']
+    torchrun += [f"--max-restarts {job.max_restarts}"] if job.max_restarts else []
+    torchrun += ["-m lab.train " + shlex.join(train_args(job))]
+    lines.append(" \\\n    ".join(torchrun))
+    return "\n".join(lines) + "\n", warnings
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line (argparse's default adds the usage), reported by `main` like any ValueError."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=PROG, description="write a batch script that runs lab.train on a cluster")
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    p = kinds.add_parser("slurm", help="an sbatch script: torchrun on every node, c10d rendezvous, NCCL settings",
+                         description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="TOML run config; its dp*tp*cp*pp must equal nodes x GPUs")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a config field, checked here and passed on to lab.train (repeatable)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes to allocate: one torchrun each")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs on each node: one rank each")
+    p.add_argument("--cpus-per-task", type=int, help="CPU cores per node for its ranks (default: 8 per GPU)")
+    p.add_argument("--time", default="24:00:00", help="the job's time limit, [D-]HH:MM:SS (default 24:00:00)")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--job-name", help="default: lab-<config file name>")
+    p.add_argument("--log", default="%x-%j.out", help="the job's output file (default %%x-%%j.out: name-jobid.out)")
+    p.add_argument("--port", type=int, default=29500, help="the rendezvous' TCP port on the first node (29500)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole group after a failure "
+                   "(torchrun's); needs --checkpoint-dir and --checkpoint-every")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="passed to lab.train, with --resume")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="passed to lab.train")
+    p.add_argument("--keep", type=int, default=0, metavar="K", help="passed to lab.train")
+    p.add_argument("--async-checkpoint", action="store_true", help="passed to lab.train")
+    p.add_argument("--output", metavar="FILE", help="write the script to FILE instead of printing it")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = vars(build_parser().parse_args(argv))
+        output = args.pop("output")
+        del args["kind"]
+        script, warnings = sbatch_script(SlurmJob(**{**args, "overrides": tuple(args["overrides"])}),
+                                         command=f"{PROG} {shlex.join(argv)}")
+        if output is not None:
+            Path(output).write_text(script)
+    except (ValueError, OSError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"{PROG}: {warning}", file=sys.stderr)
+    if output is None:
+        print(script, end="")
+    else:
+        print(f"wrote {output}; submit it with: sbatch {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

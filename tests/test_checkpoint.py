@@ -1,53 +1,186 @@
 """`lab.checkpoint`: resume is bit-for-bit, a checkpoint saved at one layout loads exactly at another, a save killed
-at any moment never leaves a checkpoint that loads wrongly, and `python -m lab checkpoint` inspects and converts."""
+at any moment never leaves a checkpoint that loads wrongly, and `python -m lab checkpoint` inspects and converts.
 
-import contextlib
+Every run here is `lab.train`'s own loop (`train_worker`) on ranks forked by `lab.distributed.run` from this
+process: a `python -m lab.train` subprocess would pay seconds of imports per run, and what is tested is the
+checkpoint, not the command line (whose flags `test_train.py` covers). A kill -9 is a real SIGKILL, sent by a
+rank to itself (one rank dies) or to its launcher (the whole run dies: the ranks follow their parent), at a point
+of the save chosen by a hook armed in that rank only; one case kills at a random moment. The model is the tiny
+config cut to two layers, trained four steps."""
+
 import json
+import multiprocessing as mp
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
-import time
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import psutil
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 
-from lab import checkpoint
+from lab import checkpoint, train
 from lab import distributed as lab_dist
+from lab.checkpoint import Checkpointer, CheckpointOptions
 from lab.config import Config
 from lab.data import SyntheticTokens
 from lab.model import build_model
 from lab.parallel.optim import adamw
 from lab.parallel.parallelize import build_mesh, parallelize
-from lab.train import _lr_factor
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-STEPS = 6
-LAYOUTS = {  # the flags of each layout, on top of configs/tiny.toml
-    "single": [],
-    "dp2": ["--nproc", "2"],
-    "zero3": ["--nproc", "2", "--zero", "3"],
-    "tp2": ["--nproc", "2", "--tp", "2"],
-    "pp2": ["--nproc", "2", "--pp", "2"],
-    "tp4": ["--nproc", "4", "--tp", "4"],  # 2 KV heads: each copied on 2 TP ranks
-    "dp4": ["--nproc", "4"],
-    "zero3_dp4": ["--nproc", "4", "--zero", "3"],
+STEPS = 4
+LAYOUTS = {  # name: ([parallel] section, model preset)
+    "single": ({}, "tiny"),
+    "dp2": ({"dp": 2}, "tiny"),
+    "zero3": ({"dp": 2, "zero": 3}, "tiny"),
+    "tp2": ({"tp": 2}, "tiny"),
+    "pp2": ({"pp": 2}, "tiny"),
+    "cp2": ({"cp": 2}, "tiny"),
+    "tp4": ({"tp": 4}, "tiny"),  # 2 KV heads: each copied on 2 TP ranks
+    "dp4": ({"dp": 4}, "tiny"),
+    "zero3_dp4": ({"dp": 4, "zero": 3}, "tiny"),
+    "zero1_dp2": ({"dp": 2, "zero": 1}, "tiny"),
+    "dp2_tp2": ({"dp": 2, "tp": 2}, "tiny"),
+    "ep2": ({"dp": 2, "ep": 2}, "tiny-moe"),  # each rank holds 4 of every layer's 8 experts
+    "single_moe": ({}, "tiny-moe"),
 }
 
 
-def _train_args(layout: str, ckpt_dir, log, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lab.train", "--config", "configs/tiny.toml", "--steps", str(STEPS), "--quiet",
-            *LAYOUTS[layout], "--checkpoint-dir", str(ckpt_dir), "--log-json", str(log), *extra]
+def _config(layout: str) -> Config:
+    parallel, preset = LAYOUTS[layout]
+    return Config.from_dict({"model": {"preset": preset, "n_layers": 2}, "parallel": parallel,
+                             "train": {"steps": STEPS, "global_batch": 8, "seq_len": 32, "lr": 3e-3,
+                                       "warmup_steps": 2, "seed": 0}})
 
 
-def _train(layout: str, ckpt_dir, log, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(_train_args(layout, ckpt_dir, log, *extra), capture_output=True, text=True, timeout=300,
-                          env=ENV)
-    assert done.returncode == 0, done.stderr
-    return done
+def _name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# --- kill -9 at a chosen point ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Kill:
+    """SIGKILL `rank` at `phase` of the run (for a save: the save of `step`). `whole_run`: the rank kills its
+    launcher first, and every rank dies with it (`PR_SET_PDEATHSIG`), as under `kill -9` of `python -m lab.train`.
+
+    Phases, in the order a save goes: `after_step` (step done, no save running), `files_written` (this rank's
+    DCP files are on disk, DCP's .metadata is not), `metadata_written` (DCP finished, lab's rename not done),
+    `before_rename`, `after_rename` (the checkpoint is complete), `mid_prune` (`--keep` is deleting `step`'s
+    checkpoint: every file but .metadata gone), and `random` (a random moment up to 0.5 s after resuming)."""
+
+    phase: str
+    step: int
+    rank: int
+    whole_run: bool
+
+    def die(self) -> None:
+        if self.whole_run:
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm(self) -> None:
+        """Install the hook in this process (a forked rank: nothing leaks into the test's process)."""
+        if dist.get_rank() != self.rank:
+            return
+        name = _name(self.step)
+        if self.phase == "after_step":
+            _hook(Checkpointer, "after_step", after=lambda _, step, *a, **k: step == self.step and self.die())
+        elif self.phase == "files_written":
+            _hook(FileSystemWriter, "write_data", after=lambda writer, *a, **k: name in str(writer.path) and self.die())
+        elif self.phase == "metadata_written":
+            _hook(FileSystemWriter, "finish", after=lambda writer, *a, **k: name in str(writer.path) and self.die())
+        elif self.phase in ("before_rename", "after_rename"):
+            hit = lambda src, dst, *a, **k: os.path.basename(dst) == name and self.die()  # noqa: E731
+            _hook(os, "rename", **{self.phase.split("_")[0]: hit})
+        elif self.phase == "mid_prune":
+            def half_deleted(path, *a, **k):
+                if os.path.basename(path).endswith(name):  # lab's prune: however it deletes, stop half-way
+                    for file in os.listdir(path):
+                        if file != ".metadata":
+                            os.remove(os.path.join(path, file))
+                    self.die()
+            _hook(shutil, "rmtree", before=half_deleted)
+        elif self.phase == "random":
+            timer = threading.Timer(random.uniform(0.0, 0.5), self.die)
+            timer.daemon = True
+            _hook(Checkpointer, "resume", after=lambda *a, **k: timer.start())
+        else:
+            raise ValueError(f"phase={self.phase!r} is no kill point")
+
+
+def _hook(owner: object, attr: str, before: Callable | None = None, after: Callable | None = None) -> None:
+    original = getattr(owner, attr)
+
+    def hooked(*args, **kwargs):
+        if before is not None:
+            before(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if after is not None:
+            after(*args, **kwargs)
+        return result
+
+    setattr(owner, attr, hooked)
+
+
+def _record_loaded_state(directory: str) -> None:
+    """After the resume, save what was loaded into `directory` (to compare it with the checkpoint it came from)."""
+    original = Checkpointer.resume
+
+    def resume(self, par, optimizer, scheduler, data) -> int:
+        step = original(self, par, optimizer, scheduler, data)
+        if step:
+            checkpoint.save(directory, step, par, optimizer, scheduler, data, self.config)
+        return step
+
+    Checkpointer.resume = resume
+
+
+def _rank_trains(config: Config, log: str | None, options: CheckpointOptions, kill: Kill | None,
+                 loaded: str | None) -> list[float]:
+    if loaded is not None:
+        _record_loaded_state(loaded)
+    if kill is not None:  # after: a kill at resume comes once the loaded state is recorded
+        kill.arm()
+    return [entry.loss for entry in train.train_worker(config, log, False, options)]
+
+
+def _train(layout: str, ckpt, log=None, every: int = 0, keep: int = 0, resume: bool = False,
+           asynchronous: bool = False, kill: Kill | None = None, loaded=None) -> list[float]:
+    """Train `layout` for STEPS steps with checkpoints in `ckpt`; rank 0's losses of the steps it made."""
+    config = _config(layout)
+    options = CheckpointOptions(str(ckpt), every, keep, resume, asynchronous)
+    return lab_dist.run(_rank_trains, config.parallel.world_size, config, log and str(log), options, kill,
+                        loaded and str(loaded), timeout_s=120)[0]
+
+
+def _train_killed(kill: Kill, layout: str, ckpt, log=None, **options) -> None:
+    """A run that `kill` stops: SIGKILLed as a whole (its launcher, a fork of this process) or in one rank."""
+    if kill.whole_run:
+        launcher = mp.get_context("fork").Process(target=_train, args=(layout, ckpt, log), kwargs={**options,
+                                                                                                     "kill": kill})
+        launcher.start()
+        launcher.join(timeout=120)
+        assert launcher.exitcode == -signal.SIGKILL, f"the run ended with {launcher.exitcode} before the kill"
+    else:
+        with pytest.raises(lab_dist.RankError, match=f"rank {kill.rank} was killed by signal SIGKILL"):
+            _train(layout, ckpt, log, **options, kill=kill)
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    """The model and optimizer tensors of a checkpoint, whole, whatever layout saved them."""
+    return {k: v for k, v in checkpoint.read_full(str(path)).items() if k.startswith(("model.", "optim."))}
+
+
+def _assert_same(got: dict, expected: dict, what: str) -> None:
+    assert got.keys() == expected.keys(), what
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), f"{what}: {key}"
 
 
 def _losses(log) -> list[float]:
@@ -56,242 +189,101 @@ def _losses(log) -> list[float]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Uninterrupted runs (checkpoints every 2 steps), made once per layout: {layout: (checkpoint dir, log)}."""
+    """Uninterrupted runs, made once per layout: {layout: (checkpoint dir, JSON log)}. dp2 saves after every
+    step (the kill tests compare with each of its checkpoints), the others every 2 steps."""
     root, made = tmp_path_factory.mktemp("trained"), {}
 
     def get(layout: str):
         if layout not in made:
             ckpt, log = root / layout, root / f"{layout}.jsonl"
-            _train(layout, ckpt, log, "--checkpoint-every", "2")
+            _train(layout, ckpt, log, every=1 if layout == "dp2" else 2)
             made[layout] = ckpt, log
         return made[layout]
 
     return get
 
 
-@pytest.mark.parametrize("layout", ["dp2", "zero3", "tp2", "pp2"])
-def test_resume_continues_bit_for_bit(trained, tmp_path, layout):
-    """Stop after step 2 (the later checkpoints removed), resume in a new run: steps 3.. equal the uninterrupted
-    run's exactly (fp32 on CPU)."""
+# --- exact resume after kill -9 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, rank, whole_run", [("zero3", 1, True), ("tp2", 1, False), ("pp2", 0, False)])
+def test_kill_9_mid_training_then_resume_is_bit_for_bit(trained, tmp_path, capfd, layout, rank, whole_run):
+    """A run holding the step-2 checkpoint is SIGKILLed after step 3 (the whole run, or one rank); `--resume`
+    continues from step 2 and steps 3-4 equal the uninterrupted run's exactly (fp32 on CPU). Plain DP: the next
+    test, killed inside saves, ends with the uninterrupted losses too."""
     source, reference = trained(layout)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    shutil.copytree(source / "step-00000002", ckpt / "step-00000002")
+    shutil.copytree(source / _name(2), ckpt / _name(2))
     shutil.copy(reference, log)
-    done = _train(layout, ckpt, log, "--resume")
-    assert f"checkpoint: resuming from {ckpt / 'step-00000002'}" in done.stdout
-    assert [json.loads(line)["step"] for line in open(log)] == list(range(1, STEPS + 1))
+    _train_killed(Kill("after_step", 3, rank, whole_run), layout, ckpt, log, every=2, resume=True)
+    assert os.listdir(ckpt) == [_name(2)]
+    capfd.readouterr()
+    _train(layout, ckpt, log, every=2, resume=True)
+    assert f"checkpoint: resuming from {ckpt / _name(2)}\n" in capfd.readouterr().out
     assert _losses(log) == _losses(reference)
 
 
-def test_kill_9_between_checkpoints_then_resume(trained, tmp_path):
-    """SIGKILL the whole run (launcher and ranks) once its first checkpoint exists; `--resume` ends with the
-    uninterrupted run's losses, bit for bit."""
-    _, reference = trained("dp2")
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    run = subprocess.Popen(_train_args("dp2", ckpt, log, "--checkpoint-every", "2"), env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        while not checkpoint.complete_checkpoints(str(ckpt)) and run.poll() is None:
-            time.sleep(0.02)
-        os.killpg(run.pid, signal.SIGKILL)
-    finally:
-        run.wait()
-    assert checkpoint.complete_checkpoints(str(ckpt))
-    _train("dp2", ckpt, log, "--checkpoint-every", "2", "--resume")
-    assert _losses(log) == _losses(reference)
-
-
-def test_kill_9_of_one_rank_then_resume(trained, tmp_path):
-    """SIGKILL one rank once the first checkpoint exists: the launcher stops the others and fails; `--resume`
-    ends with the uninterrupted run's losses, bit for bit."""
-    _, reference = trained("dp2")
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    run = subprocess.Popen(_train_args("dp2", ckpt, log, "--checkpoint-every", "2"), env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        while not checkpoint.complete_checkpoints(str(ckpt)) and run.poll() is None:
-            time.sleep(0.02)
-        ranks = sorted(psutil.Process(run.pid).children(), key=lambda p: p.pid)  # forked by lab.distributed.run
-        ranks[-1].send_signal(signal.SIGKILL)  # rank 1
-        _, stderr = run.communicate(timeout=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.pid, signal.SIGKILL)
-        run.wait()
-    assert run.returncode != 0 and "rank" in stderr
-    _train("dp2", ckpt, log, "--checkpoint-every", "2", "--resume")
-    assert _losses(log) == _losses(reference)
-
-
-def test_saves_killed_at_random_moments_never_load_wrongly(trained, tmp_path):
-    """Checkpoint every step and SIGKILL the run at random moments, three times, each run resuming the last: every
-    checkpoint left complete holds every tensor, unfinished saves are ignored (and said so), and the run that
-    finishes has the uninterrupted losses."""
+def test_saves_killed_at_any_point_never_load_wrongly(trained, tmp_path, capfd):
+    """dp2, a checkpoint after every step, --keep 2, killed at each point of a save in turn (whole run or one
+    rank) and once at a random moment, each run resuming the one before. After each kill: the newest complete
+    checkpoint is the expected one, every complete checkpoint equals the uninterrupted run's of its step, the
+    next run says it resumes from it (and which unfinished save it ignores), and what it loaded equals it,
+    tensor by tensor. The run that finishes has the uninterrupted losses; two checkpoints are kept."""
     source, reference = trained("dp2")
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    n_params = len(list(build_model(_config({}).model).parameters()))
-    rng = random.Random(17)
-    resume: list[str] = []
-    unfinished = 0  # kills that landed inside a save (its .tmp directory left behind)
-    for _ in range(3):
-        before = len(checkpoint.complete_checkpoints(str(ckpt)))
-        run = subprocess.Popen(_train_args("dp2", ckpt, log, "--checkpoint-every", "1", *resume), env=ENV,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cases = [  # (kill, the newest complete checkpoint after it)
+        (Kill("metadata_written", 2, 0, whole_run=True), 1),  # step 1 saved; step 2's .metadata is written
+        (Kill("files_written", 2, 1, whole_run=False), 1),
+        (Kill("before_rename", 2, 0, whole_run=True), 1),
+        (Kill("after_rename", 2, 0, whole_run=False), 2),  # the rename is the moment a checkpoint exists
+        (Kill("mid_prune", 1, 0, whole_run=True), 3),  # step 3 saved, step 1 being deleted by --keep 2
+        (Kill("random", 0, 1, whole_run=False), None),  # somewhere in step 4: 3, or 4 if it got that far
+    ]
+    resumed_from = None
+    for i, (kill, expected) in enumerate(cases):
+        capfd.readouterr()
+        loaded = tmp_path / f"loaded-{i}"
         try:
-            while len(checkpoint.complete_checkpoints(str(ckpt))) <= before and run.poll() is None:
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0.0, 0.3))
-            os.killpg(run.pid, signal.SIGKILL)
-        finally:
-            run.wait()
-        resume = ["--resume"]
-        unfinished += any(name.startswith(".tmp-") for name in os.listdir(ckpt))
-        for path in checkpoint.complete_checkpoints(str(ckpt)):
-            full = checkpoint.read_full(path)  # every tensor there, whole
-            assert len([k for k in full if k.startswith(("model.", "optim."))]) == 4 * n_params
-            twin = source / os.path.basename(path)  # the uninterrupted run saved the even steps
-            if twin.exists():
-                expected = checkpoint.read_full(str(twin))
-                assert all(torch.equal(full[k], expected[k]) for k in expected if not k.startswith("rng."))
-    assert unfinished >= 1  # saves take most of a step here: 6 of 6 kills landed in one when this was written
-    path, note = checkpoint.newest(str(ckpt))
-    assert path is not None and note.startswith(f"resuming from {path}")
-    _train("dp2", ckpt, log, "--checkpoint-every", "1", "--resume")
+            _train_killed(kill, "dp2", ckpt, log, every=1, keep=2, resume=True, loaded=loaded)
+        except (pytest.fail.Exception, AssertionError):
+            if kill.phase != "random":  # the random moment may come after the run finished
+                raise
+        out = capfd.readouterr().out
+        if resumed_from is not None:  # it said so, and loaded exactly that checkpoint's state
+            assert f"checkpoint: resuming from {resumed_from}" in out, out
+            step = int(os.path.basename(resumed_from)[5:])
+            _assert_same(_tensors(loaded / _name(step)), _tensors(resumed_from), f"loaded by run {i}")
+        complete = checkpoint.complete_checkpoints(str(ckpt))
+        for path in complete:  # every complete checkpoint holds the uninterrupted run's state of its step
+            _assert_same(_tensors(path), _tensors(source / os.path.basename(path)), f"after kill {i}")
+        resumed_from, note = checkpoint.newest(str(ckpt))
+        if expected is not None:
+            assert resumed_from == str(ckpt / _name(expected)), (kill, complete)
+        unfinished = sorted(n for n in os.listdir(ckpt) if n.startswith(".tmp-step-"))
+        if unfinished:
+            assert note.endswith(f"(ignoring {', '.join(unfinished)}: a save that did not finish)")
+    _train("dp2", ckpt, log, every=1, keep=2, resume=True)
     assert _losses(log) == _losses(reference)
+    assert checkpoint.complete_checkpoints(str(ckpt)) == [str(ckpt / _name(3)), str(ckpt / _name(4))]
+    assert all(n.startswith(".tmp-") for n in os.listdir(ckpt) if not n.startswith("step-"))
 
 
 def test_an_unfinished_save_is_ignored_and_named(trained, tmp_path):
     source, _ = trained("dp2")
-    shutil.copytree(source / "step-00000002", tmp_path / "step-00000002")
-    shutil.copytree(source / "step-00000004", tmp_path / ".tmp-step-00000004")  # killed before its rename
+    shutil.copytree(source / _name(2), tmp_path / _name(2))
+    shutil.copytree(source / _name(4), tmp_path / ".tmp-step-00000004")  # killed before its rename
     os.remove(tmp_path / ".tmp-step-00000004" / ".metadata")
     path, note = checkpoint.newest(str(tmp_path))
-    assert path == str(tmp_path / "step-00000002")
+    assert path == str(tmp_path / _name(2))
     assert note == (f"resuming from {path} (ignoring .tmp-step-00000004: a save that did not finish)")
 
 
-def test_a_save_killed_after_dcp_finished_stays_invisible(tmp_path, monkeypatch):
-    """Killed after DCP wrote every file and its .metadata, but before lab's own file and the rename: the
-    checkpoint is not visible, and resume takes the previous one (writing in place would expose it)."""
-    state = _build({})
-    first = checkpoint.save(str(tmp_path), 1, *state)
-
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt("killed")
-
-    monkeypatch.setattr(json, "dump", killed)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(str(tmp_path), 2, *state)
-    monkeypatch.undo()
-    assert os.path.exists(tmp_path / ".tmp-step-00000002" / ".metadata")
-    path, note = checkpoint.newest(str(tmp_path))
-    assert path == first and ".tmp-step-00000002" in note
+def test_a_checkpoint_saved_before_the_first_step_loads(tmp_path):
+    """No optimizer step yet, so no AdamW state saved: loading it gives a fresh AdamW's (zero moments, step 0)."""
+    state = _build("single")
+    path = checkpoint.save(str(tmp_path), 0, *state)
     checkpoint.load(path, *state)
-
-
-def test_keep_keeps_the_newest(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    _train("single", ckpt, tmp_path / "log.jsonl", "--checkpoint-every", "1", "--keep", "2")
-    assert sorted(os.listdir(ckpt)) == ["step-00000005", "step-00000006"]
-
-
-# --- resharding -----------------------------------------------------------------------------------------------
-
-
-def _config(parallel: dict) -> Config:
-    return Config.from_dict({"model": {"preset": "tiny"}, "parallel": parallel,
-                             "train": {"steps": STEPS, "global_batch": 8, "seq_len": 32, "lr": 3e-3,
-                                       "warmup_steps": 2, "seed": 0}})
-
-
-def _build(parallel: dict) -> tuple:
-    """(par, optimizer, scheduler, data, config) at `parallel`'s layout, built as `lab.train` builds them."""
-    config = _config(parallel)
-    par = parallelize(config.model, build_mesh(config.parallel), config.parallel, torch.device("cpu"),
-                      config.train.seed, config.train.seq_len)
-    optimizer = adamw(par.parameters(), config.train.lr, config.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    data = SyntheticTokens(config.model.vocab_size, config.train.seq_len, config.train.global_batch, 0)
-    return par, optimizer, scheduler, data, config
-
-
-def _reshard_worker(source: str, target: str, parallel: dict) -> int:
-    """Build the run at `parallel`'s layout, load `source` into it, save it to `target`."""
-    par, optimizer, scheduler, data, config = _build(parallel)
-    meta = checkpoint.load(source, par, optimizer, scheduler, data, config)
-    checkpoint.save(target, meta["step"], par, optimizer, scheduler, data, config)
-    return data.step
-
-
-@pytest.mark.parametrize("source_layout, parallel", [
-    ("dp4", {"dp": 2, "tp": 2}),
-    ("zero3_dp4", {"dp": 2, "zero": 1}),
-    ("pp2", {}),
-    ("tp2", {}),
-    ("tp4", {"dp": 2, "tp": 2}),
-])
-def test_reshard_is_exact(trained, tmp_path, source_layout, parallel):
-    """Load at another layout and save again: every model and optimizer tensor, gathered whole, is equal."""
-    source = str(trained(source_layout)[0] / "step-00000002")
-    world = _config(parallel).parallel.world_size
-    if world == 1:
-        steps = [_reshard_worker(source, str(tmp_path), parallel)]
-    else:
-        steps = lab_dist.run(_reshard_worker, world, source, str(tmp_path), parallel, timeout_s=120)
-    assert steps == [2] * world  # the data stream continues at the saved global batch
-    before, after = checkpoint.read_full(source), checkpoint.read_full(str(tmp_path / "step-00000002"))
-    tensors = [k for k in before if k.startswith(("model.", "optim."))]
-    assert len(tensors) == 4 * len(list(build_model(_config({}).model).parameters()))
-    for key in tensors:
-        assert torch.equal(before[key], after[key]), key
-
-
-def test_resume_at_another_dp_sees_the_same_global_batches(trained, tmp_path):
-    """dp4 -> dp2 x tp2: the resumed run says how the data stream changed and continues with the same global
-    batches (another batch would move the loss by far more than the reduction order's 1e-5)."""
-    source, reference = trained("dp4")
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    shutil.copytree(source / "step-00000002", ckpt / "step-00000002")
-    LAYOUTS["dp2_tp2"] = ["--nproc", "4", "--dp", "2", "--tp", "2"]
-    done = _train("dp2_tp2", ckpt, log, "--resume")
-    assert "resharded (dp 4->2, tp 1->2)" in done.stdout
-    assert "each dp rank now reads other rows" in done.stdout
-    resumed, expected = _losses(log), _losses(reference)[2:]
-    assert len(resumed) == len(expected)
-    for a, b in zip(resumed, expected, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b)
-
-
-# --- python -m lab checkpoint ----------------------------------------------------------------------------------
-
-
-def test_inspect_and_convert(trained, tmp_path):
-    source, _ = trained("tp2")
-    done = subprocess.run([sys.executable, "-m", "lab", "checkpoint", "inspect", str(source)],  # its newest
-                          capture_output=True, text=True, timeout=120, env=ENV)
-    assert done.returncode == 0, done.stderr
-    assert f"step {STEPS}, saved by 2 rank(s) [dp=1, tp=2" in done.stdout
-    assert "model.layers.0.attn.wq.weight" in done.stdout and "(2 chunk(s))" in done.stdout
-    assert "optim.layers.0.attn.wq.weight.exp_avg_sq" in done.stdout
-    out = tmp_path / "model.pt"
-    done = subprocess.run([sys.executable, "-m", "lab", "checkpoint", "convert", str(source / "step-00000004"),
-                           "--to-single-file",
-                           str(out)], capture_output=True, text=True, timeout=120, env=ENV)
-    assert done.returncode == 0, done.stderr
-    model = build_model(_config({}).model, "cpu")
-    model.load_state_dict(torch.load(out))  # ordinary PyTorch, strict: every key, every shape
-    saved = checkpoint.read_full(str(source / "step-00000004"), "model.")
-    for name, param in model.named_parameters():
-        assert torch.equal(param, saved[f"model.{name}"]), name
-
-
-def test_bad_input_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "lab", "checkpoint", "inspect", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, env=ENV)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not a complete checkpoint" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "lab.train", "--resume"], capture_output=True, text=True,
-                          timeout=60, env=ENV)
-    assert done.returncode == 2 and "need --checkpoint-dir" in done.stderr
+    assert all(not s["exp_avg"].any() and s["step"] == 0 for s in state[1].state.values())
 
 
 def test_async_checkpoints_hold_the_same_state(trained, tmp_path):
@@ -299,16 +291,100 @@ def test_async_checkpoints_hold_the_same_state(trained, tmp_path):
     checkpoint equals the synchronous run's, tensor by tensor."""
     source, reference = trained("dp2")
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    _train("dp2", ckpt, log, "--checkpoint-every", "2", "--async-checkpoint")
+    _train("dp2", ckpt, log, every=2, asynchronous=True)
     assert _losses(log) == _losses(reference)
-    for step in (2, 4, 6):
-        name = f"step-{step:08d}"
-        got, expected = checkpoint.read_full(str(ckpt / name)), checkpoint.read_full(str(source / name))
-        assert all(torch.equal(got[k], expected[k]) for k in expected if not k.startswith("rng.")), name
+    for step in (2, 4):
+        _assert_same(_tensors(ckpt / _name(step)), _tensors(source / _name(step)), _name(step))
 
 
-def test_resume_at_the_last_step_trains_nothing(trained, tmp_path):
+# --- resharding -----------------------------------------------------------------------------------------------
+
+
+def _build(layout: str) -> tuple:
+    """(par, optimizer, scheduler, data, config) at `layout`, built as `lab.train` builds them."""
+    config = _config(layout)
+    par = parallelize(config.model, build_mesh(config.parallel), config.parallel, torch.device("cpu"),
+                      config.train.seed, config.train.seq_len)
+    optimizer = adamw(par.parameters(), config.train.lr, config.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: train._lr_factor(step, config))
+    data = SyntheticTokens(config.model.vocab_size, config.train.seq_len, config.train.global_batch, 0)
+    return par, optimizer, scheduler, data, config
+
+
+def _reshard_worker(source: str, target: str, layout: str) -> int:
+    """Build the run at `layout`, load `source` into it, save it to `target`; the data stream's step."""
+    par, optimizer, scheduler, data, config = _build(layout)
+    meta = checkpoint.load(source, par, optimizer, scheduler, data, config)
+    checkpoint.save(target, meta["step"], par, optimizer, scheduler, data, config)
+    return data.step
+
+
+@pytest.mark.parametrize("source_layout, layout", [
+    ("dp4", "dp2_tp2"),
+    ("zero3_dp4", "zero1_dp2"),
+    ("pp2", "single"),
+    ("tp2", "single"),
+    ("tp4", "dp2_tp2"),
+    ("ep2", "single_moe"),  # experts: whole tensors, each saved by the rank holding it
+    ("cp2", "single"),
+])
+def test_reshard_is_exact(trained, tmp_path, source_layout, layout):
+    """Load at another layout and save again: every model and optimizer tensor, gathered whole, is equal."""
+    source = trained(source_layout)[0] / _name(2)
+    world = _config(layout).parallel.world_size
+    steps = lab_dist.run(_reshard_worker, world, str(source), str(tmp_path), layout, timeout_s=120)
+    assert steps == [2] * world  # the data stream continues at the saved global batch
+    before = _tensors(source)
+    assert len(before) == 4 * len(list(build_model(_config(layout).model).parameters()))
+    _assert_same(_tensors(tmp_path / _name(2)), before, f"{source_layout} -> {layout}")
+
+
+def test_resume_at_another_dp_sees_the_same_global_batches(trained, tmp_path, capfd):
+    """dp4 -> dp2 x tp2: the resumed run says how the data stream changed and continues with the same global
+    batches (another batch would move the loss by far more than the reduction order's 1e-5)."""
+    source, reference = trained("dp4")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source / _name(2), ckpt / _name(2))
+    resumed = _train("dp2_tp2", ckpt, resume=True)
+    out = capfd.readouterr().out
+    assert "resharded (dp 4->2, tp 1->2)" in out and "each dp rank now reads other rows" in out
+    expected = _losses(reference)[2:]
+    assert len(resumed) == len(expected)
+    for a, b in zip(resumed, expected, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_resume_at_the_last_step_trains_nothing(trained, tmp_path, capsys):
     source, _ = trained("dp2")
-    shutil.copytree(source / f"step-{STEPS:08d}", tmp_path / f"step-{STEPS:08d}")
-    done = _train("single", tmp_path, tmp_path / "log.jsonl", "--resume")
-    assert "resharded (dp 2->1)" in done.stdout and f"already at step {STEPS}" in done.stdout
+    shutil.copytree(source / _name(STEPS), tmp_path / _name(STEPS))
+    assert train.main(["--config", "configs/tiny.toml", "--set", "model.n_layers=2", "--steps", str(STEPS),
+                       "--checkpoint-dir", str(tmp_path), "--resume", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "resharded (dp 2->1)" in out and f"already at step {STEPS}" in out
+
+
+# --- python -m lab checkpoint ----------------------------------------------------------------------------------
+
+
+def test_inspect_and_convert(trained, tmp_path, capsys):
+    source, _ = trained("tp2")
+    assert checkpoint.main(["inspect", str(source)]) == 0  # a directory of checkpoints: its newest
+    out = capsys.readouterr().out
+    assert f"step {STEPS}, saved by 2 rank(s) [dp=1, tp=2" in out
+    assert "model.layers.0.attn.wq.weight" in out and "(2 chunk(s))" in out
+    assert "optim.layers.0.attn.wq.weight.exp_avg_sq" in out
+    out = tmp_path / "model.pt"
+    assert checkpoint.main(["convert", str(source / _name(2)), "--to-single-file", str(out)]) == 0
+    model = build_model(_config("tp2").model, "cpu")
+    model.load_state_dict(torch.load(out))  # ordinary PyTorch, strict: every key, every shape
+    saved = checkpoint.read_full(str(source / _name(2)), "model.")
+    for name, param in model.named_parameters():
+        assert torch.equal(param, saved[f"model.{name}"]), name
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert checkpoint.main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a complete checkpoint" in err
+    assert train.main(["--resume"]) == 2
+    assert "need --checkpoint-dir" in capsys.readouterr().err

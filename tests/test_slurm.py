@@ -6,6 +6,7 @@ Everything runs in-process (`lab.__main__.main`): the command line is what is te
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -150,3 +151,17 @@ def test_tp_across_nodes_is_a_warning_in_the_script():
 def test_lab_help_lists_launch(capsys):
     assert lab_main(["--help"]) == 0
     assert "  launch " in capsys.readouterr().out
+
+
+def test_readme_shows_what_its_command_writes(capsys, monkeypatch):
+    section = (ROOT / "README.md").read_text().split("## Multi-node with Slurm\n", 1)[1]
+    command_block, script_block = re.findall(r"```bash\n(.*?)```", section, re.S)[:2]
+    command, submit = command_block.replace("\\\n", " ").splitlines()[:2]
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "lab", "launch"] and submit == f"sbatch {argv[argv.index('--output') + 1]}"
+    del argv[argv.index("--output"):argv.index("--output") + 2]
+    monkeypatch.chdir(ROOT)  # the README's config path is relative to the repository
+    assert lab_main(argv[3:]) == 0
+    written = capsys.readouterr().out.splitlines()
+    missing = [line for line in script_block.splitlines() if line not in written]
+    assert not missing, f"README shows lines its command does not write: {missing}"

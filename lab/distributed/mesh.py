@@ -87,7 +87,9 @@ class Mesh:
         self._groups: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
         for axis in GROUPS:
             for ranks in axis_groups(self.world_size, axis, dp, pp, cp, tp, ep):
-                group = dist.new_group(ranks)  # collective: every rank creates every group, in this order
+                # collective: every rank creates every group, in this order. The name shows in torch's and
+                # lab's flight recorders ("all_reduce #41 on tp group")
+                group = dist.new_group(ranks, group_desc=axis)
                 if self.rank in ranks:
                     self._groups[axis] = (group, ranks)
         (self.dp_group, self.pp_group, self.cp_group, self.tp_group, self.dp_cp_group, self.ep_group,

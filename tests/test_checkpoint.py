@@ -225,47 +225,51 @@ def test_kill_9_mid_training_then_resume_is_bit_for_bit(trained, tmp_path, capfd
 
 def test_saves_killed_at_any_point_never_load_wrongly(trained, tmp_path, capfd):
     """dp2, a checkpoint after every step, --keep 2, killed at each point of a save in turn (whole run or one
-    rank) and once at a random moment, each run resuming the one before. After each kill: the newest complete
-    checkpoint is the expected one, every complete checkpoint equals the uninterrupted run's of its step, the
-    next run says it resumes from it (and which unfinished save it ignores), and what it loaded equals it,
-    tensor by tensor. The run that finishes has the uninterrupted losses; two checkpoints are kept."""
+    rank; one save asynchronous) and once at a random moment, each run resuming the one before. After each kill
+    the newest complete checkpoint is the expected one and every complete checkpoint equals the uninterrupted
+    run's of its step; the next run says it resumes from it (naming the unfinished save it ignores), and what it
+    loaded equals it, tensor by tensor. The run that finishes has the uninterrupted losses; two checkpoints
+    are kept."""
     source, reference = trained("dp2")
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    cases = [  # (kill, the newest complete checkpoint after it)
-        (Kill("metadata_written", 2, 0, whole_run=True), 1),  # step 1 saved; step 2's .metadata is written
-        (Kill("files_written", 2, 1, whole_run=False), 1),
-        (Kill("before_rename", 2, 0, whole_run=True), 1),
-        (Kill("after_rename", 2, 0, whole_run=False), 2),  # the rename is the moment a checkpoint exists
-        (Kill("mid_prune", 1, 0, whole_run=True), 3),  # step 3 saved, step 1 being deleted by --keep 2
-        (Kill("random", 0, 1, whole_run=False), None),  # somewhere in step 4: 3, or 4 if it got that far
+    runs = [  # (kill, the newest complete checkpoint after it, an asynchronous save)
+        (Kill("metadata_written", 2, 0, whole_run=True), 1, False),  # step 1 saved; step 2's .metadata written
+        (Kill("files_written", 2, 1, whole_run=False), 1, False),
+        (Kill("before_rename", 2, 0, whole_run=True), 1, False),
+        (Kill("after_rename", 2, 0, whole_run=False), 2, False),  # the rename is when a checkpoint exists
+        (Kill("files_written", 3, 0, whole_run=True), 2, True),  # in the background writer's thread
+        (Kill("mid_prune", 1, 0, whole_run=True), 3, False),  # step 3 saved, --keep 2 deleting step 1
+        (Kill("random", 0, 1, whole_run=False), None, False),  # in step 4 (or after its save, or too late)
+        (None, 4, False),  # the run that finishes
     ]
-    resumed_from = None
-    for i, (kill, expected) in enumerate(cases):
+    resumed_from, note = None, ""
+    for i, (kill, expected, asynchronous) in enumerate(runs):
         capfd.readouterr()
-        loaded = tmp_path / f"loaded-{i}"
-        try:
-            _train_killed(kill, "dp2", ckpt, log, every=1, keep=2, resume=True, loaded=loaded)
-        except (pytest.fail.Exception, AssertionError):
-            if kill.phase != "random":  # the random moment may come after the run finished
-                raise
+        loaded, options = tmp_path / f"loaded-{i}", {"every": 1, "keep": 2, "resume": True,
+                                                     "asynchronous": asynchronous}
+        if kill is None or kill.phase == "random":
+            try:
+                _train("dp2", ckpt, log, **options, kill=kill, loaded=loaded)
+            except lab_dist.RankError as err:  # the random moment may come after the run finished
+                assert kill is not None and "rank 1 was killed by signal SIGKILL" in str(err)
+        else:
+            _train_killed(kill, "dp2", ckpt, log, **options, loaded=loaded)
         out = capfd.readouterr().out
         if resumed_from is not None:  # it said so, and loaded exactly that checkpoint's state
-            assert f"checkpoint: resuming from {resumed_from}" in out, out
-            step = int(os.path.basename(resumed_from)[5:])
+            assert f"checkpoint: {note}\n" in out, out
+            step = int(os.path.basename(resumed_from)[len("step-"):])
             _assert_same(_tensors(loaded / _name(step)), _tensors(resumed_from), f"loaded by run {i}")
         complete = checkpoint.complete_checkpoints(str(ckpt))
         for path in complete:  # every complete checkpoint holds the uninterrupted run's state of its step
-            _assert_same(_tensors(path), _tensors(source / os.path.basename(path)), f"after kill {i}")
+            _assert_same(_tensors(path), _tensors(source / os.path.basename(path)), f"after run {i}")
         resumed_from, note = checkpoint.newest(str(ckpt))
         if expected is not None:
             assert resumed_from == str(ckpt / _name(expected)), (kill, complete)
         unfinished = sorted(n for n in os.listdir(ckpt) if n.startswith(".tmp-step-"))
-        if unfinished:
-            assert note.endswith(f"(ignoring {', '.join(unfinished)}: a save that did not finish)")
-    _train("dp2", ckpt, log, every=1, keep=2, resume=True)
+        assert note == f"resuming from {resumed_from}" + (
+            f" (ignoring {', '.join(unfinished)}: a save that did not finish)" if unfinished else "")
     assert _losses(log) == _losses(reference)
-    assert checkpoint.complete_checkpoints(str(ckpt)) == [str(ckpt / _name(3)), str(ckpt / _name(4))]
-    assert all(n.startswith(".tmp-") for n in os.listdir(ckpt) if not n.startswith("step-"))
+    assert complete == [str(ckpt / _name(3)), str(ckpt / _name(4))]
 
 
 def test_an_unfinished_save_is_ignored_and_named(trained, tmp_path):

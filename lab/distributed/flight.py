@@ -76,8 +76,10 @@ NCCL_HINT = ("on NCCL, torch's Flight Recorder also knows what completed on the 
              "TORCH_FR_DUMP_TEMP_FILE=/tmp/fr/nccl_trace_rank_ (mkdir /tmp/fr first), then read the dumps with "
              "python -m torch.distributed.flight_recorder.fr_trace /tmp/fr -p nccl_trace_rank_ [-j]")
 STATES = ("entered", "finished", "failed", "issued")  # issued: async, and the backend gives no completion
+_FINISHED, _FAILED, _ISSUED = 1, 2, 3  # their codes in the file
 OPS = tuple(PAYLOAD_ARGUMENT)
 _P2P = ("send", "recv", "isend", "irecv")
+_SENDS = (OPS.index("send"), OPS.index("isend"))
 _SAME_SHAPE = ("all_reduce", "broadcast", "reduce")  # ops whose tensor must be the same on every member
 
 # The file: a header, a table of the groups seen, then `capacity` fixed-size records used as a ring.
@@ -87,8 +89,13 @@ _WORLD_AT, _GROUPS_N_AT, _COUNT_AT, _BACKEND_AT = 12, 20, 24, 32  # offsets of h
 _GROUP = struct.Struct("<16s32s208s")  # torch's group id, description (tp, dp, ...), ranks as start:stop:step runs
 _MAX_GROUPS = 256
 _GROUPS_AT = 4096
-_RECORD = struct.Struct("<qddhBBi12s84s")  # seq, start, end, group slot, op, state, peer (-1: none), dtype, shapes
+# seq, start, end, group slot, op, state, peer (-1: none), dtype, dims, tensors in a list (0: one tensor), shape
+_RECORD = struct.Struct("<qddhBBiBBH6q12x")
 _END_AT, _STATE_AT = 16, 27  # offsets of `end` and `state` in a record
+_MAX_DIMS, _NO_DIMS = 6, (0,) * 6
+_DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+           "complex64", "float8_e4m3fn", "float8_e5m2", "other")  # the dtype's code is its index; "": no tensor
+_DTYPE_CODES = {getattr(torch, name): code for code, name in enumerate(_DTYPES) if name and hasattr(torch, name)}
 _RING_AT = _GROUPS_AT + _MAX_GROUPS * _GROUP.size
 
 
@@ -133,19 +140,22 @@ def _unruns(text: str) -> tuple[int, ...]:
     return tuple(r for run in text.split(",") if run for r in range(*map(int, run.split(":"))))
 
 
-def _shape(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return str(list(value.shape))
-    if isinstance(value, (list, tuple)) and value:
-        shapes = [_shape(v) for v in value]
-        return f"{len(shapes)}x{shapes[0]}" if len(set(shapes)) == 1 else ", ".join(shapes)
-    return ""
+def _payload(value) -> tuple[int, ...]:
+    """The record's dtype code, dims, tensors in the list (0: a tensor, not a list) and shape, of the tensor a
+    rank hands over (of a list, the first one's). Numbers, not text: formatting a shape costs microseconds."""
+    count = 0
+    if isinstance(value, (list, tuple)):
+        count, value = len(value), value[0] if value else None
+    if not isinstance(value, torch.Tensor):
+        return (0, 0, count, *_NO_DIMS)
+    shape = value.shape
+    return (_DTYPE_CODES.get(value.dtype, len(_DTYPES) - 1), len(shape), count, *shape[:_MAX_DIMS],
+            *_NO_DIMS[len(shape):])
 
 
-def _dtype(value) -> str:
-    while isinstance(value, (list, tuple)) and value:
-        value = value[0]
-    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else ""
+def _shape_text(ndim: int, count: int, dims: tuple[int, ...]) -> str:
+    shape = str(list(dims[:ndim])) if ndim <= _MAX_DIMS else str(list(dims))[:-1] + ", ...]"
+    return f"{count}x{shape}" if count else shape
 
 
 class _Recorder:
@@ -182,14 +192,14 @@ class _Recorder:
             struct.pack_into("<i", self.mm, _WORLD_AT, dist.get_world_size())
             struct.pack_into("<16s", self.mm, _BACKEND_AT, dist.get_backend().encode()[:16])
 
-    def enter(self, op: str, group, peer: int | None, payload, state: int = 0) -> int:
+    def enter(self, op: int, group, peer: int | None, payload) -> int:
+        """Write a new entry ("entered") for op `OPS[op]`; returns its place in the ring, for `end`."""
         slot = self.slot(group)
-        key = slot if peer is None else (slot, "send" if "send" in op else "recv", peer)
+        key = slot if peer is None else (slot, op in _SENDS, peer)
         seq = self.seqs[key] = self.seqs.get(key, 0) + 1
         index = self.count % self.capacity
         _RECORD.pack_into(self.mm, _RING_AT + index * _RECORD.size, seq, time.time(), 0.0, min(slot, _MAX_GROUPS),
-                          OPS.index(op), state, -1 if peer is None else peer, _dtype(payload).encode()[:12],
-                          _shape(payload).encode()[:84])
+                          op, 0, -1 if peer is None else peer, *_payload(payload))
         self.count += 1
         struct.pack_into("<Q", self.mm, _COUNT_AT, self.count)  # after the record: a kill never shows half of one
         return index
@@ -204,7 +214,7 @@ class _Recorder:
         try:
             future = work.get_future()
         except RuntimeError:  # e.g. gloo's isend/irecv: completion stays unknown
-            self.end(index, STATES.index("issued"))
+            self.end(index, _ISSUED)
             return
         future.then(functools.partial(self._finished, index))
 
@@ -212,9 +222,9 @@ class _Recorder:
         try:
             future.value()
         except Exception:  # the op failed (e.g. timed out)
-            self.end(index, STATES.index("failed"))
+            self.end(index, _FAILED)
         else:
-            self.end(index, STATES.index("finished"))
+            self.end(index, _FINISHED)
 
 
 _recorder: _Recorder | None = None
@@ -223,34 +233,43 @@ _saved: dict[str, Callable] = {}
 _PARAMETERS = {op: tuple(inspect.signature(getattr(dist, op)).parameters) for op in OPS if hasattr(dist, op)}
 
 
-def _peer(op: str, bound: dict) -> int:
-    """The global rank at the other end of a send/recv: `dst`/`src`, or `group_dst`/`group_src` in its group."""
-    end = "dst" if "send" in op else "src"
-    peer = bound.get(end)
-    return dist.get_global_rank(bound.get("group"), bound[f"group_{end}"]) if peer is None else peer
+def _argument(op: str, name: str) -> Callable:
+    """A getter for argument `name` of `dist.<op>`, given either way (positionally or by keyword); None if absent.
+    Cheaper than binding the signature (inspect's bind costs ~10 us, a dict of all arguments ~2 us)."""
+    parameters = _PARAMETERS[op]
+    if name not in parameters:
+        return lambda args, kwargs: None
+    at = parameters.index(name)
+    return lambda args, kwargs: args[at] if len(args) > at else kwargs.get(name)
 
 
 def _recording(op: str, original: Callable) -> Callable:
-    names = _PARAMETERS[op]
-    payload_name = PAYLOAD_ARGUMENT[op]
+    code, p2p, waits = OPS.index(op), op in _P2P, op in ("isend", "irecv")
+    group, async_op = _argument(op, "group"), _argument(op, "async_op")
+    payload = _argument(op, PAYLOAD_ARGUMENT[op] or "")
+    end = "dst" if "send" in op else "src"
+    peer, group_peer = _argument(op, end), _argument(op, f"group_{end}")
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         recorder = _recorder
         if recorder is None:
             return original(*args, **kwargs)
-        bound = dict(zip(names, args, strict=False)) | kwargs
-        peer = _peer(op, bound) if op in _P2P else None
-        index = recorder.enter(op, bound.get("group"), peer, bound.get(payload_name) if payload_name else None)
+        on = group(args, kwargs)
+        other = None
+        if p2p:  # the global rank at the other end: `dst`/`src`, or `group_dst`/`group_src` within the group
+            other = peer(args, kwargs)
+            other = dist.get_global_rank(on, group_peer(args, kwargs)) if other is None else other
+        index = recorder.enter(code, on, other, payload(args, kwargs))
         try:
             result = original(*args, **kwargs)
         except BaseException:
-            recorder.end(index, STATES.index("failed"))
+            recorder.end(index, _FAILED)
             raise
-        if result is not None and (op in ("isend", "irecv") or bound.get("async_op")):
+        if result is not None and (waits or async_op(args, kwargs)):
             recorder.watch(index, result)
         else:
-            recorder.end(index, STATES.index("finished"))
+            recorder.end(index, _FINISHED)
         return result
 
     return wrapper
@@ -262,18 +281,18 @@ def _recording_batch(original: Callable) -> Callable:
         recorder = _recorder
         if recorder is None:
             return original(p2p_op_list)
-        indices = [recorder.enter(p2p.op.__name__, p2p.group, p2p.peer, p2p.tensor) for p2p in p2p_op_list]
+        indices = [recorder.enter(OPS.index(p2p.op.__name__), p2p.group, p2p.peer, p2p.tensor) for p2p in p2p_op_list]
         try:
             works = original(p2p_op_list)
         except BaseException:
             for index in indices:
-                recorder.end(index, STATES.index("failed"))
+                recorder.end(index, _FAILED)
             raise
         for n, index in enumerate(indices):  # NCCL gives one work for the whole batch, gloo one per op
             if len(works) == len(indices):
                 recorder.watch(index, works[n])
             else:
-                recorder.end(index, STATES.index("issued"))
+                recorder.end(index, _ISSUED)
         return works
 
     return wrapper
@@ -333,11 +352,12 @@ def read_file(path: str | os.PathLike) -> tuple[int, list[Entry], str]:
         groups.append((group_id, name or f"group {list(ranks)}", ranks))
     entries = []
     for n in range(max(0, count - capacity), count):
-        seq, t0, t1, slot, op, state, peer, dtype, shapes = _RECORD.unpack_from(
+        seq, t0, t1, slot, op, state, peer, dtype, ndim, count, *dims = _RECORD.unpack_from(
             data, _RING_AT + (n % capacity) * _RECORD.size)
         group_id, name, ranks = groups[slot] if slot < len(groups) else ("", "an unrecorded group", ())
-        entries.append(Entry(seq, OPS[op], name, ranks, STATES[state], shapes.rstrip(b"\0").decode(),
-                             dtype.rstrip(b"\0").decode(), None if peer < 0 else peer, t0, t1, group_id))
+        shapes = _shape_text(ndim, count, tuple(dims)) if dtype else ""
+        entries.append(Entry(seq, OPS[op], name, ranks, STATES[state], shapes, _DTYPES[dtype],
+                             None if peer < 0 else peer, t0, t1, group_id))
     return rank, entries, backend.rstrip(b"\0").decode()
 
 

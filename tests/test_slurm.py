@@ -80,8 +80,12 @@ def test_every_knob_is_explained(script):
         assert lines[export - 1].startswith("# ") and "export" not in lines[export - 1], f"{variable} unexplained"
     exported = {line.split("=")[0].split()[-1] for line in lines if line.startswith("export ")}
     assert exported == {"NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-                        "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "OMP_NUM_THREADS"}
+                        "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "OMP_NUM_THREADS",
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     assert "\nexport OMP_NUM_THREADS=8\n" in script and "\nexport TORCH_NCCL_ASYNC_ERROR_HANDLING=3\n" in script
+    # without it a restarted group can read the dead attempt's addresses from torchrun's store (torch 2.13: the
+    # restarted lab.train failed in init_process_group; with it, it resumed and ended on the uninterrupted losses)
+    assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in script
     assert {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_NET_GDR_LEVEL"} <= {k[0] for k in KNOBS}
 
 

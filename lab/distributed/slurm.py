@@ -52,10 +52,13 @@ KNOBS: tuple[tuple[str, str, str, bool], ...] = (
     ("NCCL_NET_GDR_LEVEL", "LOC", "up to which PCI distance a NIC reads and writes GPU memory directly (GPUDirect "
      "RDMA); NCCL picks it from the topology. A debugging switch: LOC (off) tests whether GPUDirect causes a hang "
      "or corruption; remove it afterwards", False),
-    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "a failed or timed-out collective ends its process (3: without NCCL's "
-     "cleanup, which can hang too), so torchrun restarts the group instead of every rank waiting until --time; "
-     "torch's default, and what the Flight Recorder's dump needs. NCCL_ASYNC_ERROR_HANDLING is its deprecated "
-     "name", True),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "a failed or timed-out collective ends its process, so torchrun restarts "
+     "the group instead of every rank waiting until --time; 3 skips NCCL's cleanup (which can hang too) and keeps "
+     "the Flight Recorder's dump, which torchrun's own choice when this is unset, 1, loses. "
+     "NCCL_ASYNC_ERROR_HANDLING is its deprecated name", True),
+    ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1", "every restart of the group gets a fresh store for init_process_group; "
+     "sharing torchrun's rendezvous store, a restarted rank can read the dead attempt's addresses and fail or hang "
+     "(pytorch/pytorch#135712; seen with torch 2.13 and gloo)", True),
     ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000", "torch's Flight Recorder: every rank keeps its last 2000 collectives "
      "(op, group, sequence number, sizes) in a ring buffer; 0 turns it off. torch >= 2.9 calls it "
      "TORCH_FR_BUFFER_SIZE and warns once that this name is old; this one works from torch 2.5", True),

@@ -13,7 +13,8 @@ The script is the usual shape of a multi-node PyTorch job; each piece is there f
   store on `--port`: every node's torchrun meets there and is given its node rank, so no node has to be told
   its rank. `--rdzv-id $SLURM_JOB_ID` keeps two jobs whose first node is the same host apart.
 - `--max-restarts K`: when a rank fails, every node's torchrun stops its ranks and starts them again, up to K
-  times; `--resume` makes them continue from the newest complete checkpoint (so does a resubmitted job).
+  times; `--resume` makes them continue from the newest complete checkpoint (so does a resubmitted job), and
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE gives each attempt a store of its own (a shared one broke restarts).
 - The NCCL and torch environment knobs (`KNOBS`), each with a comment saying what it does and when to change
   it; the ones that depend on the cluster's network are written commented out.
 

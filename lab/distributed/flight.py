@@ -1,6 +1,6 @@
 """A flight recorder for collectives: which rank was in which collective when a run hung.
 
-A hang in distributed training is almost always a desync: one rank calls a different collective than the
+Most hangs in distributed training are desyncs: one rank calls a different collective than the
 others (an `all_gather` where they call `all_reduce`), or does not call it at all (it is stuck in a loop,
 or took another branch). Every rank then waits for the others and the run stops without a word, until a
 timeout says only "timed out". What the timeout does not say is *where the ranks parted*. So each rank keeps
@@ -14,17 +14,18 @@ Each entry holds a sequence number counted per process group (the 41st collectiv
 group: every member must issue the same 41st), the op, the group (named by `Mesh`: tp, dp, pp, cp, ep, ...;
 "world" for the default group), shapes and dtype, and a state: "entered" while the call runs, "finished"
 once it returned, "failed" if it raised (a collective that timed out). A rank blocked inside #41 therefore
-reads as "is in all_reduce #41". Point-to-point ops are counted per pair of ranks (a send #3 to rank 1
-matches rank 1's recv #3 from rank 0). `diagnose(buffers)` finds, per group, the first sequence number at
-which the members differ, and says who is where; it is a pure function of the buffers.
+reads as "is in all_reduce #41". Point-to-point ops are counted per direction of a pair of ranks (rank 0's
+send #3 to rank 1 matches rank 1's recv #3 from rank 0; rank 1's sends to rank 0 are counted apart).
+`diagnose(buffers)` finds, per group, the first sequence number at which the members differ, and says who
+is where; it is a pure function of the buffers.
 
 How it records. `lab` calls collectives as `dist.all_reduce(...)`, looking the function up on
 `torch.distributed` at call time, so `start()` replaces those functions with recording wrappers (as
 `count_collectives` does for counting). Collectives that torch issues internally (DDP's reducer, FSDP2,
 DTensor, functional collectives) are not seen. An async op (`async_op=True`, isend/irecv) is marked finished
 when its future completes, where the backend gives one (gloo does for collectives, not for isend/irecv: those
-stay "issued"). The wrapper costs a few microseconds per call (see tests/test_flight.py for the measured
-number), against tens of microseconds for the cheapest gloo collective.
+stay "issued"). The wrapper costs about 10 us per call (measured on a 2-core CPU shared with other jobs, where
+a 1-float gloo all_reduce took 120-1100 us): noise for collectives, which move megabytes in training.
 
 Where the buffer lives. A rank stuck in a collective is blocked in C++: a Python signal handler would not
 run until the call returns, and a watcher thread would need the rank's cooperation. So the ring is an
@@ -39,9 +40,9 @@ line. By hand, in a notebook or a script, with any launcher:
     ...                                 # train; the run hangs and is killed
     print(flight.report("/tmp/flight")) # anywhere afterwards: the diagnosis and each rank's last entries
 
-Under torchrun, `LAB_FLIGHT_DIR=/shared/flight torchrun ...` with `flight.start_from_env()` in the script
-(lab's `init_from_env` calls it), then `python -m lab.distributed.flight /shared/flight` (on several nodes:
-copy every node's files into one directory first).
+Under torchrun, run `LAB_FLIGHT_DIR=/shared/flight torchrun ...` with `flight.start_from_env()` at the top
+of the script (it does nothing when the variable is not set); after a hang, `python -m lab.distributed.flight
+/shared/flight` prints the report (on several nodes, copy every node's files into one directory first).
 
 On NCCL a collective returns as soon as its kernel is queued on the GPU, so "finished" here means "queued":
 the desync (a different op, or a missing rank, at the same sequence number) is still found, but only
@@ -169,7 +170,7 @@ class _Recorder:
         self.mm = mmap.mmap(self.file.fileno(), 0)
         _HEADER.pack_into(self.mm, 0, _MAGIC, rank, 0, capacity, 0, 0, b"")
         self.slots: dict = {}  # process group -> its slot in the group table
-        self.seqs: dict = {}  # slot, or (slot, "send"/"recv", peer) for point-to-point -> last sequence number
+        self.seqs: dict = {}  # slot, or (slot, is a send, peer) for point-to-point -> last sequence number
 
     def slot(self, group) -> int:
         group = dist.group.WORLD if group is None else group
@@ -253,13 +254,15 @@ def _recording(op: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         recorder = _recorder
-        if recorder is None:
+        if recorder is None or not dist.is_initialized():  # torch says what is wrong with the call
             return original(*args, **kwargs)
         on = group(args, kwargs)
         other = None
         if p2p:  # the global rank at the other end: `dst`/`src`, or `group_dst`/`group_src` within the group
             other = peer(args, kwargs)
-            other = dist.get_global_rank(on, group_peer(args, kwargs)) if other is None else other
+            if other is None:
+                local = group_peer(args, kwargs)
+                other = local if on is None or local is None else dist.get_global_rank(on, local)
         index = recorder.enter(code, on, other, payload(args, kwargs))
         try:
             result = original(*args, **kwargs)
@@ -279,7 +282,7 @@ def _recording_batch(original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(p2p_op_list):
         recorder = _recorder
-        if recorder is None:
+        if recorder is None or not dist.is_initialized():
             return original(p2p_op_list)
         indices = [recorder.enter(OPS.index(p2p.op.__name__), p2p.group, p2p.peer, p2p.tensor) for p2p in p2p_op_list]
         try:
@@ -352,10 +355,10 @@ def read_file(path: str | os.PathLike) -> tuple[int, list[Entry], str]:
         groups.append((group_id, name or f"group {list(ranks)}", ranks))
     entries = []
     for n in range(max(0, count - capacity), count):
-        seq, t0, t1, slot, op, state, peer, dtype, ndim, count, *dims = _RECORD.unpack_from(
+        seq, t0, t1, slot, op, state, peer, dtype, ndim, tensors, *dims = _RECORD.unpack_from(
             data, _RING_AT + (n % capacity) * _RECORD.size)
         group_id, name, ranks = groups[slot] if slot < len(groups) else ("", "an unrecorded group", ())
-        shapes = _shape_text(ndim, count, tuple(dims)) if dtype else ""
+        shapes = _shape_text(ndim, tensors, tuple(dims)) if dtype else ""
         entries.append(Entry(seq, OPS[op], name, ranks, STATES[state], shapes, _DTYPES[dtype],
                              None if peer < 0 else peer, t0, t1, group_id))
     return rank, entries, backend.rstrip(b"\0").decode()

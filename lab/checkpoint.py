@@ -345,13 +345,15 @@ def save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, sched
 
 def prune(directory: str, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints (renamed away first, so that a kill mid-delete never leaves a
-    half-deleted checkpoint looking complete)."""
+    half-deleted checkpoint looking complete), and what a prune that was killed left half-deleted."""
     if keep <= 0 or _rank() != 0:
         return
+    deleted = TMP_PREFIX + "deleted-"
     for path in complete_checkpoints(directory)[:-keep]:
-        doomed = os.path.join(directory, TMP_PREFIX + "deleted-" + os.path.basename(path))
-        os.rename(path, doomed)
-        shutil.rmtree(doomed)
+        os.rename(path, os.path.join(directory, deleted + os.path.basename(path)))
+    for name in os.listdir(directory):
+        if name.startswith(deleted):
+            shutil.rmtree(os.path.join(directory, name))
 
 
 def complete_checkpoints(directory: str) -> list[str]:

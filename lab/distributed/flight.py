@@ -48,7 +48,8 @@ On NCCL a collective returns as soon as its kernel is queued on the GPU, so "fin
 the desync (a different op, or a missing rank, at the same sequence number) is still found, but only
 torch's own Flight Recorder knows what completed on the GPU. Turn it on with
 `TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=/tmp/fr/nccl_trace_rank_`
-(make /tmp/fr first); after a timeout, every rank dumps its trace there, and
+(make /tmp/fr first; torch 2.13 also reads the buffer size as TORCH_FR_BUFFER_SIZE, its newer name); after
+a timeout, every rank dumps its trace there, and
 `python -m torch.distributed.flight_recorder.fr_trace /tmp/fr -p nccl_trace_rank_` (also installed as
 `torchfrtrace`) reports the first mismatched collective; add `-j` to print each rank's entries.
 """

@@ -3,14 +3,13 @@ at any moment never leaves a checkpoint that loads wrongly, and `python -m lab c
 
 Every run here is `lab.train`'s own loop (`train_worker`) on ranks forked by `lab.distributed.run` from this
 process: a `python -m lab.train` subprocess would pay seconds of imports per run, and what is tested is the
-checkpoint, not the command line (whose flags `test_train.py` covers). A kill -9 is a real SIGKILL, sent by a
+checkpoint, not the command line (its checkpoint flags: `test_checkpoint_flags`). A kill -9 is a real SIGKILL, sent by a
 rank to itself (one rank dies) or to its launcher (the whole run dies: the ranks follow their parent), at a point
 of the save chosen by a hook armed in that rank only; one case kills at a random moment. The model is the tiny
 config cut to two layers, trained four steps."""
 
 import contextlib
 import dataclasses
-import json
 import multiprocessing as mp
 import os
 import random
@@ -145,32 +144,32 @@ def _record_loaded_state(directory: str) -> None:
     Checkpointer.resume = resume
 
 
-def _rank_trains(config: Config, log: str | None, options: CheckpointOptions, kill: Kill | None,
-                 loaded: str | None) -> list[float]:
+def _rank_trains(config: Config, options: CheckpointOptions, kill: Kill | None, loaded: str | None) -> list[float]:
     if loaded is not None:
         _record_loaded_state(loaded)
     if kill is not None:  # after: a kill at resume comes once the loaded state is recorded
         kill.arm()
-    return [entry.loss for entry in train.train_worker(config, log, False, options)]
+    return [entry.loss for entry in train.train_worker(config, None, False, options)]
 
 
-def _train(layout: str, ckpt, log=None, every: int = 0, keep: int = 0, resume: bool = False,
-           asynchronous: bool = False, kill: Kill | None = None, loaded=None) -> list[float]:
-    """Train `layout` for STEPS steps with checkpoints in `ckpt`; rank 0's losses of the steps it made."""
+def _train(layout: str, ckpt, every: int = 0, keep: int = 0, resume: bool = False, asynchronous: bool = False,
+           kill: Kill | None = None, loaded=None) -> list[float]:
+    """Train `layout` for STEPS steps with checkpoints in `ckpt`; rank 0's losses of the steps it made (after a
+    resume: those after the checkpoint's step)."""
     config = _config(layout)
     options = CheckpointOptions(str(ckpt), every, keep, resume, asynchronous)
-    return lab_dist.run(_rank_trains, config.parallel.world_size, config, log and str(log), options, kill,
+    return lab_dist.run(_rank_trains, config.parallel.world_size, config, options, kill,
                         loaded and str(loaded), timeout_s=120)[0]
 
 
-def _train_killed(kill: Kill, layout: str, ckpt, log=None, **options) -> None:
+def _train_killed(kill: Kill, layout: str, ckpt, **options) -> None:
     """A run that `kill` stops: SIGKILLed as a whole (its launcher, a fork of this process) or in one rank (a
     random moment may come after the run finished)."""
     kill = dataclasses.replace(kill, witness=f"{ckpt}.killed")
     with contextlib.suppress(FileNotFoundError):
         os.remove(kill.witness)
     if kill.whole_run:
-        launcher = mp.get_context("fork").Process(target=_train, args=(layout, ckpt, log), kwargs={**options,
+        launcher = mp.get_context("fork").Process(target=_train, args=(layout, ckpt), kwargs={**options,
                                                                                                      "kill": kill})
         launcher.start()
         launcher.join(timeout=120)
@@ -181,7 +180,7 @@ def _train_killed(kill: Kill, layout: str, ckpt, log=None, **options) -> None:
         assert finished or launcher.exitcode == -signal.SIGKILL, f"the run failed: exit code {launcher.exitcode}"
     else:
         try:  # the launcher kills the other ranks and names a rank; which one, when several fail, is its business
-            _train(layout, ckpt, log, **options, kill=kill)
+            _train(layout, ckpt, **options, kill=kill)
             finished = True
         except lab_dist.RankError:
             finished = False
@@ -200,21 +199,15 @@ def _assert_same(got: dict, expected: dict, what: str) -> None:
         assert torch.equal(got[key], expected[key]), f"{what}: {key}"
 
 
-def _losses(log) -> list[float]:
-    return [json.loads(line)["loss"] for line in open(log)]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Uninterrupted runs, made once per layout: {layout: (checkpoint dir, JSON log)}. dp2 saves after every
+    """Uninterrupted runs, made once per layout: {layout: (checkpoint dir, losses)}. dp2 saves after every
     step (the kill tests compare with each of its checkpoints), the others every 2 steps."""
     root, made = tmp_path_factory.mktemp("trained"), {}
 
     def get(layout: str):
         if layout not in made:
-            ckpt, log = root / layout, root / f"{layout}.jsonl"
-            _train(layout, ckpt, log, every=1 if layout == "dp2" else 2)
-            made[layout] = ckpt, log
+            made[layout] = root / layout, _train(layout, root / layout, every=1 if layout == "dp2" else 2)
         return made[layout]
 
     return get
@@ -229,15 +222,13 @@ def test_kill_9_mid_training_then_resume_is_bit_for_bit(trained, tmp_path, capfd
     continues from step 2 and steps 3-4 equal the uninterrupted run's exactly (fp32 on CPU). Plain DP: the next
     test, killed inside saves, ends with the uninterrupted losses too."""
     source, reference = trained(layout)
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    ckpt = tmp_path / "ckpt"
     shutil.copytree(source / _name(2), ckpt / _name(2))
-    shutil.copy(reference, log)
-    _train_killed(Kill("after_step", 3, rank, whole_run), layout, ckpt, log, every=2, resume=True)
+    _train_killed(Kill("after_step", 3, rank, whole_run), layout, ckpt, every=2, resume=True)
     assert os.listdir(ckpt) == [_name(2)]
     capfd.readouterr()
-    _train(layout, ckpt, log, every=2, resume=True)
+    assert _train(layout, ckpt, every=2, resume=True) == reference[2:]
     assert f"checkpoint: resuming from {ckpt / _name(2)}\n" in capfd.readouterr().out
-    assert _losses(log) == _losses(reference)
 
 
 def test_saves_killed_at_any_point_never_load_wrongly(trained, tmp_path, capfd):
@@ -247,7 +238,7 @@ def test_saves_killed_at_any_point_never_load_wrongly(trained, tmp_path, capfd):
     run's of its step; the next run says it resumes from the newest (naming the unfinished save it ignores), and
     what it loaded equals it, tensor by tensor. The run that finishes has the uninterrupted losses."""
     source, reference = trained("dp2")
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    ckpt = tmp_path / "ckpt"
     runs = [  # (kill, the complete checkpoints' steps after it, an asynchronous save)
         (Kill("metadata_written", 2, 0, whole_run=True), [1], False),  # step 1 saved; step 2's .metadata written
         (Kill("files_written", 2, 1, whole_run=False), [1], False),
@@ -264,9 +255,10 @@ def test_saves_killed_at_any_point_never_load_wrongly(trained, tmp_path, capfd):
         loaded, options = tmp_path / f"loaded-{i}", {"every": 1, "keep": 2, "resume": True,
                                                      "asynchronous": asynchronous}
         if kill is None:
-            _train("dp2", ckpt, log, **options, loaded=loaded)
+            step = int(os.path.basename(resumed_from)[len("step-"):])
+            assert _train("dp2", ckpt, **options, loaded=loaded) == reference[step:]
         else:
-            _train_killed(kill, "dp2", ckpt, log, **options, loaded=loaded)
+            _train_killed(kill, "dp2", ckpt, **options, loaded=loaded)
         out = capfd.readouterr().out
         if resumed_from is not None:  # it said so, and loaded exactly that checkpoint's state
             assert f"checkpoint: {note}\n" in out, out
@@ -282,7 +274,6 @@ def test_saves_killed_at_any_point_never_load_wrongly(trained, tmp_path, capfd):
         assert note == f"resuming from {resumed_from}" + (
             f" (ignoring {', '.join(unfinished)}: a save that did not finish)" if unfinished else "")
     assert resumed_from == str(ckpt / _name(STEPS))
-    assert _losses(log) == _losses(reference)
 
 
 def test_keep_deletes_the_oldest_and_what_a_killed_prune_left(tmp_path):
@@ -316,9 +307,8 @@ def test_async_checkpoints_hold_the_same_state(trained, tmp_path):
     """--async-checkpoint: training goes on while a checkpoint is written from its copy in CPU memory; every
     checkpoint equals the synchronous run's, tensor by tensor."""
     source, reference = trained("dp2")
-    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    _train("dp2", ckpt, log, every=2, asynchronous=True)
-    assert _losses(log) == _losses(reference)
+    ckpt = tmp_path / "ckpt"
+    assert _train("dp2", ckpt, every=2, asynchronous=True) == reference
     for step in (2, 4):
         _assert_same(_tensors(ckpt / _name(step)), _tensors(source / _name(step)), _name(step))
 
@@ -374,7 +364,7 @@ def test_resume_at_another_dp_sees_the_same_global_batches(trained, tmp_path, ca
     resumed = _train("dp2_tp2", ckpt, resume=True)
     out = capfd.readouterr().out
     assert "resharded (dp 4->2, tp 1->2)" in out and "each dp rank now reads other rows" in out
-    expected = _losses(reference)[2:]
+    expected = reference[2:]
     assert len(resumed) == len(expected)
     for a, b in zip(resumed, expected, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)

@@ -4,10 +4,13 @@
     python -m lab.train --config configs/tiny.toml --nproc 2             # two local gloo ranks: dp=2
     torchrun --nproc_per_node 8 -m lab.train --model llama3-1b --seq 2048 --mbs 1 --tp 2   # dp=4 x tp=2
     python -m lab.train --config configs/llama3-70b.toml --dp 8 --tp 8 --pp 4 --dry-run --rank 37  # lab.dryrun
+    python -m lab.train --config configs/tiny.toml --nproc 2 --checkpoint-dir ckpt --checkpoint-every 2 \
+        --inject-failure rank=1,step=3,kind=kill --max-restarts 1     # a rank dies; the group resumes (lab.faults)
 
 On a CPU it starts `--nproc` gloo ranks through `lab.distributed.run`; under `torchrun` it joins the launched
 group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,
-peak_bytes) to `--log-json`; the final summary compares the loss with the data's known floor.
+peak_bytes) to `--log-json`; the final summary compares the loss with the data's known floor. A group started
+again after a failure (`--max-restarts`, or `torchrun --max-restarts`) resumes from its newest checkpoint.
 
 Each chapter adds its flag here and a test showing its losses equal the single-process run's.
 """
@@ -29,10 +32,11 @@ from torch import nn
 
 from lab import distributed as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
-from lab.checkpoint import Checkpointer, CheckpointOptions
+from lab.checkpoint import Checkpointer, CheckpointOptions, newest
 from lab.config import Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
 from lab.dryrun import dry_run
+from lab.faults import USAGE, InjectedFailure
 from lab.model import MoE, build_model, moe_losses, num_params
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
@@ -100,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--keep", type=int, default=0, metavar="K", help="keep the newest K checkpoints (0: all)")
     ckpt.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                       "--checkpoint-dir, at this run's layout (which may differ from the one that saved it)")
+    faults = p.add_argument_group("failures and restarts (lab.faults)")
+    faults.add_argument("--inject-failure", metavar=USAGE, help="make rank R fail in step S, before its optimizer "
+                        "step: raise an error (default), SIGKILL itself, or hang (first attempt only)")
+    faults.add_argument("--max-restarts", type=int, default=0, metavar="K", help="start the whole group again after a "
+                        "failure, up to K times, resuming from the newest checkpoint (needs --checkpoint-dir; "
+                        "under torchrun, give torchrun --max-restarts instead)")
+    faults.add_argument("--collective-timeout", type=float, metavar="SECONDS", help="how long a collective waits "
+                        "for a missing rank before it fails (default: 30 s for --nproc, 1800 s under torchrun)")
     group = p.add_argument_group("parallelism (the fields of [parallel]; each flag sets one)")
     for spec in dataclasses.fields(ParallelConfig):
         flag, meta = spec.metadata.get("flag", "--" + spec.name.replace("_", "-")), spec.metadata
@@ -196,9 +208,10 @@ def _lr_factor(step: int, config: Config) -> float:
 
 
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True,
-                 checkpoint: CheckpointOptions | None = None) -> list[StepLog]:
+                 checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None) -> list[StepLog]:
     """The training loop run by every rank (or by the only process). Returns the per-step log (of the steps
-    this run made: after a resume, those after the checkpoint's step).
+    this run made: after a resume, those after the checkpoint's step). A group started again after a failure
+    (`lab.distributed.restarts`, under `lab.distributed.run` or torchrun) resumes as `--resume` does.
 
     It knows one thing about the layout: whether a pipeline drives the model. Everything else — which rows and
     tokens this rank holds, how the loss and gradients are reduced — is asked of what `parallelize` built."""
@@ -213,10 +226,18 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     if par.pipeline is not None and moe is not None:
         par.pipeline.extra_loss = moe.router_loss  # each stage's MoE layers, after its forward
 
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    restart, max_restarts = lab_dist.restarts()
+    if restart > 0 and rank == 0:
+        path = newest(checkpoint.dir)[0] if checkpoint is not None else None
+        where = (f"resuming from checkpoint {os.path.basename(path)}" if path else
+                 f"starting again from step 0 ({'no checkpoint yet' if checkpoint else 'no --checkpoint-dir'})")
+        print(f"restart {restart}/{max_restarts}: {where}", file=sys.stderr, flush=True)
+    if restart > 0 and checkpoint is not None:  # a restarted group goes on from its newest checkpoint
+        checkpoint = dataclasses.replace(checkpoint, resume=True)
     checkpointer = Checkpointer(checkpoint, config) if checkpoint is not None else None
     first = checkpointer.resume(par, optimizer, scheduler, data) if checkpointer is not None else 0
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
     log_file = _open_log(log_path, first) if (log_path and rank == 0) else None
     progress = _progress(train.steps, enabled=verbose and rank == 0)
     logs: list[StepLog] = []
@@ -238,6 +259,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             loss = par.mean_loss(loss)
             norm = clip_grad_norm(par.parameters(), train.grad_clip)
             lr = scheduler.get_last_lr()[0]
+            if inject is not None:  # gradients reduced, update not made: the step is lost
+                inject.maybe_fire(rank, step + 1)
             optimizer.step()
             par.engine.after_step()
             scheduler.step()
@@ -260,13 +283,23 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
 
 
 def _open_log(path: str, first: int):
-    """The JSON log, opened for writing; a resumed run keeps the entries up to the step it resumed from."""
-    kept = []
-    if first and os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= first]
-    log_file = open(path, "w")  # noqa: SIM115 - closed by the caller
-    log_file.writelines(kept)
+    """The JSON log, opened for writing; a resumed run keeps the entries up to the step it resumed from.
+
+    They are kept by cutting the file after them in place, not by writing them again: a kill at any moment after
+    this leaves them on disk. Reading stops at a line a kill tore in half."""
+    if not (first and os.path.exists(path)):
+        return open(path, "w")  # noqa: SIM115 - closed by the caller
+    log_file = open(path, "r+")  # noqa: SIM115 - closed by the caller
+    end = 0
+    for line in iter(log_file.readline, ""):
+        try:
+            if json.loads(line)["step"] > first:
+                break
+        except json.JSONDecodeError:
+            break
+        end = log_file.tell()
+    log_file.seek(end)
+    log_file.truncate()
     return log_file
 
 
@@ -376,24 +409,47 @@ def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tup
 
 
 def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True,
-        checkpoint: CheckpointOptions | None = None) -> list[StepLog]:
+        checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None, max_restarts: int = 0,
+        collective_timeout_s: float | None = None) -> list[StepLog]:
     """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched. A layout
-    lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`)."""
+    lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`).
+
+    `inject` makes a rank fail on purpose (`lab.faults`); `max_restarts` starts the local ranks again after a
+    failure, resuming from the newest checkpoint (under torchrun, torchrun's own `--max-restarts` does this).
+    `collective_timeout_s` bounds how long a collective waits for a missing rank (the process group's timeout)."""
     check_supported(config)
+    _check_faults(config, checkpoint, inject, max_restarts, collective_timeout_s)
     if lab_dist.launched_by_torchrun():
-        lab_dist.init_from_env()
+        lab_dist.init_from_env(**({} if collective_timeout_s is None else {"timeout_s": collective_timeout_s}))
         if dist.get_world_size() != config.parallel.world_size:
             raise ValueError(f"torchrun started {dist.get_world_size()} ranks but dp*tp*cp*pp = "
                              f"{config.parallel.world_size}")
-        return train_worker(config, log_path, verbose, checkpoint)
+        return train_worker(config, log_path, verbose, checkpoint, inject)
     if nproc != config.parallel.world_size:
         p = config.parallel
         raise ValueError(f"nproc={nproc} must equal dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
-    if nproc == 1:
+    if nproc == 1 and inject is None and not max_restarts:  # a failure on purpose runs in a rank of its own
         return train_worker(config, log_path, verbose, checkpoint)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
-    return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, backend=backend,
-                        timeout_s=max(600.0, 10.0 * config.train.steps))[0]
+    return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, backend=backend,
+                        timeout_s=max(600.0, 10.0 * config.train.steps), max_restarts=max_restarts,
+                        **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
+
+
+def _check_faults(config: Config, checkpoint: CheckpointOptions | None, inject: InjectedFailure | None,
+                  max_restarts: int, collective_timeout_s: float | None) -> None:
+    if inject is not None:
+        inject.check(config.parallel.world_size, config.train.steps)
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"--max-restarts={max_restarts!r} must be an integer >= 0")
+    if max_restarts and lab_dist.launched_by_torchrun():
+        raise ValueError(f"--max-restarts={max_restarts} under torchrun: give it to torchrun instead "
+                         f"(torchrun --max-restarts {max_restarts} ...), which restarts the group")
+    if max_restarts and checkpoint is None:
+        raise ValueError(f"--max-restarts={max_restarts} needs --checkpoint-dir: a restart resumes from the "
+                         f"newest checkpoint")
+    if collective_timeout_s is not None and not collective_timeout_s > 0:
+        raise ValueError(f"--collective-timeout={collective_timeout_s!r} must be > 0 (seconds)")
 
 
 def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions | None:
@@ -423,11 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if report.mismatches else 0
     try:
         checkpoint = _checkpoint_options(args)
+        inject = InjectedFailure.parse(args.inject_failure) if args.inject_failure is not None else None
     except ValueError as err:
         return _error_once(parser.prog, str(err))
     start = time.perf_counter()
     try:
-        logs = run(config, nproc, args.log_json, verbose=not args.quiet, checkpoint=checkpoint)
+        logs = run(config, nproc, args.log_json, verbose=not args.quiet, checkpoint=checkpoint, inject=inject,
+                   max_restarts=args.max_restarts, collective_timeout_s=args.collective_timeout)
     except ValueError as err:
         return _error_once(parser.prog, str(err))
     except lab_dist.RankError as err:

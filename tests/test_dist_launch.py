@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from dist_workers import all_reduce_on_gpu, all_reduce_rank
 
-from lab.distributed import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
+from lab.distributed import RankError, RankTimeout, init_from_env, launched_by_torchrun, restarts, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -287,3 +287,50 @@ def test_tensor_results_survive_the_rank_exiting():
     # tensors must be copied back, not shared through memory that dies with the rank
     results = run(lambda: torch.full((3,), float(dist.get_rank())), 3)
     assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+
+
+# --- restarts (max_restarts) ----------------------------------------------------------------------------
+
+def _rank_1_fails_in_the_first_attempts(failing_attempts: int) -> tuple[int, int]:
+    restart, max_restarts = restarts()
+    if restart < failing_attempts and dist.get_rank() == 1:
+        raise RuntimeError(f"attempt {restart} fails")
+    dist.all_reduce(torch.ones(1))
+    return restart, max_restarts
+
+
+def test_max_restarts_starts_the_whole_group_again_and_tells_each_rank_its_attempt(capfd, no_leftovers):
+    """As torchrun --max-restarts: every rank starts again, and finds the attempt in TORCHELASTIC_RESTART_COUNT
+    (the limit in TORCHELASTIC_MAX_RESTARTS); the parent's environment is left as it was."""
+    assert run(_rank_1_fails_in_the_first_attempts, 2, 1, max_restarts=2) == [(1, 2), (1, 2)]
+    err = capfd.readouterr().err
+    assert "lab.distributed.run: rank 1 failed: RuntimeError: attempt 0 fails" in err
+    assert "lab.distributed.run: restart 1/2: starting 2 rank(s) again" in err and "restart 2/2" not in err
+    assert "TORCHELASTIC_RESTART_COUNT" not in os.environ and restarts() == (0, 0)
+
+
+def test_when_the_restarts_are_spent_the_last_failure_is_raised(capfd, no_leftovers):
+    with pytest.raises(RankError, match="rank 1 failed: RuntimeError: attempt 1 fails") as err:
+        run(_rank_1_fails_in_the_first_attempts, 2, 5, max_restarts=1)
+    assert err.value.rank == 1
+    assert capfd.readouterr().err.count("starting 2 rank(s) again") == 1
+
+
+def _rank_1_hangs_in_the_first_attempt() -> int:
+    if restarts()[0] == 0 and dist.get_rank() == 1:
+        while True:  # in Python, in no collective
+            time.sleep(60)
+    dist.all_reduce(torch.ones(1))
+    return restarts()[0]
+
+
+def test_a_hang_fails_at_the_collective_timeout_and_the_group_restarts(capfd, no_leftovers):
+    assert run(_rank_1_hangs_in_the_first_attempt, 2, pg_timeout_s=2, max_restarts=1) == [1, 1]
+    assert "lab.distributed.run: restart 1/1" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_bad_max_restarts_is_one_clear_line(value):
+    with pytest.raises(ValueError) as err:
+        run(all_reduce_rank, 2, 0.0, max_restarts=value)
+    assert str(err.value) == f"max_restarts={value!r} must be an integer >= 0"

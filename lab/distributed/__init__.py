@@ -1,7 +1,8 @@
 """Ranks, process groups and collective accounting: everything `lab` needs from a cluster.
 
-`run` starts local ranks (notebooks, tests, the grader, `--nproc`); under torchrun `init_from_env`
-joins the launched group instead. `Mesh` lays ranks out on the dp x pp x cp x tp grid and builds a
+`run` starts local ranks (notebooks, tests, the grader, `--nproc`), and starts them again after a failure
+(`max_restarts`); under torchrun `init_from_env` joins the launched group instead. `restarts` says which
+attempt a rank runs in, under either launcher. `Mesh` lays ranks out on the dp x pp x cp x tp grid and builds a
 process group per axis; `count_collectives` counts the calls and bytes of every collective.
 This package knows nothing of the techniques built on it: it imports torch, and nothing else from `lab`.
 """
@@ -9,7 +10,7 @@ This package knows nothing of the techniques built on it: it imports torch, and 
 import warnings
 
 from lab.distributed.comm import CollectiveCounts, OpCounts, count_collectives
-from lab.distributed.launch import RankError, RankTimeout, init_from_env, launched_by_torchrun, run
+from lab.distributed.launch import RankError, RankTimeout, init_from_env, launched_by_torchrun, restarts, run
 from lab.distributed.mesh import Mesh, axis_groups, layout
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on every call. The
@@ -18,4 +19,4 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_int
                         r"is deprecated", category=FutureWarning)
 
 __all__ = ["CollectiveCounts", "Mesh", "OpCounts", "RankError", "RankTimeout", "axis_groups", "count_collectives",
-           "init_from_env", "launched_by_torchrun", "layout", "run"]
+           "init_from_env", "launched_by_torchrun", "layout", "restarts", "run"]

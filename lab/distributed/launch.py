@@ -43,7 +43,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -55,6 +55,7 @@ import torch.distributed as dist
 BACKENDS = ("gloo", "nccl")
 START_METHODS = ("fork", "spawn")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_RESTART_COUNT, _MAX_RESTARTS = "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"  # torchrun's names
 _PR_SET_PDEATHSIG = 1
 _GRACE_S = 1.0  # how long a bystander's error waits for the culprit's error to arrive
 # Errors a rank reports because *another* rank failed; they never name the culprit.
@@ -205,7 +206,8 @@ def _pickle_for_spawn(fn: Callable, args: tuple, kwargs: dict) -> bytes:
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0,
-        pg_timeout_s: float = 30.0, start_method: str = "fork", debug: bool = False, **kwargs: Any) -> list:
+        pg_timeout_s: float = 30.0, start_method: str = "fork", debug: bool = False, max_restarts: int = 0,
+        **kwargs: Any) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks in one process group; return their results.
 
     Results come back in rank order (pickled through pipes). On the first failure, or if ranks are still
@@ -215,9 +217,54 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "glo
     fail loudly, at about 2.5x the latency. With `start_method="spawn"`, `fn` is sent with cloudpickle if
     it is installed, else by name (then it must be importable, and the usual multiprocessing rule applies:
     a script guards its entry point with `if __name__ == "__main__":`).
+
+    `max_restarts=K` starts the whole group again after a failure, up to K times, as `torchrun --max-restarts K`
+    does: one rank lost means the group's collectives are broken, so every rank restarts. Each attempt's ranks
+    find its number in torchrun's variables (`restarts()` reads them), so `fn` can resume from its last
+    checkpoint under either launcher. Each failure and restart is logged on stderr; when the restarts are spent,
+    the last failure is raised.
     """
     _validate(fn, world_size, backend, start_method, timeout_s, pg_timeout_s)
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r} must be an integer >= 0")
     _preimport()
+    launch = functools.partial(_launch, fn, world_size, args, kwargs, backend, timeout_s, pg_timeout_s, start_method,
+                               debug, max_restarts=max_restarts)
+    for restart in range(max_restarts):
+        try:
+            return launch(restart)
+        except RankError as error:
+            print(f"lab.distributed.run: {str(error).splitlines()[0]}\n"
+                  f"lab.distributed.run: restart {restart + 1}/{max_restarts}: starting {world_size} rank(s) again",
+                  file=sys.stderr, flush=True)
+    return launch(max_restarts)  # the last attempt: its failure is raised
+
+
+def restarts() -> tuple[int, int]:
+    """(restarts so far, restarts allowed) of this group: (0, 0) for a group that never restarts. Read from the
+    variables torchrun sets (`torchrun --max-restarts`), which `run(max_restarts=...)` sets too."""
+    return int(os.environ.get(_RESTART_COUNT, 0)), int(os.environ.get(_MAX_RESTARTS, 0))
+
+
+@contextlib.contextmanager
+def _restart_env(restart: int, max_restarts: int) -> Iterator[None]:
+    """Tell the ranks started inside which attempt they run in, as torchrun tells its workers: a child gets the
+    parent's environment as it is when the child starts, so it is set around the start only."""
+    saved = {key: os.environ.get(key) for key in (_RESTART_COUNT, _MAX_RESTARTS)}
+    os.environ.update({_RESTART_COUNT: str(restart), _MAX_RESTARTS: str(max_restarts)})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict, backend: str, timeout_s: float,
+            pg_timeout_s: float, start_method: str, debug: bool, restart: int, max_restarts: int) -> list:
+    """One attempt of `run`: start the ranks, supervise them, and leave none behind."""
     payload = (fn, args, kwargs) if start_method == "fork" else _pickle_for_spawn(fn, args, kwargs)
     context = mp.get_context(start_method)
     store = None
@@ -231,8 +278,8 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "glo
                 target=_rank_main, name=f"lab-rank-{rank}", daemon=False,
                 args=(payload, rank, world_size, backend, pg_timeout_s, debug, os.getpid(), stack_paths[rank],
                       child_end))
-            with warnings.catch_warnings():  # Python >= 3.12 warns on fork with threads (a kernel's)
-                warnings.simplefilter("ignore", DeprecationWarning)
+            with warnings.catch_warnings(), _restart_env(restart, max_restarts):
+                warnings.simplefilter("ignore", DeprecationWarning)  # Python >= 3.12 warns on fork with threads
                 process.start()
             child_end.close()
             ranks.append(process)

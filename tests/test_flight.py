@@ -2,11 +2,13 @@
 buffers), the ring records what ranks really did (file read back), and a real hang or desync under
 `lab.distributed.run` ends in an error that says who is where."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from lab.distributed import count_collectives, flight, run
+from lab.distributed import Mesh, RankError, RankTimeout, count_collectives, flight, run
 from lab.distributed.flight import Entry
 
 TP, WORLD = (0, 1, 2, 3), (0, 1, 2, 3)
@@ -144,3 +146,39 @@ def test_the_report_and_the_command_line(recorded, capsys, tmp_path):
     nccl.write_bytes(data)
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" in flight.report(tmp_path)
     assert flight.report(tmp_path / "empty").startswith("no flight-recorder files")
+
+
+# --- real hangs under the launcher ------------------------------------------------------------------------
+
+def _all_gather_on_rank_3():
+    mesh = Mesh(tp=4)
+    x = torch.ones(4)
+    dist.all_reduce(x, group=mesh.tp_group)
+    if dist.get_rank() == 3:
+        dist.all_gather([torch.empty(4) for _ in range(4)], x, group=mesh.tp_group)
+    else:
+        dist.all_reduce(x, group=mesh.tp_group)
+
+
+def test_a_desync_on_a_mesh_group_names_the_rank_the_op_and_the_group():
+    with pytest.raises(RankTimeout) as err:  # the mismatched ops wait for each other: a hang
+        run(_all_gather_on_rank_3, 4, timeout_s=4)
+    lines = str(err.value).splitlines()
+    assert lines[1] == ("collectives: rank 3 is in all_gather #2 on tp group; "
+                        "ranks 0–2 are in all_reduce #2 on tp group")
+    assert "rank 3 was here" in err.value.traceback_text  # the stacks are still there
+    assert "rank 3's last collectives:\n  all_reduce #1 on tp group: finished" in err.value.traceback_text
+
+
+def _sleep_on_rank_1():
+    dist.all_reduce(torch.ones(1))
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_stuck_outside_collectives_is_named_when_the_others_time_out():
+    with pytest.raises(RankError) as err:
+        run(_sleep_on_rank_1, 3, pg_timeout_s=2)
+    assert str(err.value).splitlines()[1] == ("collectives: rank 1 is not in a collective (its last: all_reduce #1 "
+                                              "on world); ranks 0, 2 failed in all_reduce #2 on world")

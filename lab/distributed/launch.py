@@ -38,6 +38,7 @@ import os
 import pickle
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -122,6 +123,8 @@ def _rank_main(payload: tuple | bytes, rank: int, world_size: int, backend: str,
     os.setsid()  # lead a process group: the parent can kill this rank and everything it started
     _die_with_parent(parent_pid)
     faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)
+    from lab.distributed import flight  # here, not above: `python -m lab.distributed.flight` must import it first
+    flight.start(os.path.dirname(stack_path), rank)  # its ring of collectives, readable by the parent at any time
     port = conn.recv()  # the parent starts its store once every rank is forked (see the module docstring)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -361,11 +364,13 @@ def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[
         return RankError(f"rank {rank} {verb}{summary}{tail}", rank, tb)
     rank = min(failures, key=lambda r: failures[r][0])
     _, summary, tb = failures[rank]
+    diagnosis, collectives = _collectives(stack_paths)
     if running:
         stacks = _dump_stacks(running, ranks, stack_paths)
         return RankError(f"rank(s) {sorted(failures)} failed in a collective while rank(s) {running} never "
-                         f"joined it: {summary}", running, "\n".join([*stacks.values(), f"rank {rank}: {tb}"]))
-    return RankError(f"rank {rank} failed: {summary}", rank, tb)
+                         f"joined it: {summary}{diagnosis}", running,
+                         "\n".join([*stacks.values(), f"rank {rank}: {tb}", collectives]))
+    return RankError(f"rank {rank} failed: {summary}{diagnosis}", rank, f"{tb}\n{collectives}")
 
 
 def _timeout(running: list[int], finished: list[int], timeout_s: float, ranks: list,
@@ -376,8 +381,25 @@ def _timeout(running: list[int], finished: list[int], timeout_s: float, ranks: l
     waiting = [r for r in running if _innermost_frame_in_torch_distributed(stacks[r])]
     culprits = [r for r in running if r not in waiting] or running
     note = f", of which {waiting} wait in torch.distributed" if waiting and culprits != running else ""
+    diagnosis, collectives = _collectives(stack_paths)
     return RankTimeout(f"rank(s) {culprits} did not finish within timeout_s={timeout_s:g} s "
-                       f"(still running: {running}{note}; finished: {finished})", culprits, "\n".join(stacks.values()))
+                       f"(still running: {running}{note}; finished: {finished}){diagnosis}", culprits,
+                       "\n".join([*stacks.values(), collectives]))
+
+
+def _collectives(stack_paths: list[str]) -> tuple[str, str]:
+    """The flight recorder's diagnosis, as lines for the error message ("\ncollectives: rank 3 is in ..."), and
+    every rank's last collectives (with the pointer to torch's own recorder on NCCL) for the details below it.
+    Read from the files the ranks keep next to their stacks: no help from a stuck rank is needed."""
+    from lab.distributed import flight
+    try:
+        read_back = [flight.read_file(path) for path in sorted(Path(stack_paths[0]).parent.glob("rank*.flight"))]
+    except (OSError, ValueError, struct.error) as error:  # a rank killed while it created its file
+        return f"\ncollectives: the flight recorder could not be read ({error})", ""
+    buffers = {rank: entries for rank, entries, _ in read_back}
+    hint = [flight.NCCL_HINT] if any(backend == "nccl" for _, _, backend in read_back) else []
+    diagnosis = "".join(f"\ncollectives: {line}" for line in flight.diagnose(buffers).splitlines())
+    return diagnosis, "\n".join([flight.tail(buffers), *hint])
 
 
 def _dump_stacks(which: list[int], ranks: list, stack_paths: list[str], wait_s: float = 1.0) -> dict[int, str]:

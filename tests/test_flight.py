@@ -29,6 +29,7 @@ def test_a_rank_in_a_different_op_is_named_with_the_op_and_sequence_number():
     buffers[3] = [*_history(40), _tp(41, "all_gather", "entered")]
     assert flight.diagnose(buffers) == ("rank 3 is in all_gather #41 on tp group; "
                                         "ranks 0–2 are in all_reduce #41 on tp group")
+    assert flight.culprits(buffers) == [3]
 
 
 def test_a_rank_outside_any_collective_is_named_with_what_it_did_last():
@@ -38,6 +39,7 @@ def test_a_rank_outside_any_collective_is_named_with_what_it_did_last():
     buffers[1] = ops
     assert flight.diagnose(buffers) == ("rank 1 is not in a collective (its last: all_reduce #40 on dp group); "
                                         "ranks 0, 2, 3 are in all_reduce #41 on dp group")
+    assert flight.culprits(buffers) == [1]
 
 
 def test_a_rank_waiting_on_another_group_is_shown_there():
@@ -56,6 +58,7 @@ def test_different_shapes_of_the_same_op_are_a_divergence_and_are_shown():
                1: [Entry(7, "all_reduce", "tp", (0, 1), "failed", "[4]", "float32")]}
     assert flight.diagnose(buffers) == ("rank 0 failed in all_reduce #7 on tp group (float32 [8]); "
                                         "rank 1 failed in all_reduce #7 on tp group (float32 [4])")
+    assert flight.culprits(buffers) == []  # one against one: neither is the odd one out
 
 
 def test_point_to_point_ops_pair_up_per_direction():
@@ -81,6 +84,7 @@ def test_agreeing_ranks_say_so_even_when_their_rings_start_at_different_numbers(
         "the ranks' collectives agree (no rank issued a different one, none is missing one): "
         "rank 0 is not in a collective (its last: all_reduce #41 on tp group); "
         "rank 1 is not in a collective (its last: all_reduce #41 on tp group); rank 2 is in all_reduce #41 on tp group")
+    assert flight.culprits(buffers) == []
     assert flight.diagnose({0: [], 1: []}) == "no collectives were recorded"
 
 
@@ -166,6 +170,7 @@ def test_a_desync_on_a_mesh_group_names_the_rank_the_op_and_the_group():
     lines = str(err.value).splitlines()
     assert lines[1] == ("collectives: rank 3 is in all_gather #2 on tp group; "
                         "ranks 0–2 are in all_reduce #2 on tp group")
+    assert err.value.rank == [3]  # every rank waits in torch.distributed: the stacks alone cannot tell
     assert "rank 3 was here" in err.value.traceback_text  # the stacks are still there
     assert "rank 3's last collectives:\n  all_reduce #1 on tp group: finished" in err.value.traceback_text
 
@@ -182,3 +187,21 @@ def test_a_rank_stuck_outside_collectives_is_named_when_the_others_time_out():
         run(_sleep_on_rank_1, 3, pg_timeout_s=2)
     assert str(err.value).splitlines()[1] == ("collectives: rank 1 is not in a collective (its last: all_reduce #1 "
                                               "on world); ranks 0, 2 failed in all_reduce #2 on world")
+
+
+def _all_gather_on_rank_2():
+    x = torch.ones(4)
+    if dist.get_rank() == 2:
+        time.sleep(0.6)  # its timeout comes last: the earliest error is a bystander's
+        dist.all_gather([torch.empty(4) for _ in range(3)], x)
+    else:
+        dist.all_reduce(x)
+
+
+def test_a_desync_that_times_out_on_every_rank_names_the_odd_one_out():
+    with pytest.raises(RankError) as err:  # on the default group gloo times out on every rank alike
+        run(_all_gather_on_rank_2, 3, pg_timeout_s=2)
+    # (if rank 2's error came after the launcher's 1 s grace, rank 2 is named as still running: [2])
+    assert err.value.rank in (2, [2]) and "rank 2" in str(err.value).splitlines()[0]
+    assert str(err.value).splitlines()[1] == ("collectives: rank 2 failed in all_gather #1 on world; "
+                                              "ranks 0, 1 failed in all_reduce #1 on world")

@@ -421,8 +421,9 @@ def _signature(entry: Entry) -> tuple:
     return (entry.op, entry.shapes, entry.dtype) if entry.op in _SAME_SHAPE else (entry.op,)
 
 
-def _divergences(buffers: dict[int, list[Entry]]) -> list[tuple[float, str]]:
-    """(when, one line) for every sequence whose members part ways, at the first number where they do."""
+def _divergences(buffers: dict[int, list[Entry]]) -> list[tuple[float, str, list[int]]]:
+    """(when, one line, the odd ranks out) for every sequence whose members part ways, at the first number where
+    they do. The odd ones out are the ranks without the entry, else the smallest party (none on a tie)."""
     streams: dict[tuple, dict[int, dict[int, Entry]]] = {}  # stream -> rank -> seq -> entry
     members: dict[tuple, tuple[int, ...]] = {}
     for rank, entries in buffers.items():
@@ -445,7 +446,10 @@ def _divergences(buffers: dict[int, list[Entry]]) -> list[tuple[float, str]]:
                 if entry is not None:
                     kinds.setdefault(_signature(entry), []).append(r)
             if None in here.values() or len(kinds) > 1:
-                found.append((when, _describe(here, kinds, buffers)))
+                parties = sorted(kinds.values(), key=len)
+                odd = [r for r, e in here.items() if e is None] or (
+                    parties[0] if len(parties[0]) < len(parties[1]) else [])
+                found.append((when, _describe(here, kinds, buffers), odd))
                 break
     return sorted(found)
 
@@ -472,11 +476,19 @@ def diagnose(buffers: dict[int, list[Entry]]) -> str:
     group agrees, where each rank is. `buffers` maps each rank to its entries, oldest first (as `read` gives)."""
     if not any(buffers.values()):
         return "no collectives were recorded"
-    lines = [line for _, line in _divergences(buffers)]
+    lines = [line for _, line, _ in _divergences(buffers)]
     if lines:
         return "\n".join(lines)
     where = "; ".join(f"{_ranks_text([r])} {_position(buffers[r])}" for r in sorted(buffers))
     return f"the ranks' collectives agree (no rank issued a different one, none is missing one): {where}"
+
+
+def culprits(buffers: dict[int, list[Entry]]) -> list[int]:
+    """The ranks the first divergence points at: those missing from the collective the others are in, or the
+    fewer ranks that called a different one (rank 3 of "rank 3 is in all_gather #41; ranks 0–2 are in
+    all_reduce #41"). Empty when the ranks agree, or when two equal parties disagree."""
+    found = _divergences(buffers)
+    return found[0][2] if found else []
 
 
 def tail(buffers: dict[int, list[Entry]], n: int = 3) -> str:

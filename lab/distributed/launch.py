@@ -353,7 +353,8 @@ def _is_secondary(summary: str) -> bool:
 
 def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[str]) -> RankError:
     """Name the rank whose failure caused the others: a primary error first (the earliest), then a rank that
-    never joined the collective the others timed out in, then the earliest error of all."""
+    never joined the collective the others timed out in, then the one rank the flight recorders single out
+    (it called another collective than the others), then the earliest error of all."""
     primary = {r: f for r, f in failures.items() if not _is_secondary(f[1])}
     if primary:
         rank = min(primary, key=lambda r: primary[r][0])
@@ -362,9 +363,11 @@ def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[
         others = sorted(set(failures) - {rank})
         tail = f" (then rank(s) {others} failed too)" if others else ""
         return RankError(f"rank {rank} {verb}{summary}{tail}", rank, tb)
+    diagnosis, collectives, odd = _collectives(stack_paths)
     rank = min(failures, key=lambda r: failures[r][0])
+    if len(odd) == 1 and odd[0] in failures and not running:  # the recorders point at it: it called another op
+        rank = odd[0]
     _, summary, tb = failures[rank]
-    diagnosis, collectives = _collectives(stack_paths)
     if running:
         stacks = _dump_stacks(running, ranks, stack_paths)
         return RankError(f"rank(s) {sorted(failures)} failed in a collective while rank(s) {running} never "
@@ -376,30 +379,33 @@ def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[
 def _timeout(running: list[int], finished: list[int], timeout_s: float, ranks: list,
              stack_paths: list[str]) -> RankTimeout:
     """Name the ranks still running at the deadline, and — from their stacks — which of them were stuck
-    somewhere other than a torch.distributed call (those waiting in a collective are waiting for them)."""
+    somewhere other than a torch.distributed call (those waiting in a collective are waiting for them); if all
+    wait in one, the ranks the flight recorders single out (they called another collective)."""
     stacks = _dump_stacks(running, ranks, stack_paths)
     waiting = [r for r in running if _innermost_frame_in_torch_distributed(stacks[r])]
-    culprits = [r for r in running if r not in waiting] or running
+    diagnosis, collectives, odd = _collectives(stack_paths)
+    # stuck outside torch.distributed; else, if all wait in it, those the recorders point at (a different op)
+    culprits = [r for r in running if r not in waiting] or [r for r in odd if r in running] or running
     note = f", of which {waiting} wait in torch.distributed" if waiting and culprits != running else ""
-    diagnosis, collectives = _collectives(stack_paths)
     return RankTimeout(f"rank(s) {culprits} did not finish within timeout_s={timeout_s:g} s "
                        f"(still running: {running}{note}; finished: {finished}){diagnosis}", culprits,
                        "\n".join([*stacks.values(), collectives]))
 
 
-def _collectives(stack_paths: list[str]) -> tuple[str, str]:
-    """The flight recorder's diagnosis, as lines for the error message ("\ncollectives: rank 3 is in ..."), and
-    every rank's last collectives (with the pointer to torch's own recorder on NCCL) for the details below it.
-    Read from the files the ranks keep next to their stacks: no help from a stuck rank is needed."""
+def _collectives(stack_paths: list[str]) -> tuple[str, str, list[int]]:
+    """The flight recorder's diagnosis, as lines for the error message ("\ncollectives: rank 3 is in ..."), every
+    rank's last collectives (with the pointer to torch's own recorder on NCCL) for the details below it, and the
+    ranks the diagnosis points at. Read from the files the ranks keep next to their stacks: no help from a stuck
+    rank is needed."""
     from lab.distributed import flight
     try:
         read_back = [flight.read_file(path) for path in sorted(Path(stack_paths[0]).parent.glob("rank*.flight"))]
     except (OSError, ValueError, struct.error) as error:  # a rank killed while it created its file
-        return f"\ncollectives: the flight recorder could not be read ({error})", ""
+        return f"\ncollectives: the flight recorder could not be read ({error})", "", []
     buffers = {rank: entries for rank, entries, _ in read_back}
     hint = [flight.NCCL_HINT] if any(backend == "nccl" for _, _, backend in read_back) else []
     diagnosis = "".join(f"\ncollectives: {line}" for line in flight.diagnose(buffers).splitlines())
-    return diagnosis, "\n".join([flight.tail(buffers), *hint])
+    return diagnosis, "\n".join([flight.tail(buffers), *hint]), flight.culprits(buffers)
 
 
 def _dump_stacks(which: list[int], ranks: list, stack_paths: list[str], wait_s: float = 1.0) -> dict[int, str]:

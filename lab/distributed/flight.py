@@ -24,8 +24,8 @@ How it records. `lab` calls collectives as `dist.all_reduce(...)`, looking the f
 `count_collectives` does for counting). Collectives that torch issues internally (DDP's reducer, FSDP2,
 DTensor, functional collectives) are not seen. An async op (`async_op=True`, isend/irecv) is marked finished
 when its future completes, where the backend gives one (gloo does for collectives, not for isend/irecv: those
-stay "issued"). The wrapper costs about 10 us per call (measured on a 2-core CPU shared with other jobs, where
-a 1-float gloo all_reduce took 120-1100 us): noise for collectives, which move megabytes in training.
+stay "issued"). The wrapper costs 5-10 us per call (measured against a no-op on a 2-core CPU shared with other
+jobs, where a 1-float gloo all_reduce took 100-800 us): noise next to collectives that move megabytes.
 
 Where the buffer lives. A rank stuck in a collective is blocked in C++: a Python signal handler would not
 run until the call returns, and a watcher thread would need the rank's cooperation. So the ring is an

@@ -90,6 +90,21 @@ def test_agreeing_ranks_say_so_even_when_their_rings_start_at_different_numbers(
 
 # --- the recorder, read back -----------------------------------------------------------------------------
 
+def test_under_torchrun_recording_starts_from_the_environment_and_stop_restores_torch(monkeypatch, tmp_path):
+    original = dist.all_reduce
+    monkeypatch.delenv(flight.ENV_DIR, raising=False)
+    assert flight.start_from_env() is None and dist.all_reduce is original
+    monkeypatch.setenv(flight.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "5")
+    try:
+        assert flight.start_from_env() == tmp_path / "rank5.flight" and dist.all_reduce is not original
+    finally:
+        flight.stop()
+    assert dist.all_reduce is original and dist.batch_isend_irecv.__module__ == "torch.distributed.distributed_c10d"
+    assert flight.read(tmp_path) == {5: []}
+
+
+
 def _record(directory):
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     flight.start(directory, capacity=64 if rank == 0 else 16)  # rank 1's ring overflows

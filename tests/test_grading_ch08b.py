@@ -1,0 +1,114 @@
+"""Chapter 08b's checks: the solutions pass with any secret, the released stubs score nothing, and every
+plausible-but-wrong answer (mutant) fails the checks named for it.
+
+The shards to read are compared with `lab.calc.reliability.reads_for`, the interval and its waste with Young's
+formula in `lab.calc.reliability`, the diverging rank with the rank a simulated hang broke. A mutant is the solution
+cell with one classic mistake — slices that only touch counted as overlapping, a slice read whole, the writer taken
+from the loading rank's dp replica, the slice index read as if dp varied fastest; the interval without its factor
+2, the job's MTBF not divided by the GPUs, the whole interval redone after a failure, Young's interval rounded down,
+rounded to the nearest step or allowed below one step; the first waiting rank named instead of the one it waits
+for, sequence numbers compared across groups, the majority of a mismatched group named, a mismatch not looked for —
+and only the checks that must catch it are run, to keep this file fast.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from grading_support import Chapter, chapter_tests
+
+from lab.grading import checks
+from lab.grading.checks import ch08b
+
+EXERCISES = ("08.reshard_reads", "08.checkpoint_interval", "08.diverging_rank")
+
+SAME_DIM = "the same dimension cut at another degree: the saved slices a rank's slice overlaps, none it only touches"
+ROWS_COLS = "saved cut along rows, loaded cut along columns (and back): the rectangles where the slices cross"
+REPLICAS = "dp replicas: a rank holds slice rank % tp, read from the lowest saved rank that held each slice"
+FFN = "Llama 3 70B's FFN weight (28,672 x 8,192): tp8 column-parallel to tp4, and to tp8 row-parallel"
+YOUNG = "Young's interval sqrt(2·C·M), with the job's MTBF M = the GPU's MTBF / the number of GPUs"
+WASTE = "the expected waste C/τ + τ/(2M) at intervals around, below and above the optimum"
+EVERY = "--checkpoint-every N: the whole number of steps with the least waste, the floor or ceiling of τ*/step, >= 1"
+LLAMA = "Llama 3 405B's log (419 interruptions in 54 days on 16,384 H100s): the interval for a 1 to 100 s save"
+STOPPED = "one group: the rank that never joined the collective the others wait in"
+MISMATCH = "a mismatch: the rank whose op differs from the rest of its group at the same sequence number"
+GROUPS = "dp x tp: sequence numbers per group, and waits that spread from group to group"
+
+EVERY_LINE = "    options = {max(1, math.floor(steps)), max(1, math.ceil(steps))}"
+LAST_LINE = "    return answer(next(r for r in sorted(waited_for) if not waits[r]))"
+
+MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
+    "touching_slices_overlap": (
+        "08.reshard_reads", [("if any(h <= low for low, h", "if any(h < low for low, h")], {SAME_DIM, FFN}),
+    "saved_slice_read_whole": (
+        "08.reshard_reads", [('reads.append({"writer": t, "read": region})',
+                              'reads.append({"writer": t, "read": slice_box(shape, save["dim"], save["tp"], t)})')],
+        {SAME_DIM, ROWS_COLS}),
+    "slices_are_always_rows": (  # the cut dimension ignored: every slice a range of rows
+        "08.reshard_reads", [("offsets = [index * size if d == dim else 0 for d in range(len(shape))]",
+                              "offsets = [index * shape[0] // parts, 0]"),
+                             ("sizes = [size if d == dim else n for d, n in enumerate(shape)]",
+                              "sizes = [shape[0] // parts, shape[1]]")], {ROWS_COLS}),
+    "writer_is_the_loading_ranks_replica": (
+        "08.reshard_reads", [('reads.append({"writer": t, "read": region})',
+                              'reads.append({"writer": rank // load["tp"] * save["tp"] + t, "read": region})')],
+        {REPLICAS}),
+    "slice_index_as_if_dp_were_fastest": (
+        "08.reshard_reads", [('rank % load["tp"])', 'rank // load["dp"])')], {REPLICAS}),
+    "interval_without_the_factor_2": (
+        "08.checkpoint_interval", [("math.sqrt(2 * save_s * job_mtbf_s(gpus, gpu_mtbf_s))",
+                                    "math.sqrt(save_s * job_mtbf_s(gpus, gpu_mtbf_s))")], {YOUNG, LLAMA}),
+    "mtbf_not_divided_by_the_gpus": (
+        "08.checkpoint_interval", [("return gpu_mtbf_s / gpus", "return gpu_mtbf_s")], {YOUNG, WASTE, LLAMA}),
+    "whole_interval_redone": (
+        "08.checkpoint_interval", [("interval_s / (2 * job_mtbf_s(gpus, gpu_mtbf_s))",
+                                    "interval_s / job_mtbf_s(gpus, gpu_mtbf_s)")], {WASTE}),
+    "every_rounded_down": ("08.checkpoint_interval", [(EVERY_LINE, "    return max(1, math.floor(steps))")], {EVERY}),
+    "every_rounded_to_nearest": ("08.checkpoint_interval", [(EVERY_LINE, "    return max(1, round(steps))")],
+                                 {EVERY}),
+    "every_below_one_step": (
+        "08.checkpoint_interval", [(EVERY_LINE, "    options = {math.floor(steps), math.ceil(steps)}")], {EVERY}),
+    "first_waiting_rank_named": (
+        "08.diverging_rank", [(LAST_LINE, '    return answer(next(r for r, e in enumerate(last) if e["state"] == '
+                                          '"started"))')], {STOPPED, GROUPS}),
+    "sequence_numbers_compared_across_groups": (
+        "08.diverging_rank", [(LAST_LINE, '    return answer(min(range(len(logs)), key=lambda r: last[r]["seq"]))')],
+        {GROUPS}),
+    "majority_of_a_mismatch_named": (
+        "08.diverging_rank", [('.count(entry["op"]) == 1:', '.count(entry["op"]) > 1:')], {MISMATCH, GROUPS}),
+    "mismatch_not_looked_for": (
+        "08.diverging_rank", [("            return answer(rank)  # the whole", "            pass  # the whole")],
+        {MISMATCH}),
+}
+CHAPTER = Chapter("08b_checkpoints_and_failures.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
+_STANDARD = chapter_tests(CHAPTER)
+test_solutions_score_full_marks = _STANDARD["test_solutions_score_full_marks"]
+test_released_stubs_score_nothing_and_say_not_attempted = \
+    _STANDARD["test_released_stubs_score_nothing_and_say_not_attempted"]
+test_mutant_fails_its_check = _STANDARD["test_mutant_fails_its_check"]
+
+
+def test_every_exercise_has_a_mutant_and_every_check_catches_one():
+    """The standard test, for the exercises this chapter's module declares (08.* ids are shared with ch08.py)."""
+    ours = [ex for ex in checks.load_all().values() if ex.checks[0].fn.__module__ == ch08b.__name__]
+    assert {ex.id for ex in ours} == set(EXERCISES)
+    mutated = {exercise_id for exercise_id, _, _ in MUTANTS.values()}
+    caught = {name for _, _, names in MUTANTS.values() for name in names}
+    for ex in ours:
+        assert ex.id in mutated, f"{ex.id}: no mutant"
+        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_simulated_hangs_break_the_rank_they_say(seed):
+    """The simulation behind 08.diverging_rank: every rank but the broken one ends waiting in a collective, the
+    broken one is the rank the analysis names, and the ring buffers keep only their newest entries."""
+    rng = random.Random(seed)
+    for dp, tp, kind in ((4, 1, "hang"), (5, 1, "mismatch"), (2, 2, "hang"), (3, 4, "mismatch"), (2, 3, "hang")):
+        logs, expected = ch08b.hang_case(rng, dp, tp, kind)
+        last = [log[-1] for log in logs]
+        assert all(e["state"] == "started" for r, e in enumerate(last) if r != expected["rank"])
+        assert last[expected["rank"]]["state"] == ("completed" if kind == "hang" else "started")
+        assert all(len(log) <= 8 for log in logs) and any(log[0]["seq"] > 0 for log in logs)  # newest entries only
+        assert ch08b.reference_diagnose(logs) == expected

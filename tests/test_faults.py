@@ -64,19 +64,21 @@ def test_bad_flags_are_one_line_before_any_rank_starts(capsys, args, message):
     assert err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("kind", ["raise", "kill"])
+@pytest.mark.parametrize("kind", ["raise", "kill", "hang"])
 def test_a_restart_resumes_from_the_last_checkpoint_and_ends_with_the_uninterrupted_losses(
         reference, tmp_path, capfd, kind):
     """Rank 1 fails in step 3 (after the step-2 checkpoint); --max-restarts 1 starts both ranks again, which resume
     from step 2: steps 3-4 are trained once more and every step's loss equals the uninterrupted run's."""
     log = tmp_path / "log.jsonl"
     assert main([*TINY, "--nproc", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
-                 "--log-json", str(log), "--inject-failure", f"rank=1,step=3,kind={kind}", "--max-restarts", "1"]) == 0
+                 "--log-json", str(log), "--inject-failure", f"rank=1,step=3,kind={kind}", "--max-restarts", "1",
+                 "--collective-timeout", "3"]) == 0  # a hang: rank 0 gives up waiting for rank 1 after 3 s
     out, err = capfd.readouterr()
     injected = [line for line in err.splitlines() if line.startswith("lab.faults:")]
     assert injected == [f"lab.faults: injecting a failure on rank 1 at step 3 (kind={kind})"], err  # once, rank 1
-    cause = ("rank 1 failed: RuntimeError: injected failure: rank 1 at step 3" if kind == "raise"
-             else "rank 1 was killed by signal SIGKILL")
+    cause = {"raise": "rank 1 failed: RuntimeError: injected failure: rank 1 at step 3",
+             "kill": "rank 1 was killed by signal SIGKILL",
+             "hang": "rank(s) [0] failed in a collective while rank(s) [1] never joined it"}[kind]
     assert f"lab.distributed.run: {cause}" in err
     assert "lab.distributed.run: restart 1/1: starting 2 rank(s) again" in err
     assert "restart 1/1: resuming from checkpoint step-00000002" in err

@@ -3,8 +3,10 @@
 `run` starts local ranks (notebooks, tests, the grader, `--nproc`), and starts them again after a failure
 (`max_restarts`); under torchrun `init_from_env` joins the launched group instead. `restarts` says which
 attempt a rank runs in, under either launcher. `Mesh` lays ranks out on the dp x pp x cp x tp grid and builds a
-process group per axis; `count_collectives` counts the calls and bytes of every collective.
-This package knows nothing of the techniques built on it: it imports torch, and nothing else from `lab`.
+process group per axis; `count_collectives` counts the calls and bytes of every collective; `flight` keeps each
+rank's recent collectives, to say where hung ranks diverged; `slurm` writes the sbatch script of a multi-node run.
+This package knows nothing of the techniques built on it: it imports torch, and from `lab` only `lab.config`
+(slurm's layout check).
 """
 
 import warnings

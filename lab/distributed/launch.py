@@ -17,7 +17,8 @@ ways a course cannot afford (measured in the course's reference notes):
 - When one rank crashes, the others fail too ("Connection closed by peer"); the error names the rank
   whose failure came first in the chain, with its traceback, not a bystander. A rank that hangs is shown
   where it hangs: every rank prints its Python stack on SIGUSR1 (`faulthandler`), which the parent asks
-  for before killing it.
+  for before killing it, and records its recent collectives in a ring the parent can read (`flight.py`),
+  so that the error also says which rank is in which collective ("collectives: rank 3 is in all_gather #2").
 
 The rendezvous store lives in the parent (created on port 0, so there is no free-port race) and the
 ranks join it as clients. It is created only after every rank has been forked, and each rank learns its
@@ -96,6 +97,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> tupl
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        from lab.distributed import flight  # here, not at the top: `python -m lab.distributed.flight` imports us
+
+        flight.start_from_env()  # records this rank's collectives when LAB_FLIGHT_DIR names a directory
     return dist.get_rank(), dist.get_world_size()
 
 

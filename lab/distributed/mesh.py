@@ -21,6 +21,8 @@ groups the rank is not in): that is how ranks agree on which group is which.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,6 +67,15 @@ def axis_groups(world_size: int, axis: str, dp: int = 1, pp: int = 1, cp: int = 
     raise ValueError(f"axis={axis!r} must be one of {', '.join(map(repr, GROUPS))}")
 
 
+def _world_timeout() -> timedelta | None:
+    """The collective timeout the world group was made with, for every group the mesh makes: `new_group` would give
+    each torch's default instead (30 min on gloo, 10 on NCCL), so a rank missing from a dp or tp collective would
+    keep the others waiting that long, whatever `pg_timeout_s` or `--collective-timeout` said. None (torch's
+    default) for a backend without options, such as the dry run's fake group."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    return getattr(getattr(dist.group.WORLD._get_backend(device), "options", None), "_timeout", None)
+
+
 class Mesh:
     """This rank's coordinates and process groups for dp, pp, cp, tp, ep (and dp x cp).
 
@@ -89,7 +100,7 @@ class Mesh:
             for ranks in axis_groups(self.world_size, axis, dp, pp, cp, tp, ep):
                 # collective: every rank creates every group, in this order. The name shows in torch's and
                 # lab's flight recorders ("all_reduce #41 on tp group")
-                group = dist.new_group(ranks, group_desc=axis)
+                group = dist.new_group(ranks, group_desc=axis, timeout=_world_timeout())
                 if self.rank in ranks:
                     self._groups[axis] = (group, ranks)
         (self.dp_group, self.pp_group, self.cp_group, self.tp_group, self.dp_cp_group, self.ep_group,

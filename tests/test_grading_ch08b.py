@@ -13,13 +13,16 @@ and only the checks that must catch it are run, to keep this file fast.
 
 from __future__ import annotations
 
+import importlib
 import random
+import sys
 
 import pytest
 from grading_support import Chapter, chapter_tests
 
 from lab.grading import checks
-from lab.grading.checks import ch08b
+
+MODULE = "lab.grading.checks.ch08b"
 
 EXERCISES = ("08.reshard_reads", "08.checkpoint_interval", "08.diverging_rank")
 
@@ -82,6 +85,18 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         {MISMATCH}),
 }
 CHAPTER = Chapter("08b_checkpoints_and_failures.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ch08b():
+    """This module's checks, registered for its tests only: their ids share chapter "08" with ch08.py's, whose
+    test of "every exercise of the chapter" must not see them (until that test tells the two modules apart)."""
+    module = importlib.import_module(MODULE)
+    yield module
+    for exercise_id in EXERCISES:
+        checks.REGISTRY.pop(exercise_id, None)
+    sys.modules.pop(MODULE, None)  # a later import (load_all's) registers them again
+
 _STANDARD = chapter_tests(CHAPTER)
 test_solutions_score_full_marks = _STANDARD["test_solutions_score_full_marks"]
 test_released_stubs_score_nothing_and_say_not_attempted = \
@@ -89,7 +104,7 @@ test_released_stubs_score_nothing_and_say_not_attempted = \
 test_mutant_fails_its_check = _STANDARD["test_mutant_fails_its_check"]
 
 
-def test_every_exercise_has_a_mutant_and_every_check_catches_one():
+def test_every_exercise_has_a_mutant_and_every_check_catches_one(ch08b):
     """The standard test, for the exercises this chapter's module declares (08.* ids are shared with ch08.py)."""
     ours = [ex for ex in checks.load_all().values() if ex.checks[0].fn.__module__ == ch08b.__name__]
     assert {ex.id for ex in ours} == set(EXERCISES)
@@ -101,7 +116,7 @@ def test_every_exercise_has_a_mutant_and_every_check_catches_one():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_simulated_hangs_break_the_rank_they_say(seed):
+def test_simulated_hangs_break_the_rank_they_say(seed, ch08b):
     """The simulation behind 08.diverging_rank: every rank but the broken one ends waiting in a collective, the
     broken one is the rank the analysis names, and the ring buffers keep only their newest entries."""
     rng = random.Random(seed)

@@ -53,7 +53,7 @@ class Chapter:
 
     @property
     def number(self) -> str:
-        return self.notebook[:2]
+        return self.notebook.split("_")[0]  # "08", "08b"
 
     @cached_property
     def solutions(self):

@@ -16,7 +16,7 @@ from lab.grading.notebook import exercise_ids
 
 ROOT = Path(__file__).parents[1]
 # "03.bucketed_dp": two digits, a dot, a lower-case name; not part of a longer number or name ("1.03.x", "v03.x")
-EXERCISE_ID = re.compile(r"(?<![\w.])\d\d\.[a-z][a-z0-9_]*\b")
+EXERCISE_ID = re.compile(r"(?<![\w.-])\d\d[a-z]?\.[a-z][a-z0-9_]*\b")
 SOURCES = sorted([*ROOT.glob("chapters/*.ipynb"), *ROOT.glob("solutions/*.ipynb"), *ROOT.glob("exercises/*.ipynb"),
                   *ROOT.glob("course/*.md"), ROOT / "README.md"])
 

@@ -13,18 +13,14 @@ and only the checks that must catch it are run, to keep this file fast.
 
 from __future__ import annotations
 
-import importlib
 import random
-import sys
 
 import pytest
 from grading_support import Chapter, chapter_tests
 
-from lab.grading import checks
+from lab.grading.checks import ch08b
 
-MODULE = "lab.grading.checks.ch08b"
-
-EXERCISES = ("08.reshard_reads", "08.checkpoint_interval", "08.diverging_rank")
+EXERCISES = ("08b.reshard_reads", "08b.checkpoint_interval", "08b.diverging_rank")
 
 SAME_DIM = "the same dimension cut at another degree: the saved slices a rank's slice overlaps, none it only touches"
 ROWS_COLS = "saved cut along rows, loaded cut along columns (and back): the rectangles where the slices cross"
@@ -43,81 +39,56 @@ LAST_LINE = "    return answer(next(r for r in sorted(waited_for) if not waits[r
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "touching_slices_overlap": (
-        "08.reshard_reads", [("if any(h <= low for low, h", "if any(h < low for low, h")], {SAME_DIM, FFN}),
+        "08b.reshard_reads", [("if any(h <= low for low, h", "if any(h < low for low, h")], {SAME_DIM, FFN}),
     "saved_slice_read_whole": (
-        "08.reshard_reads", [('reads.append({"writer": t, "read": region})',
+        "08b.reshard_reads", [('reads.append({"writer": t, "read": region})',
                               'reads.append({"writer": t, "read": slice_box(shape, save["dim"], save["tp"], t)})')],
         {SAME_DIM, ROWS_COLS}),
     "slices_are_always_rows": (  # the cut dimension ignored: every slice a range of rows
-        "08.reshard_reads", [("offsets = [index * size if d == dim else 0 for d in range(len(shape))]",
+        "08b.reshard_reads", [("offsets = [index * size if d == dim else 0 for d in range(len(shape))]",
                               "offsets = [index * shape[0] // parts, 0]"),
                              ("sizes = [size if d == dim else n for d, n in enumerate(shape)]",
                               "sizes = [shape[0] // parts, shape[1]]")], {ROWS_COLS}),
     "writer_is_the_loading_ranks_replica": (
-        "08.reshard_reads", [('reads.append({"writer": t, "read": region})',
+        "08b.reshard_reads", [('reads.append({"writer": t, "read": region})',
                               'reads.append({"writer": rank // load["tp"] * save["tp"] + t, "read": region})')],
         {REPLICAS}),
     "slice_index_as_if_dp_were_fastest": (
-        "08.reshard_reads", [('rank % load["tp"])', 'rank // load["dp"])')], {REPLICAS}),
+        "08b.reshard_reads", [('rank % load["tp"])', 'rank // load["dp"])')], {REPLICAS}),
     "interval_without_the_factor_2": (
-        "08.checkpoint_interval", [("math.sqrt(2 * save_s * job_mtbf_s(gpus, gpu_mtbf_s))",
+        "08b.checkpoint_interval", [("math.sqrt(2 * save_s * job_mtbf_s(gpus, gpu_mtbf_s))",
                                     "math.sqrt(save_s * job_mtbf_s(gpus, gpu_mtbf_s))")], {YOUNG, LLAMA}),
     "mtbf_not_divided_by_the_gpus": (
-        "08.checkpoint_interval", [("return gpu_mtbf_s / gpus", "return gpu_mtbf_s")], {YOUNG, WASTE, LLAMA}),
+        "08b.checkpoint_interval", [("return gpu_mtbf_s / gpus", "return gpu_mtbf_s")], {YOUNG, WASTE, LLAMA}),
     "whole_interval_redone": (
-        "08.checkpoint_interval", [("interval_s / (2 * job_mtbf_s(gpus, gpu_mtbf_s))",
+        "08b.checkpoint_interval", [("interval_s / (2 * job_mtbf_s(gpus, gpu_mtbf_s))",
                                     "interval_s / job_mtbf_s(gpus, gpu_mtbf_s)")], {WASTE}),
-    "every_rounded_down": ("08.checkpoint_interval", [(EVERY_LINE, "    return max(1, math.floor(steps))")], {EVERY}),
-    "every_rounded_to_nearest": ("08.checkpoint_interval", [(EVERY_LINE, "    return max(1, round(steps))")],
+    "every_rounded_down": ("08b.checkpoint_interval", [(EVERY_LINE, "    return max(1, math.floor(steps))")], {EVERY}),
+    "every_rounded_to_nearest": ("08b.checkpoint_interval", [(EVERY_LINE, "    return max(1, round(steps))")],
                                  {EVERY}),
     "every_below_one_step": (
-        "08.checkpoint_interval", [(EVERY_LINE, "    options = {math.floor(steps), math.ceil(steps)}")], {EVERY}),
+        "08b.checkpoint_interval", [(EVERY_LINE, "    options = {math.floor(steps), math.ceil(steps)}")], {EVERY}),
     "first_waiting_rank_named": (
-        "08.diverging_rank", [(LAST_LINE, '    return answer(next(r for r, e in enumerate(last) if e["state"] == '
+        "08b.diverging_rank", [(LAST_LINE, '    return answer(next(r for r, e in enumerate(last) if e["state"] == '
                                           '"started"))')], {STOPPED, GROUPS}),
     "sequence_numbers_compared_across_groups": (
-        "08.diverging_rank", [(LAST_LINE, '    return answer(min(range(len(logs)), key=lambda r: last[r]["seq"]))')],
+        "08b.diverging_rank", [(LAST_LINE, '    return answer(min(range(len(logs)), key=lambda r: last[r]["seq"]))')],
         {GROUPS}),
     "majority_of_a_mismatch_named": (
-        "08.diverging_rank", [('.count(entry["op"]) == 1:', '.count(entry["op"]) > 1:')], {MISMATCH, GROUPS}),
+        "08b.diverging_rank", [('.count(entry["op"]) == 1:', '.count(entry["op"]) > 1:')], {MISMATCH, GROUPS}),
     "mismatch_not_looked_for": (
-        "08.diverging_rank", [("            return answer(rank)  # the whole", "            pass  # the whole")],
+        "08b.diverging_rank", [("            return answer(rank)  # the whole", "            pass  # the whole")],
         {MISMATCH}),
 }
 CHAPTER = Chapter("08b_checkpoints_and_failures.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ch08b():
-    """This module's checks, registered for its tests only: their ids share chapter "08" with ch08.py's, whose
-    test of "every exercise of the chapter" must not see them (until that test tells the two modules apart)."""
-    module = importlib.import_module(MODULE)
-    yield module
-    for exercise_id in EXERCISES:
-        checks.REGISTRY.pop(exercise_id, None)
-    sys.modules.pop(MODULE, None)  # a later import (load_all's) registers them again
-
-_STANDARD = chapter_tests(CHAPTER)
-test_solutions_score_full_marks = _STANDARD["test_solutions_score_full_marks"]
-test_released_stubs_score_nothing_and_say_not_attempted = \
-    _STANDARD["test_released_stubs_score_nothing_and_say_not_attempted"]
-test_mutant_fails_its_check = _STANDARD["test_mutant_fails_its_check"]
-
-
-def test_every_exercise_has_a_mutant_and_every_check_catches_one(ch08b):
-    """The standard test, for the exercises this chapter's module declares (08.* ids are shared with ch08.py)."""
-    ours = [ex for ex in checks.load_all().values() if ex.checks[0].fn.__module__ == ch08b.__name__]
-    assert {ex.id for ex in ours} == set(EXERCISES)
-    mutated = {exercise_id for exercise_id, _, _ in MUTANTS.values()}
-    caught = {name for _, _, names in MUTANTS.values() for name in names}
-    for ex in ours:
-        assert ex.id in mutated, f"{ex.id}: no mutant"
-        assert {c.name for c in ex.checks} <= caught, f"{ex.id}: a check that no mutant exercises"
+globals().update(chapter_tests(CHAPTER))
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_simulated_hangs_break_the_rank_they_say(seed, ch08b):
-    """The simulation behind 08.diverging_rank: every rank but the broken one ends waiting in a collective, the
+def test_simulated_hangs_break_the_rank_they_say(seed):
+    """The simulation behind 08b.diverging_rank: every rank but the broken one ends waiting in a collective, the
     broken one is the rank the analysis names, and the ring buffers keep only their newest entries."""
     rng = random.Random(seed)
     for dp, tp, kind in ((4, 1, "hang"), (5, 1, "mismatch"), (2, 2, "hang"), (3, 4, "mismatch"), (2, 3, "hang")):

@@ -104,7 +104,7 @@ def select_exercises(submissions: Sequence[Path], assignment: course.Assignment 
         return [known[i] for i in assignment.exercises]
     chapters = set()
     for path in submissions:
-        chapters |= set(re.findall(r"^(\d\d)_", path.name))
+        chapters |= set(re.findall(r"^(\d\d[a-z]?)_", path.name))
         try:
             chapters |= {i.split(".")[0] for i in exercise_ids(read(path))}
         except NotebookError:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from lab.grading.sandbox import CallError, Limits
 
-_ID = re.compile(r"^\d\d\.[a-z][a-z0-9_]*$")
+_ID = re.compile(r"^\d\d[a-z]?\.[a-z][a-z0-9_]*$")
 REGISTRY: dict[str, Exercise] = {}
 
 
@@ -107,7 +107,7 @@ def exercise(exercise_id: str, entry: tuple[str, ...], **options: Any) -> Exerci
 def load_all() -> dict[str, Exercise]:
     """Every exercise of the course: imports `lab.grading.checks.chNN` modules."""
     for module in pkgutil.iter_modules(__path__):
-        if re.fullmatch(r"ch\d\d", module.name):
+        if re.fullmatch(r"ch\d\d[a-z]?", module.name):
             importlib.import_module(f"{__name__}.{module.name}")
     return REGISTRY
 

@@ -29,9 +29,9 @@ def ask(fn, call: str, expected: str, *args):
         raise explain(error, call, expected) from None
 
 
-# --- 08.reshard_reads ----------------------------------------------------------------------------------------------
+# --- 08b.reshard_reads ----------------------------------------------------------------------------------------------
 
-RESHARD = exercise("08.reshard_reads", entry=("shards_to_read", "run_shards_to_read"))
+RESHARD = exercise("08b.reshard_reads", entry=("shards_to_read", "run_shards_to_read"))
 
 
 def expected_reads(shape: list[int], save: dict, load: dict, rank: int) -> list[dict]:
@@ -109,9 +109,9 @@ def llama3_70b_ffn(student, rng):
                                                                                                load["tp"]), 3)))
 
 
-# --- 08.checkpoint_interval ----------------------------------------------------------------------------------------
+# --- 08b.checkpoint_interval ----------------------------------------------------------------------------------------
 
-INTERVAL = exercise("08.checkpoint_interval", entry=("checkpoint_interval", "expected_waste", "checkpoint_every"))
+INTERVAL = exercise("08b.checkpoint_interval", entry=("checkpoint_interval", "expected_waste", "checkpoint_every"))
 
 
 def random_run(rng: random.Random) -> tuple[float, int, float]:
@@ -198,9 +198,9 @@ def llama3_405b_interval(student, rng):
                   call, tol=1e-6)
 
 
-# --- 08.diverging_rank ---------------------------------------------------------------------------------------------
+# --- 08b.diverging_rank ---------------------------------------------------------------------------------------------
 
-DIVERGING = exercise("08.diverging_rank", entry=("diverging_rank",))
+DIVERGING = exercise("08b.diverging_rank", entry=("diverging_rank",))
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 

@@ -4,7 +4,10 @@ still be graded, and no process of any sandbox may outlive the grading."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -245,7 +248,6 @@ def test_read_only_paths_refuse_every_write(tmp_path):
     """Every path the sandbox may only read — the answer module, the copied `lab`, the interpreter's standard
     library, an allowed package — refuses writing, truncating, creating, making a folder, deleting and renaming
     with EACCES: a student who could write there could rewrite code that the sandbox itself runs."""
-    import os
     import sysconfig
 
     import tomli_w
@@ -275,3 +277,112 @@ def test_read_only_paths_refuse_every_write(tmp_path):
     wrong = {f"{place}: {action}": result for place, actions in got.items() for action, result in actions.items()
              if result != "EACCES"}
     assert not wrong, f"expected EACCES everywhere, got {wrong}"
+
+
+# --- warm start: sandboxes forked by a zygote behave as cold-started ones ----------------------------------------
+
+WARM_PROBE = '''import os, signal
+
+
+def probe(secret_path):
+    open_fds = []
+    for fd in range(1024):
+        try:
+            os.fstat(fd)
+            open_fds.append(fd)
+        except OSError:
+            pass
+    try:
+        open(secret_path).read()
+        secret = "read"
+    except OSError as error:
+        secret = type(error).__name__
+    try:
+        os.kill(os.getppid(), 0)  # the grader (cold) or the zygote (warm): outside the sandbox's Landlock domain
+        parent = "reachable"
+    except OSError as error:
+        parent = type(error).__name__
+    return {"fds": open_fds, "secret": secret, "parent": parent, "own_session": os.getsid(0) == os.getpid(),
+            "cwd": os.path.basename(os.getcwd()), "env": sorted(os.environ)}
+
+
+def spin():
+    while True:
+        pass
+
+
+def leave(code):
+    os._exit(code)
+
+
+def stdlib():
+    import wave  # not imported by the zygote: found by listing the standard library's directory
+
+    return wave.__name__
+'''
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_warm_sandbox_is_confined_and_judged_like_a_cold_one(warm):
+    """A child forked by a zygote holds only its stdio and its answer pipe (not the zygote's socket or pidfds),
+    is locked down (a protected file cannot be read, its parent cannot be signalled), and the grader still learns
+    its exit status and CPU time: a CPU-time overrun is reported as such. Warm sandboxes here use a cheap package
+    (tomli_w) instead of torch: the zygote does the same for any package set."""
+    from lab.grading.sandbox import ExerciseError, Limits, Sandbox
+
+    def box(limits: Limits) -> Sandbox:
+        return Sandbox([("probe", WARM_PROBE)], entry=["probe"], modules=["lab.config"], packages=["tomli_w"],
+                       limits=limits, warm=warm)
+
+    landlock = isolation()["landlock_abi"]
+    with box(Limits(wall_s=30)) as sandbox:
+        got = sandbox.call("probe", str(CHECK_SOURCE))
+        assert len(got["fds"]) == 4 and got["fds"][:3] == [0, 1, 2], got["fds"]
+        assert got["own_session"] and got["cwd"] == "work" and "PATH" in got["env"] and len(got["env"]) == 6
+        assert got["secret"] == ("PermissionError" if landlock else "read"), got
+        assert got["parent"] == ("PermissionError" if landlock >= 6 else "reachable"), got
+        with pytest.raises(ExerciseError, match="status 3"):
+            sandbox.call("leave", 3)
+        assert sandbox.proc.returncode == 3
+    touched = Path(os.__file__).parent / f"lab-zygote-probe-{os.getpid()}"  # the stdlib directory changes
+    touched.write_text("")
+    touched.unlink()
+    with box(Limits(wall_s=30, cpu_s=1)) as sandbox:
+        assert sandbox.call("stdlib") == "wave"
+        with pytest.raises(ExerciseError, match="more than 1 s of CPU"):
+            sandbox.call("spin")
+
+
+GRADER = '''import os, sys, time
+from lab.grading.sandbox import Limits, Sandbox
+
+cell = "import os, time\\ndef pids():\\n    kid = os.fork()\\n    if kid == 0:\\n        time.sleep(600)\\n" \\
+       "        os._exit(0)\\n    return [os.getpid(), os.getppid(), kid]\\n"
+box = Sandbox([("cell", cell)], entry=["pids"], modules=["lab.config"], packages=["tomli_w"], limits=Limits(),
+              warm=True)
+box.start()
+print(*box.call("pids"), flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_killed_grader_leaves_no_warm_sandbox_behind():
+    """SIGKILL the grader: its zygote dies with it (PR_SET_PDEATHSIG on the thread that started it), the
+    sandbox child dies with the zygote, and the child's own children with the child's cgroup or session."""
+    grader = subprocess.Popen([sys.executable, "-c", GRADER], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    child, zygote, kid = map(int, grader.stdout.readline().split())
+    grader.kill()
+    grader.wait()
+    from lab.grading.confine import make_cgroup
+
+    fresh = make_cgroup(8)  # as the next grader does: kill what is left in the killed grader's cgroups
+    if fresh is not None:
+        fresh.rmdir()
+    gone = []
+    for pid in (zygote, child, kid):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
+            psutil.Process(pid).wait(timeout=10)
+        gone.append(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    assert gone[:2] == [True, True], f"zygote {zygote} or sandbox {child} outlived the killed grader"
+    if fresh is not None:  # the sandbox's own children: the next grader reaps the killed one's cgroups
+        assert gone[2], f"sandbox child {kid} outlived the killed grader"

@@ -14,18 +14,26 @@ The grader (this file) stays in charge of everything that decides a score:
   whatever happens, every process of the sandbox is SIGKILLed when it closes;
 * arguments go in and return values come back as JSON lines on a private pipe; the checks compare them in
   the grader. Nothing the child prints or writes is ever read as a score.
+
+Exercises that may use torch start warm: rather than spend ~2.4 s of CPU importing torch in every child, the
+child is forked, in the state a fresh child has before it locks itself down, by a zygote that imported the
+exercise's packages once (`_Zygote`, `zygote.py`). From then on it is the same child: same lockdown, limits,
+watchdog, kill paths; the grader still learns its exit status and CPU time.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +46,7 @@ from typing import Any
 from lab.grading.confine import LAB_DIR, kill_all, make_cgroup, members, package_paths, rss_bytes, system_rules
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
+ZYGOTE = Path(__file__).with_name("zygote.py")
 _MAX_LINE = 1 << 20  # bytes of one answer: more is a protocol violation
 
 
@@ -92,11 +101,13 @@ class Sandbox:
     """One exercise's cells in one child process: `start()`, then `call(fn, *args)` any number of times."""
 
     def __init__(self, parts: Sequence[tuple[str, str]], *, entry: Sequence[str], modules: Sequence[str],
-                 packages: Sequence[str], limits: Limits, protect: Sequence[str] = ()) -> None:
+                 packages: Sequence[str], limits: Limits, protect: Sequence[str] = (),
+                 warm: bool | None = None) -> None:
         self.parts, self.entry, self.modules, self.limits = list(parts), list(entry), list(modules), limits
         self.packages, self.protect = tuple(sorted(packages)), tuple(sorted(str(Path(p).resolve())
                                                                              for p in protect))
-        self.proc: subprocess.Popen | None = None
+        self.warm = ("torch" in self.packages and _pidfds()) if warm is None else warm  # see _Zygote
+        self.proc: subprocess.Popen | _WarmChild | None = None
         self.violation, self.printed = "", ""
         self._buffer, self._ids = b"", itertools.count()
         self._stop = threading.Event()
@@ -116,19 +127,26 @@ class Sandbox:
         rules = [*map(list, system_rules(self.protect)), [str(lib), "ro"], [str(work), "rw"],
                  *[[p, "ro"] for p in package_paths(self.packages)],
                  *([["/dev/shm", "rw"], ["/sys", "ro"]] if "torch" in self.packages else [])]  # gloo lists NICs
-        settings = {"sys_path": sys_path, "lib": str(lib), "entry": self.entry, "grader_pid": os.getpid(),
+        settings = {"sys_path": sys_path, "lib": str(lib), "entry": self.entry,
                     "importable": [*self.modules, *self.packages],
                     "cgroup": str(self.cgroup) if self.cgroup else None, "landlock": rules,
                     "limits": {"cpu_s": int(self.limits.cpu_s), "memory_bytes": self.limits.memory_mb << 20,
                                "output_bytes": self.limits.output_mb << 20, "max_tasks": self.limits.max_tasks}}
         read_end, self._write_end = os.pipe()
         self._read_end = read_end
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+        env = _environment(work)
         self.log = open(self.root / "output.txt", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", str(lib / CHILD.name), str(self._write_end)],
-                                     stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, cwd=work, env=env,
-                                     pass_fds=(self._write_end,), start_new_session=True)
+        if self.warm:
+            zygote = _zygote(self.packages)
+            self.proc = zygote.spawn(cwd=work, env=env, argv=[str(lib / CHILD.name), "3"], log=self.log,
+                                     answer=self._write_end)
+            settings["parent_pid"] = zygote.proc.pid
+        else:
+            settings["parent_pid"] = os.getpid()
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", str(lib / CHILD.name),
+                                          str(self._write_end)], stdin=subprocess.PIPE, stdout=self.log,
+                                         stderr=self.log, cwd=work, env=env, pass_fds=(self._write_end,),
+                                         start_new_session=True)
         os.close(self._write_end)
         self.deadline = time.monotonic() + self.limits.wall_s
         threading.Thread(target=self._watch, daemon=True).start()
@@ -278,6 +296,8 @@ class Sandbox:
         """Whether the child still runs, without reaping it (so that wait4 can still read its CPU time)."""
         if self.proc is None or self.proc.returncode is not None:
             return False
+        if isinstance(self.proc, _WarmChild):
+            return self.proc.alive()
         try:
             return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
         except ChildProcessError:
@@ -285,6 +305,8 @@ class Sandbox:
 
     def _reap(self) -> float:
         """Wait for the child; return the CPU seconds it used (wait4 knows, Popen.wait does not)."""
+        if isinstance(self.proc, _WarmChild):
+            return self.proc.reap()
         if self.proc.returncode is None:
             _, status, usage = os.wait4(self.proc.pid, 0)
             self.proc.returncode = os.waitstatus_to_exitcode(status)
@@ -309,3 +331,153 @@ class Sandbox:
             if rss_bytes(pids) > 2 * (self.limits.memory_mb << 20):
                 self._kill(f"used more than {2 * self.limits.memory_mb} MiB of memory across its processes")
                 return
+
+
+# --- warm start: a zygote per allowed-packages set ---------------------------------------------------------
+
+@functools.cache
+def _pidfds() -> bool:
+    """Whether this machine has what a zygote needs: fork and pidfds (Linux >= 5.3), not a learner's Mac."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _environment(work: Path) -> dict[str, str]:
+    """The whole environment of a sandbox (and of a zygote): nothing of the grader's."""
+    return {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+
+
+class _WarmChild:
+    """A sandbox child forked by a zygote, seen from the grader as Sandbox uses a Popen: pid, stdin, returncode.
+    It is the zygote's child, not ours: a pidfd (sent by the zygote) says whether it still runs without reaping
+    it, and the zygote reaps it when asked and sends back its exit status and CPU time (what wait4 gives a cold
+    child's parent). Until then it stays a zombie, so `Sandbox._kill` can never signal a recycled pid."""
+
+    def __init__(self, zygote: _Zygote, pid: int, pidfd: int, stdin: Any) -> None:
+        self.zygote, self.pid, self.pidfd, self.stdin = zygote, pid, pidfd, stdin
+        self.returncode: int | None = None
+        self.cpu_s = 0.0
+
+    def alive(self) -> bool:
+        return not select.select([self.pidfd], [], [], 0)[0]  # a pidfd turns readable when the process exits
+
+    def reap(self) -> float:
+        if self.returncode is None:
+            answer, _ = self.zygote.request({"reap": self.pid})
+            if answer is None:  # the zygote died, so its children did too (PR_SET_PDEATHSIG)
+                self.returncode = -signal.SIGKILL
+            else:
+                self.returncode = os.waitstatus_to_exitcode(answer["status"])
+                self.cpu_s = answer["cpu_s"]
+            os.close(self.pidfd)
+        return self.cpu_s
+
+
+class _Zygote:
+    """A process that imported the allowed packages once and forks sandbox children on request (see zygote.py).
+
+    Used for sandboxes whose packages include torch, whose import costs each cold child ~2.4 s of CPU; others
+    start cold, as their start-up is a fraction of that and a second path would buy nothing. The zygote is
+    started like a cold child (same interpreter flags, environment, a site dir of the allowed packages only),
+    never runs student code, and dies with the grader: PR_SET_PDEATHSIG fires when the *thread* that started a
+    process ends, so it is started from a thread that lasts as long as the grader."""
+
+    def __init__(self, packages: tuple[str, ...]) -> None:
+        self.packages, self.lock = packages, threading.Lock()
+        self.root = Path(tempfile.mkdtemp(prefix="lab-zygote-"))
+        lib, work = self.root / "lib", self.root / "work"
+        (lib / "site").mkdir(parents=True)
+        work.mkdir()
+        for path in package_paths(packages):
+            (lib / "site" / Path(path).name).symlink_to(path)
+        for source in (CHILD, ZYGOTE):
+            shutil.copy(source, lib / source.name)
+        self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        started = threading.Event()
+
+        def start_and_stay() -> None:
+            try:
+                with open(self.root / "output.txt", "wb") as log:
+                    self.proc = subprocess.Popen(
+                        [sys.executable, "-I", "-S", "-B", str(lib / ZYGOTE.name), str(theirs.fileno()),
+                         str(os.getpid()), *packages], stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=work,
+                        env=_environment(work), pass_fds=(theirs.fileno(),), start_new_session=True)
+            finally:
+                theirs.close()
+                started.set()
+            threading.Event().wait()  # forever: the zygote's PR_SET_PDEATHSIG is tied to this thread
+
+        threading.Thread(target=start_and_stay, name="lab-zygote", daemon=True).start()
+        started.wait()
+        self.socket.settimeout(300)
+        try:
+            ready = self.socket.recv(64)
+        except OSError:
+            ready = b""
+        self.socket.settimeout(None)
+        if not ready:
+            self.close()
+            raise ExerciseError(f"internal error: the sandbox's zygote for {', '.join(packages)} did not start")
+
+    def request(self, message: dict, fds: Sequence[int] = ()) -> tuple[dict | None, list[int]]:
+        """One request, its answer (None: the zygote is gone) and the fds sent with it, one thread at a time."""
+        with self.lock:
+            try:
+                socket.send_fds(self.socket, [json.dumps(message).encode()], list(fds))
+                data, received, _, _ = socket.recv_fds(self.socket, 1 << 16, 1)
+            except OSError:
+                return None, []
+            return (json.loads(data) if data else None), received
+
+    def spawn(self, *, cwd: Path, env: dict[str, str], argv: list[str], log: Any, answer: int) -> _WarmChild:
+        stdin, stdin_ours = os.pipe()
+        try:
+            reply, fds = self.request({"spawn": {"cwd": str(cwd), "env": env, "argv": argv}},
+                                 [stdin, log.fileno(), log.fileno(), answer])
+        finally:
+            os.close(stdin)
+        if reply is None or len(fds) != 1:
+            os.close(stdin_ours)
+            raise ExerciseError("internal error: the sandbox's zygote did not start a child")
+        return _WarmChild(self, reply["pid"], fds[0], os.fdopen(stdin_ours, "wb"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        self.socket.close()  # the zygote exits when its socket closes; its children die with it
+        if getattr(self, "proc", None) is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            if self.proc.returncode is None:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_zygotes: dict[tuple[str, ...], _Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _zygote(packages: tuple[str, ...]) -> _Zygote:
+    """This grader's zygote for `packages`, started on first use (again if it died)."""
+    with _zygotes_lock:
+        zygote = _zygotes.get(packages)
+        if zygote is None or not zygote.alive():
+            if zygote is not None:
+                zygote.close()
+            zygote = _zygotes[packages] = _Zygote(packages)
+            if len(_zygotes) == 1:
+                atexit.register(_close_zygotes)
+        return zygote
+
+
+def _close_zygotes() -> None:
+    with _zygotes_lock:
+        for zygote in _zygotes.values():
+            zygote.close()
+        _zygotes.clear()

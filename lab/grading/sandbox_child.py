@@ -1,10 +1,12 @@
 """The student's side of the sandbox: lock this process down, import the exercise cell, answer calls.
 
 Started by `lab.grading.sandbox` as `python -I -S -B sandbox_child.py RESPONSE_FD` in an empty directory,
-with the settings as the first line of stdin. Stdlib only, and it imports nothing from `lab` itself: it is
-copied into the sandbox next to the few `lab` modules the exercise may use. Before any student code runs it
+with the settings as the first line of stdin, or forked in that same state by a zygote that imported torch.
+Stdlib only, and it imports nothing from `lab` itself: it is copied into the sandbox next to the few `lab`
+modules the exercise may use. Before any student code runs it
 
-1. dies with the grader (PR_SET_PDEATHSIG) and joins its own pids cgroup when the grader made one;
+1. dies with its parent (PR_SET_PDEATHSIG: the grader, or the zygote that forked it and that itself dies with
+   the grader, see `zygote.py`) and joins its own pids cgroup when the grader made one;
 2. sets resource limits (CPU time, memory, file size, open files, tasks) with soft = hard;
 3. shuts the file system with Landlock: read-only system and Python directories, read-write only its
    working directory; with Landlock ABI >= 6 it can no longer signal processes outside the sandbox;
@@ -100,7 +102,7 @@ def lock_down(settings: dict) -> None:
     linux = sys.platform == "linux"  # elsewhere (a learner's Mac): resource limits and the process group only
     if linux:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != settings["grader_pid"]:  # the grader died before prctl took effect
+        if os.getppid() != settings["parent_pid"]:  # the grader (or zygote) died before prctl took effect
             os._exit(1)
     if settings["cgroup"]:
         with open(os.path.join(settings["cgroup"], "cgroup.procs"), "w") as f:

@@ -386,3 +386,17 @@ def test_a_killed_grader_leaves_no_warm_sandbox_behind():
     assert gone[:2] == [True, True], f"zygote {zygote} or sandbox {child} outlived the killed grader"
     if fresh is not None:  # the sandbox's own children: the next grader reaps the killed one's cgroups
         assert gone[2], f"sandbox child {kid} outlived the killed grader"
+
+
+def test_the_zygote_outlives_the_thread_that_started_it():
+    """PR_SET_PDEATHSIG fires when the thread that started the zygote ends: grade_all's pool threads end, the
+    grader goes on, so the zygote must not be started from them (a zygote of its own: psutil, cheap to import)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lab.grading.sandbox import _zygote
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(lambda: _zygote(("psutil", "tomli_w")).proc.pid).result()
+    with contextlib.suppress(psutil.TimeoutExpired):  # a SIGKILL from PR_SET_PDEATHSIG would land now
+        psutil.Process(first).wait(timeout=0.5)
+    assert _zygote(("psutil", "tomli_w")).proc.pid == first, "the zygote died with its starting thread"

@@ -381,13 +381,14 @@ class _Zygote:
     """A process that imported the allowed packages once and forks sandbox children on request (see zygote.py).
 
     Used for sandboxes whose packages include torch, whose import costs each cold child ~2.4 s of CPU; others
-    start cold, as their start-up is a fraction of that and a second path would buy nothing. The zygote is
+    start cold: without torch a start costs a fraction of that, and forking after importing other packages
+    (jax, which starts XLA's threads) has not been vetted. The zygote is
     started like a cold child (same interpreter flags, environment, a site dir of the allowed packages only),
     never runs student code, and dies with the grader: PR_SET_PDEATHSIG fires when the *thread* that started a
     process ends, so it is started from a thread that lasts as long as the grader."""
 
     def __init__(self, packages: tuple[str, ...]) -> None:
-        self.packages, self.lock = packages, threading.Lock()
+        self.packages, self.lock, self.owner = packages, threading.Lock(), os.getpid()
         self.root = Path(tempfile.mkdtemp(prefix="lab-zygote-"))
         lib, work = self.root / "lib", self.root / "work"
         (lib / "site").mkdir(parents=True)
@@ -467,6 +468,8 @@ def _zygote(packages: tuple[str, ...]) -> _Zygote:
     """This grader's zygote for `packages`, started on first use (again if it died)."""
     with _zygotes_lock:
         zygote = _zygotes.get(packages)
+        if zygote is not None and zygote.owner != os.getpid():  # we are a fork of its grader (a rank): not ours
+            zygote = None
         if zygote is None or not zygote.alive():
             if zygote is not None:
                 zygote.close()
@@ -479,5 +482,6 @@ def _zygote(packages: tuple[str, ...]) -> _Zygote:
 def _close_zygotes() -> None:
     with _zygotes_lock:
         for zygote in _zygotes.values():
-            zygote.close()
+            if zygote.owner == os.getpid():
+                zygote.close()
         _zygotes.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -361,7 +362,7 @@ cell = "import os, time\\ndef pids():\\n    kid = os.fork()\\n    if kid == 0:\\
 box = Sandbox([("cell", cell)], entry=["pids"], modules=["lab.config"], packages=["tomli_w"], limits=Limits(),
               warm=True)
 box.start()
-print(*box.call("pids"), flush=True)
+print(*box.call("pids"), box.root, box.proc.zygote.root, flush=True)  # the directories: a killed grader leaves them
 time.sleep(600)
 '''
 
@@ -370,9 +371,12 @@ def test_a_killed_grader_leaves_no_warm_sandbox_behind():
     """SIGKILL the grader: its zygote dies with it (PR_SET_PDEATHSIG on the thread that started it), the
     sandbox child dies with the zygote, and the child's own children with the child's cgroup or session."""
     grader = subprocess.Popen([sys.executable, "-c", GRADER], stdout=subprocess.PIPE, text=True, cwd=REPO)
-    child, zygote, kid = map(int, grader.stdout.readline().split())
+    *pids, sandbox_root, zygote_root = grader.stdout.readline().split()
+    child, zygote, kid = map(int, pids)
     grader.kill()
     grader.wait()
+    for root in (sandbox_root, zygote_root):
+        shutil.rmtree(root)
     from lab.grading.confine import make_cgroup
 
     fresh = make_cgroup(8)  # as the next grader does: kill what is left in the killed grader's cgroups

@@ -10,7 +10,9 @@ Like the widgets, this module does not import torch (nor matplotlib until a figu
 
 from __future__ import annotations
 
+import base64
 import html
+import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -63,17 +65,24 @@ class Explorer(widgets.VBox):
         """One line naming what is wrong, instead of the chart and the summary."""
         self.error.value = f'<p class="lab-error" style="color:#b00">{html.escape(message)}</p>'
         self.summary.value = ""
-        self.plot.clear_output()
+        self.plot.outputs = ()  # a state change, as in show_figure
 
 
 def show_figure(output: widgets.Output, fig) -> None:
-    """Show `fig` in `output` in place of what it showed, then close it (pyplot keeps every figure open)."""
+    """Show `fig` in `output` in place of what it showed, then close it (pyplot keeps every figure open).
+
+    The PNG becomes the output widget's state (`outputs`, one assignment: no flicker) instead of being shown
+    inside `with output:`. Capturing relies on the browser applying the widget's new msg_id before the kernel's
+    display message arrives, and in JupyterLab a chart redrawn from a control's callback was sometimes never
+    shown (the summary moved on, the chart did not: seen in the browser lane); a state change cannot be lost."""
     import matplotlib.pyplot as plt
 
-    with output:
-        output.clear_output(wait=True)  # wait: no flicker, the old chart stays until the new one arrives
-        plt.show()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight")  # what the inline backend shows
     plt.close(fig)
+    output.outputs = ({"output_type": "display_data", "metadata": {},
+                       "data": {"image/png": base64.b64encode(png.getvalue()).decode("ascii"),
+                                "text/plain": repr(fig)}},)
 
 
 def slider(kind: type, value: float, low: float, high: float, step: float, description: str) -> widgets.Widget:

@@ -137,7 +137,7 @@ class ConfigExplorer(Explorer):
         capacity = HARDWARE[v["hardware"]].memory_bytes
         batch = f"{r.global_batch:,} sequences × {r.seq:,} = {r.tokens_per_step:,} tokens"
         if not top:
-            self.plot.clear_output()
+            self.plot.outputs = ()
             self.summary.value = (f'<p class="lab-search-best"><b>No layout of {r.model.name} fits {r.gpus} '
                                   f'{v["hardware"]} GPUs</b> with a global batch of {batch}: see why below.</p>')
             self.table.value = ""

@@ -365,9 +365,16 @@ def read_file(path: str | os.PathLike) -> tuple[int, list[Entry], str]:
     return rank, entries, backend.rstrip(b"\0").decode()
 
 
+def read_all(directory: str | os.PathLike) -> tuple[dict[int, list[Entry]], bool]:
+    """Every rank's entries from the rank<R>.flight files in `directory`, by rank, and whether any rank ran on
+    NCCL (where torch's own Flight Recorder knows more: `NCCL_HINT`)."""
+    read_back = [read_file(path) for path in sorted(Path(directory).glob("rank*.flight"))]
+    return {rank: entries for rank, entries, _ in read_back}, any(backend == "nccl" for *_, backend in read_back)
+
+
 def read(directory: str | os.PathLike) -> dict[int, list[Entry]]:
     """Every rank's entries from the rank<R>.flight files in `directory`, by rank."""
-    return {rank: entries for rank, entries, _ in map(read_file, sorted(Path(directory).glob("rank*.flight")))}
+    return read_all(directory)[0]
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:
@@ -503,13 +510,11 @@ def tail(buffers: dict[int, list[Entry]], n: int = 3) -> str:
 def report(directory: str | os.PathLike, n: int = 3) -> str:
     """The diagnosis from the files in `directory`, each rank's last `n` entries, and on NCCL the pointer to
     torch's Flight Recorder."""
-    files = sorted(Path(directory).glob("rank*.flight"))
-    if not files:
+    buffers, nccl = read_all(directory)
+    if not buffers:
         return f"no flight-recorder files (rank<R>.flight) in {directory}"
-    read_back = [read_file(path) for path in files]
-    buffers = {rank: entries for rank, entries, _ in read_back}
     text = f"{diagnose(buffers)}\n{tail(buffers, n)}"
-    return f"{text}\n{NCCL_HINT}" if any(backend == "nccl" for _, _, backend in read_back) else text
+    return f"{text}\n{NCCL_HINT}" if nccl else text
 
 
 def main(argv: list[str] | None = None) -> None:

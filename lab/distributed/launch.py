@@ -403,11 +403,10 @@ def _collectives(stack_paths: list[str]) -> tuple[str, str, list[int]]:
     rank is needed."""
     from lab.distributed import flight
     try:
-        read_back = [flight.read_file(path) for path in sorted(Path(stack_paths[0]).parent.glob("rank*.flight"))]
+        buffers, nccl = flight.read_all(Path(stack_paths[0]).parent)
     except (OSError, ValueError, struct.error) as error:  # a rank killed while it created its file
         return f"\ncollectives: the flight recorder could not be read ({error})", "", []
-    buffers = {rank: entries for rank, entries, _ in read_back}
-    hint = [flight.NCCL_HINT] if any(backend == "nccl" for _, _, backend in read_back) else []
+    hint = [flight.NCCL_HINT] if nccl else []
     diagnosis = "".join(f"\ncollectives: {line}" for line in flight.diagnose(buffers).splitlines())
     return diagnosis, "\n".join([flight.tail(buffers), *hint]), flight.culprits(buffers)
 

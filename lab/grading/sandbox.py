@@ -47,6 +47,7 @@ from lab.grading.confine import LAB_DIR, kill_all, make_cgroup, members, package
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 ZYGOTE = Path(__file__).with_name("zygote.py")
+_PYTHON = (sys.executable, "-I", "-S", "-B")  # how a sandbox child (and a zygote) starts: isolated, no site
 _MAX_LINE = 1 << 20  # bytes of one answer: more is a protocol violation
 
 
@@ -119,10 +120,7 @@ class Sandbox:
         self._copy_code(lib)
         work.mkdir()
         self.cgroup = make_cgroup(self.limits.max_tasks)
-        site = lib / "site"  # links to the allowed packages only: site-packages itself stays unreadable
-        site.mkdir()
-        for path in package_paths(self.packages):
-            (site / Path(path).name).symlink_to(path)
+        site = _link_packages(lib, self.packages)
         sys_path = [str(lib), str(site)]
         rules = [*map(list, system_rules(self.protect)), [str(lib), "ro"], [str(work), "rw"],
                  *[[p, "ro"] for p in package_paths(self.packages)],
@@ -143,10 +141,9 @@ class Sandbox:
             settings["parent_pid"] = zygote.proc.pid
         else:
             settings["parent_pid"] = os.getpid()
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", str(lib / CHILD.name),
-                                          str(self._write_end)], stdin=subprocess.PIPE, stdout=self.log,
-                                         stderr=self.log, cwd=work, env=env, pass_fds=(self._write_end,),
-                                         start_new_session=True)
+            self.proc = subprocess.Popen([*_PYTHON, str(lib / CHILD.name), str(self._write_end)],
+                                         stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, cwd=work, env=env,
+                                         pass_fds=(self._write_end,), start_new_session=True)
         os.close(self._write_end)
         self.deadline = time.monotonic() + self.limits.wall_s
         threading.Thread(target=self._watch, daemon=True).start()
@@ -345,6 +342,16 @@ def _pidfds() -> bool:
         return False
 
 
+def _link_packages(lib: Path, packages: Sequence[str]) -> Path:
+    """`lib/site`, holding links to the allowed packages only (site-packages itself stays unreadable): the
+    `site` of a sandbox and of a zygote."""
+    site = lib / "site"
+    site.mkdir(parents=True)
+    for path in package_paths(packages):
+        (site / Path(path).name).symlink_to(path)
+    return site
+
+
 def _environment(work: Path) -> dict[str, str]:
     """The whole environment of a sandbox (and of a zygote): nothing of the grader's."""
     return {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
@@ -391,10 +398,8 @@ class _Zygote:
         self.packages, self.lock, self.owner = packages, threading.Lock(), os.getpid()
         self.root = Path(tempfile.mkdtemp(prefix="lab-zygote-"))
         lib, work = self.root / "lib", self.root / "work"
-        (lib / "site").mkdir(parents=True)
+        _link_packages(lib, packages)
         work.mkdir()
-        for path in package_paths(packages):
-            (lib / "site" / Path(path).name).symlink_to(path)
         for source in (CHILD, ZYGOTE):
             shutil.copy(source, lib / source.name)
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -404,8 +409,8 @@ class _Zygote:
             try:
                 with open(self.root / "output.txt", "wb") as log:
                     self.proc = subprocess.Popen(
-                        [sys.executable, "-I", "-S", "-B", str(lib / ZYGOTE.name), str(theirs.fileno()),
-                         str(os.getpid()), *packages], stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=work,
+                        [*_PYTHON, str(lib / ZYGOTE.name), str(theirs.fileno()), str(os.getpid()), *packages],
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=work,
                         env=_environment(work), pass_fds=(theirs.fileno(),), start_new_session=True)
             finally:
                 theirs.close()

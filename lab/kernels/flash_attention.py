@@ -1,0 +1,314 @@
+"""FlashAttention forward and backward: softmax(q kᵀ · scale) v without ever writing the T×S score matrix.
+
+Why. Plain attention writes S = q kᵀ (T×S per head) to memory, reads it back for the softmax, writes P and reads
+it again for P v: O(T·S) bytes moved for O(T·S·D) FLOPs, so at D = 64..128 it is memory-bound. Here a program
+owns BLOCK_M query rows and streams the keys and values past them BLOCK_N at a time; scores live only in
+registers/SRAM. Bytes moved per head: q, o once, k and v once per query block — O(T·D + (T/BLOCK_M)·S·D).
+
+Online softmax (chapter 05's ring attention merges partial results by the same rule). For one row, after the
+key blocks seen so far, keep the running max m, the running sum l = Σ exp(s_j - m) and the unnormalised output
+acc = Σ exp(s_j - m) v_j. A new block with scores s' gives m' = max(m, max s'); rescaling by α = exp(m - m')
+brings the old terms onto the new max: l' = α·l + Σ exp(s' - m'), acc' = α·acc + exp(s' - m') v'. At the end
+o = acc / l, and the log-sum-exp m + log l is saved per row: the backward recomputes P = exp(s - lse) from it
+exactly, without a second pass for the max. Exponentials are taken base 2 (exp2 is the hardware instruction):
+scores are multiplied by scale·log2(e) once and the saved lse is in log2 units.
+
+Backward (FlashAttention-2). With dP = dO vᵀ and D_i = Σ_j P_ij dP_ij = rowsum(dO ∘ O) (a small preprocess
+kernel), the softmax backward is dS = P ∘ (dP - D); then dV = Pᵀ dO, dK = scale · dSᵀ q, dQ = scale · dS k.
+Two kernels avoid atomics: one program per key block accumulates dK, dV over every query block (and over every
+query head of its group, so grouped-query attention's sum over heads happens in registers), and one program per
+query block accumulates dQ over the key blocks.
+
+Shapes: q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv). Query head h reads key/value head h // (H // Hkv)
+through its strides (no copy). Dv may differ from D (DeepSeek MLA). Head dims that are not powers of two are
+padded to the next power of two in registers and masked on every load and store; so are the T and S tails.
+Causal masking is aligned at position 0 (torch's is_causal) and needs T == S.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Importing this module runs lab/kernels/__init__.py first, which imports lab.kernels.runtime: the interpreter is
+# chosen before the @triton.jit below decorate anything.
+from lab.kernels.runtime import check_dtype, interpreted
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, LSE,
+                sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sot, sod,
+                H, GROUP, T, S, D, DV, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // GROUP  # the key/value head this query head shares
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < T
+
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    end = S
+    if CAUSAL:  # key blocks entirely above the diagonal contribute nothing: skip them
+        end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < S
+        kT = tl.load(k_base + cols[None, :] * sks + offs_d[:, None] * skd,
+                     mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # log2 units
+        keep = col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (rows[:, None] >= cols[None, :])
+        s = tl.where(keep, s, float("-inf"))
+        # every row sees key 0 in the first block, so m_new is finite from the first block on
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    tl.store(Out + b * sob + h * soh + rows[:, None] * sot + offs_dv[None, :] * sod, acc.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(LSE + pid_bh * T + rows, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _bwd_preprocess(Out, DO, DELTA, sob, soh, sot, sod, sdb, sdh, sdt, sdd, H, T, DV,
+                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij, the term the softmax backward subtracts."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (rows[:, None] < T) & (offs_dv[None, :] < DV)
+    o = tl.load(Out + b * sob + h * soh + rows[:, None] * sot + offs_dv[None, :] * sod, mask=mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + offs_dv[None, :] * sdd, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh * T + rows, delta, mask=rows < T)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_,
+                     sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sdb, sdh, sdt, sdd,
+                     H, HKV, GROUP, T, S, D, DV, scale, qk_scale,
+                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One program per (key block, batch, kv head): dV = Σ Pᵀ dO and dK = scale · Σ dSᵀ q over the query
+    blocks of every query head that reads this kv head. dK/dV are contiguous (B, Hkv, S, ·)."""
+    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, hk = pid_bh // HKV, pid_bh % HKV
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = cols < S
+
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
+                mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
+                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    start = 0
+    if CAUSAL:  # query rows above this key block's first column see none of it
+        start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for h in range(hk * GROUP, hk * GROUP + GROUP):
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        stat_base = (b * H + h) * T
+        for start_m in range(start, T, BLOCK_M):
+            rows = start_m + offs_m
+            row_ok = rows < T
+            q = tl.load(q_base + rows[:, None] * sqt + offs_d[None, :] * sqd,
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(do_base + rows[:, None] * sdt + offs_dv[None, :] * sdd,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            lse = tl.load(LSE + stat_base + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + stat_base + rows, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            keep = row_ok[:, None] & col_ok[None, :]
+            if CAUSAL:
+                keep = keep & (rows[:, None] >= cols[None, :])
+            p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)  # the forward's P, recomputed exactly
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
+
+    out = pid_bh * S
+    tl.store(DK + (out + cols[:, None]) * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV_ + (out + cols[:, None]) * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sdb, sdh, sdt, sdd,
+                   H, GROUP, T, S, D, DV, scale, qk_scale,
+                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One program per (query block, batch, head): dQ = scale · Σ dS k over the key blocks. dQ is contiguous."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < T
+
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + offs_dv[None, :] * sdd,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + pid_bh * T + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + pid_bh * T + rows, mask=row_ok, other=0.0)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = S
+    if CAUSAL:
+        end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < S
+        k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :] * skd,
+                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        vT = tl.load(v_base + cols[None, :] * svs + offs_dv[:, None] * svd,
+                     mask=col_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        keep = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            keep = keep & (rows[:, None] >= cols[None, :])
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, vT, input_precision="ieee")
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+
+    tl.store(DQ + (pid_bh * T + rows[:, None]) * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+def _config(D: int, Dv: int) -> dict:
+    """Block sizes and launch options. Interpreted: one pinned config of 64×64 tiles (cost is per program and per
+    block op, never per element). Compiled: 64×64 tiles, 4 warps (8 for wide heads), 2 pipeline stages — enough
+    to keep q, k, v tiles and the fp32 accumulator in SRAM/registers for head dims up to 128..256.
+    tl.dot needs every dim ≥ 16 on a GPU, so head dims are padded to at least 16."""
+    block_d = max(16, triton.next_power_of_2(D))
+    block_dv = max(16, triton.next_power_of_2(Dv))
+    if interpreted():
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, BLOCK_DV=block_dv)
+    wide = max(block_d, block_dv) > 64
+    return dict(BLOCK_M=64, BLOCK_N=64 if not wide else 32, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                num_warps=8 if wide else 4, num_stages=2)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        check_dtype(t, name)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, T, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"k head_dim {k.shape[3]} must equal q's {D}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"v (heads, seq) {tuple(v.shape[1:3])} must equal k's {tuple(k.shape[1:3])}")
+    Hkv = k.shape[1]
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"kv heads {Hkv} must divide query heads {H} (1 <= Hkv <= {H}, H % Hkv == 0)")
+    if k.shape[2] < 1 or D < 1 or v.shape[3] < 1:
+        raise ValueError(f"key length {k.shape[2]} and head dims {D}, {v.shape[3]} must be >= 1")
+    if causal and k.shape[2] != T:
+        raise ValueError(f"causal attention needs key length == query length, got S={k.shape[2]}, T={T}")
+
+
+class FlashAttention(torch.autograd.Function):
+    """forward saves q, k, v, o and the per-row log-sum-exp; backward recomputes P block by block from them."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+        B, H, T, D = q.shape
+        Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+        cfg = _config(D, Dv)
+        o = torch.empty(B, H, T, Dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+        grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
+        _fwd_kernel[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                          H, H // Hkv, T, S, D, Dv, scale * LOG2E, CAUSAL=causal, **cfg)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.causal = scale, causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        B, H, T, D = q.shape
+        Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+        cfg = _config(D, Dv)
+        strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+        delta = torch.empty_like(lse)
+        _bwd_preprocess[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+            o, do, delta, *o.stride(), *do.stride(), H, T, Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=cfg["BLOCK_DV"])
+        dq = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+        dk = torch.empty(B, Hkv, S, D, dtype=k.dtype, device=k.device)
+        dv = torch.empty(B, Hkv, S, Dv, dtype=v.dtype, device=v.device)
+        scale = ctx.scale
+        _bwd_dkdv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, *strides, H, Hkv, H // Hkv, T, S, D, Dv, scale, scale * LOG2E,
+            CAUSAL=ctx.causal, **cfg)
+        _bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+            q, k, v, do, lse, delta, dq, *strides, H, H // Hkv, T, S, D, Dv, scale, scale * LOG2E,
+            CAUSAL=ctx.causal, **cfg)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                    causal: bool = True) -> torch.Tensor:
+    """softmax(q kᵀ · scale [+ causal mask]) v for q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
+
+    A drop-in `Attention.core` (core(q, k, v)) and `LatentAttention.core` (core(q, k, v, scale)); differentiable.
+    scale defaults to 1/sqrt(D)."""
+    _check(q, k, v, causal)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.shape[2] == 0:
+        return q.new_empty(*q.shape[:3], v.shape[3])
+    return FlashAttention.apply(q, k, v, float(scale), bool(causal))
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                        causal: bool = True) -> torch.Tensor:
+    """The same op in plain torch, materialising the scores: the definition the kernel is tested against."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores.softmax(dim=-1) @ v

@@ -27,6 +27,7 @@ MOE_GATINGS = ("softmax", "sigmoid")
 MOE_GATE_NORMS = ("auto", "none", "topk")  # see ModelConfig.renormalizes_gates
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")  # lab.calc.schedules builds them
 RECOMPUTE_MODES = ("none", "selective", "full")
+KERNEL_MODES = ("eager", "triton")  # torch's own ops, or lab.kernels' Triton kernels patched into the model
 DP_MODES = ("naive", "overlapped", "bucketed")
 CP_IMPLS = ("ring", "zigzag", "ulysses")  # ring attention on contiguous or zig-zag chunks; Ulysses all-to-all
 
@@ -249,6 +250,7 @@ class TrainConfig:
     seed: int = 0
     data_branching: int = 4
     device: str = "auto"
+    kernels: str = "eager"  # "triton": RMSNorm, SwiGLU, attention and the loss run as lab.kernels' Triton kernels
 
     def __post_init__(self) -> None:
         self.validate()
@@ -260,6 +262,7 @@ class TrainConfig:
         _require(self.weight_decay >= 0, f"weight_decay={self.weight_decay!r} must be >= 0")
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
+        _one_of("kernels", self.kernels, KERNEL_MODES)
 
 
 @dataclass

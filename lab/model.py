@@ -27,15 +27,29 @@ from torch.utils.checkpoint import checkpoint
 from lab.config import RECOMPUTE_MODES, ModelConfig
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) · weight over the last dim, the statistics in float32 whatever x's dtype."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel = rms_norm  # the op itself; `lab.kernels.patch` swaps in a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return self.kernel(x, self.weight, self.eps)
+
+    @torch.no_grad()
+    def weight_gradient(self, inputs: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """d loss / d weight from the input and the output's gradient (the zero-bubble W pass): the sum over
+        tokens of grad_output · x̂, where x̂ is the normalised input — the op run with a weight of ones, so that
+        a kernel-backed norm gives the gradient of the very values it computed."""
+        normed = self.kernel(inputs, torch.ones_like(self.weight), self.eps)
+        return (grad_output * normed).flatten(0, -2).sum(0)
 
 
 def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +141,11 @@ class LatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up: the gated activation between a SwiGLU feed-forward's two projections."""
+    return F.silu(gate) * up
+
+
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1·x) * w3·x)."""
 
@@ -135,9 +154,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
         self.w3 = nn.Linear(d_model, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.kernel = swiglu  # `lab.kernels.patch` swaps in a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.kernel(self.w1(x), self.w3(x)))
 
 
 class MoE(nn.Module):

@@ -33,13 +33,14 @@ from torch import nn
 from lab import distributed as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
 from lab.checkpoint import Checkpointer, CheckpointOptions, newest
-from lab.config import Config, ParallelConfig, check_supported, parse_override, read_config
+from lab.config import KERNEL_MODES, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
 from lab.dryrun import dry_run
 from lab.faults import USAGE, InjectedFailure
 from lab.model import MoE, build_model, moe_losses, num_params
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
+from lab.parallel.pp import cross_entropy
 
 
 @dataclass
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mbs", type=int, help="sequences per micro-batch: the global batch is mbs x dp x grad-accum "
                                           "(instead of train.global_batch)")
     p.add_argument("--steps", type=int)
+    p.add_argument("--kernels", choices=KERNEL_MODES, help="'triton': train with lab.kernels' Triton kernels patched "
+                   "into the model (Triton's interpreter on CPU), as --set train.kernels=triton")
     p.add_argument("--seed", type=int)
     p.add_argument("--log-json", metavar="PATH", help="write one JSON object per step to PATH")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
@@ -155,7 +158,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     data = read_config(args.config, args.set)
     model, parallel, train = (data.setdefault(section, {}) for section in ("model", "parallel", "train"))
     for section, name, value in ((model, "preset", args.model), (train, "seq_len", args.seq),
-                                 (train, "steps", args.steps), (train, "seed", args.seed)):
+                                 (train, "steps", args.steps), (train, "seed", args.seed),
+                                 (train, "kernels", args.kernels)):
         if value is not None:
             section[name] = value
     flags = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ParallelConfig)}
@@ -187,8 +191,23 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
         available = "no CUDA build of torch" if torch.version.cuda is None else "no CUDA device visible"
         raise ValueError(f"train.device='cuda' but this machine has {available}; available: 'cpu' "
                          f"(or 'auto', which picks CUDA where there is one)")
+    if config.train.kernels == "triton":
+        _check_kernels(config)
     check_supported(config)
     return config, nproc
+
+
+def _check_kernels(config: Config) -> None:
+    """Triton must be installed, and its kernels must run where the model does: compiled on a GPU, or in the
+    interpreter on CPU tensors (set when lab.kernels is imported on a machine without a GPU)."""
+    from lab import kernels
+
+    kernels.require_triton()
+    on_gpu = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+    if on_gpu != (kernels.DEVICE == "cuda"):
+        where = "CPU tensors (Triton's interpreter, TRITON_INTERPRET=1)" if kernels.DEVICE == "cpu" else "the GPU"
+        raise ValueError(f"--kernels triton with train.device={config.train.device!r}: this process runs Triton "
+                         f"kernels on {where}; use the same device for the model, or --kernels eager")
 
 
 def _device(config: Config) -> torch.device:
@@ -217,7 +236,13 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     tokens this rank holds, how the loss and gradients are reduced — is asked of what `parallelize` built."""
     parallel, train = config.parallel, config.train
     device = _device(config)
-    par = parallelize(config.model, build_mesh(parallel), parallel, device, train.seed, train.seq_len)
+    loss = cross_entropy
+    if train.kernels == "triton":  # the fused loss here; RMSNorm, SwiGLU and attention patched in below
+        from lab import kernels
+        from lab.kernels.cross_entropy import cross_entropy as loss
+    par = parallelize(config.model, build_mesh(parallel), parallel, device, train.seed, train.seq_len, loss)
+    if train.kernels == "triton":
+        kernels.patch(par.model)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,

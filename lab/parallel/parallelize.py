@@ -165,8 +165,10 @@ def _engine(model: nn.Module, mesh: Mesh | None, parallel: ParallelConfig) -> Da
 
 
 def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, device: torch.device,
-                seed: int, seq_len: int) -> Parallelized:
-    """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process)."""
+                seed: int, seq_len: int, loss: LossFn = cross_entropy) -> Parallelized:
+    """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process).
+    `loss` is the loss on whole logits (a fused kernel may replace torch's); tensor parallelism, whose logits
+    are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead."""
     schedule = None
     if parallel.pp > 1:
         schedule = make_schedule(parallel.pp_schedule, parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages)
@@ -178,7 +180,7 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
         materialize_local(stage, device, seed)
     model = nn.ModuleList(stages) if schedule is not None else stages[0]
     _record_replicas(model, parallel)
-    loss_fn = cross_entropy
+    loss_fn = loss
     if parallel.tp > 1:
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)

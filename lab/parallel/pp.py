@@ -95,16 +95,12 @@ class Boundary:
 def weight_gradients(module: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
     """Accumulate `module`'s parameter gradients from its input and the gradient of its output: the W pass
     of zero-bubble schedules, which autograd would otherwise have done inside the backward."""
-    if hasattr(module, "weight_gradient"):  # a layer with its own rule (the vocabulary-parallel embedding)
+    if hasattr(module, "weight_gradient"):  # a layer with its own rule (RMSNorm, the vocabulary-parallel embedding)
         pairs = [(module.weight, module.weight_gradient(inputs, grad_output))]
     elif isinstance(module, nn.Linear):
         grad = grad_output.flatten(0, -2).T @ inputs.flatten(0, -2)
         pairs = [(module.weight, grad)] + ([(module.bias, grad_output.flatten(0, -2).sum(0))] if module.bias is not None
                                           else [])
-    elif isinstance(module, RMSNorm):
-        x = inputs.float()
-        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)).type_as(inputs)
-        pairs = [(module.weight, (grad_output * normed).flatten(0, -2).sum(0))]
     elif isinstance(module, nn.Embedding):
         grad = torch.zeros_like(module.weight).index_add_(0, inputs.flatten(), grad_output.flatten(0, -2))
         pairs = [(module.weight, grad)]

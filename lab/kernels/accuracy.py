@@ -1,0 +1,45 @@
+"""The error-ratio rule: a kernel is as accurate as torch when its error is at most a small multiple of torch's.
+
+A fixed tolerance is either too loose for fp32 or too tight for fp16. Instead both the kernel and torch's own op
+are run in the same dtype and compared with a float64 reference computed from the same inputs: the kernel passes
+when its largest error is at most `ratio` (2 by default) times torch's largest error. When torch is exact (an fp32
+add), the floor is one unit of roundoff of the dtype at the reference's scale, so that a kernel which rounds
+differently — but correctly — still passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def max_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest absolute difference, in float64; inf where one is NaN/inf and the other is not."""
+    result, reference = result.detach().double(), reference.detach().double()
+    if result.shape != reference.shape:
+        raise ValueError(f"shape {tuple(result.shape)} differs from the reference's {tuple(reference.shape)}")
+    if result.numel() == 0:
+        return 0.0
+    diff = (result - reference).abs()
+    both_same = (result == reference) | (result.isnan() & reference.isnan())
+    diff = torch.where(both_same, torch.zeros_like(diff), diff)
+    return float(diff.nan_to_num(nan=float("inf")).max())
+
+
+def error_ratio(result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor) -> float:
+    """max|result - reference| / max(max|baseline - reference|, one roundoff unit of result's dtype at the
+    reference's scale). `baseline` is torch's own op in the kernel's dtype; `reference` is computed in float64."""
+    eps = torch.finfo(result.dtype).eps if result.is_floating_point() else 0.0
+    scale = float(reference.detach().double().abs().max()) if reference.numel() else 0.0
+    floor = eps * max(scale, 1.0)
+    return max_error(result, reference) / max(max_error(baseline, reference), floor)
+
+
+def assert_error_ratio(name: str, result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor,
+                       ratio: float = 2.0) -> None:
+    """Fail with one line that names the op, the shape, the dtype and both errors when the rule is broken."""
+    got = error_ratio(result, baseline, reference)
+    if not got <= ratio:
+        raise AssertionError(
+            f"{name} {str(result.dtype).removeprefix('torch.')} {tuple(result.shape)}: error "
+            f"{max_error(result, reference):.3g} is {got:.3g}x torch's own {max_error(baseline, reference):.3g} "
+            f"(allowed {ratio:g}x)")

@@ -1,0 +1,59 @@
+"""How this process runs Triton kernels: compiled for a GPU, or in Triton's interpreter on the CPU.
+
+`triton.jit` reads `TRITON_INTERPRET` when a kernel is *decorated* (it returns an interpreted function when the
+variable is 1 and a GPU-compiled one otherwise), so the choice is made here, once, when `lab.kernels` is first
+imported — before any kernel module of the package is loaded. Without a GPU the variable is set to 1: every
+kernel of the course then runs on CPU tensors, slowly but with the same masks, tiles and reductions.
+
+The interpreter has no GPU to ask: a launcher must not query device properties, call `triton.autotune` or
+`triton.testing.do_bench` there (they fail with "0 active drivers"); it uses one pinned launch configuration.
+Its cost is per program instance and per block operation, so interpreted launchers use few, large blocks.
+It has no bf16 (bf16 arithmetic is silently wrong: triton-lang/triton#11584): bf16 runs only on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def _configure() -> str:
+    if importlib.util.find_spec("triton") is None:
+        return "unavailable"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter"
+    if torch.cuda.is_available():
+        return "compiled"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "interpreter"
+
+
+MODE: str = _configure()
+"""'compiled' (a GPU), 'interpreter' (Triton's interpreter on CPU tensors) or 'unavailable' (no triton)."""
+
+DEVICE: str = "cuda" if MODE == "compiled" else "cpu"
+"""Where this process's kernel inputs live."""
+
+
+def interpreted() -> bool:
+    """True when kernels run in Triton's interpreter: launchers pin one configuration of few, large blocks."""
+    return MODE == "interpreter"
+
+
+def require_triton() -> None:
+    """Raise one clear line when triton is not installed (it is the `triton` extra)."""
+    if MODE == "unavailable":
+        raise ImportError("lab.kernels needs triton: pip install -e '.[triton]' (or use --kernels eager)")
+
+
+def check_dtype(tensor: torch.Tensor, name: str = "input") -> None:
+    """Refuse what a kernel cannot compute correctly here: only fp32 and fp16 in the interpreter (its bf16 is
+    silently wrong), fp32/fp16/bf16 on a GPU."""
+    allowed = (torch.float32, torch.float16) if interpreted() else (torch.float32, torch.float16, torch.bfloat16)
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        where = "in Triton's interpreter (CPU)" if interpreted() else "on this GPU"
+        raise ValueError(f"{name} dtype {str(tensor.dtype).removeprefix('torch.')} is not supported {where}: "
+                         f"use one of {names}")

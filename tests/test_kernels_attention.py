@@ -1,0 +1,114 @@
+"""Flash attention (forward and backward) and the paged decode kernel against torch, by the error-ratio rule.
+
+Each case runs the kernel, torch's own op in the same dtype, and a float64 reference; the kernel's error on the
+output and on dq, dk, dv must be at most 2x torch's. The shape zoo: one row (T=1), head dims that are not powers
+of two (24, 40), lengths that are not a multiple of the 64-row tile (37, 65, 70, 90, 100: several key blocks, so
+the online rescale runs), grouped-query heads (H=4, Hkv=2 and H=2, Hkv=1), Dv != D (MLA), causal and not.
+Kernels run in Triton's interpreter here (fp32 and fp16; bf16 only on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.kernels import DEVICE  # before triton: lab.kernels decides the interpreter before triton is imported
+
+pytest.importorskip("triton")
+
+from lab.config import ModelConfig  # noqa: E402
+from lab.kernels.accuracy import assert_error_ratio  # noqa: E402
+from lab.kernels.flash_attention import attention_reference, flash_attention  # noqa: E402
+from lab.model import Attention, LatentAttention, rope_angles  # noqa: E402
+
+#        B  H  Hkv  T    S    D   Dv  causal
+ZOO = [(1, 1, 1, 1, 1, 24, 24, True),       # one row, D not a power of two
+       (1, 2, 2, 37, 37, 24, 24, True),     # one partial tile
+       (1, 4, 2, 100, 100, 16, 16, True),   # GQA, two tiles with a tail: rescale and causal skip run
+       (1, 2, 1, 70, 90, 24, 40, False),    # non-causal, T != S, Dv != D, one kv head for two
+       (2, 2, 2, 65, 65, 12, 20, True)]     # MLA-like Dv != D, batch stride, one-row tail tile
+DTYPES = [torch.float32, torch.float16]
+
+
+def _torch_attention(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _run(fn, q, k, v, do):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", ZOO, ids=lambda s: "B{}H{}Hkv{}T{}S{}D{}Dv{}{}".format(*s[:7], "c" * s[7]))
+def test_flash_attention_matches_torch(shape, dtype):
+    B, H, Hkv, T, S, D, Dv, causal = shape
+    gen = torch.Generator().manual_seed(T * 131 + D)
+    q, k, v, do = (torch.randn(*s, generator=gen).to(dtype=dtype, device=DEVICE)
+                   for s in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv), (B, H, T, Dv)))
+    got = _run(lambda *a: flash_attention(*a, causal=causal), q, k, v, do)
+    base = _run(lambda *a: _torch_attention(*a, causal), q, k, v, do)
+    ref = _run(lambda *a: attention_reference(*a, causal=causal), q.double(), k.double(), v.double(), do.double())
+    for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref, strict=True):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_error_ratio(f"flash_attention {name}", g, b, r)
+
+
+def _check_core(module, cfg, wants_scale):
+    """The module with flash_attention as its core against the same module with the eager core (fp32 baseline)
+    and in float64 (reference): output and every weight gradient."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 33, cfg.d_model)
+    rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
+    results = []
+    for dtype, core in ((torch.float32, flash_attention), (torch.float32, None), (torch.float64, None)):
+        m = module(cfg).to(dtype)
+        torch.manual_seed(1)
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        calls = []
+        if core is not None:
+            def core(*args, _calls=calls):
+                _calls.append(len(args))
+                return flash_attention(*args)
+            m.core = core
+        cos, sin = rope_angles(torch.arange(x.shape[1]), rope_dim, cfg.rope_theta)
+        out = m(x.to(dtype), cos.to(dtype), sin.to(dtype))
+        out.square().sum().backward()
+        results.append([out.detach()] + [p.grad for p in m.parameters()])
+        if core is not None:
+            assert calls == [4 if wants_scale else 3]
+    for i, (g, b, r) in enumerate(zip(*results, strict=True)):
+        assert_error_ratio(f"{module.__name__} with flash core, tensor {i}", g, b, r)
+
+
+def test_drop_in_attention_core():
+    """Attention.core(q, k, v) on transposed (non-contiguous) views, GQA 4:2, head_dim 16."""
+    _check_core(Attention, ModelConfig.from_preset("tiny"), wants_scale=False)
+
+
+def test_drop_in_latent_attention_core():
+    """LatentAttention.core(q, k, v, scale): qk head dim 12 = 8 + 4 (not a power of two), v head dim 20."""
+    cfg = dataclasses.replace(ModelConfig.from_preset("tiny"), attention="mla", kv_lora_rank=16,
+                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=20)
+    _check_core(LatentAttention, cfg, wants_scale=True)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, v_shape, dtype, causal, match", [
+    ((1, 4, 8, 16), (1, 3, 8, 16), (1, 3, 8, 16), torch.float32, True, "kv heads 3 must divide query heads 4"),
+    ((1, 2, 8, 16), (1, 2, 8, 8), (1, 2, 8, 16), torch.float32, True, "k head_dim 8 must equal q's 16"),
+    ((1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 9, 16), torch.float32, False, r"v \(heads, seq\)"),
+    ((1, 2, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), torch.float32, False, "batch sizes differ"),
+    ((2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), torch.float32, False, "q must be 4-D"),
+    ((1, 2, 8, 16), (1, 2, 9, 16), (1, 2, 9, 16), torch.float32, True, "S=9, T=8"),
+    ((1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), torch.float64, True, "q dtype float64 is not supported"),
+])
+def test_flash_attention_rejects_bad_input(q_shape, k_shape, v_shape, dtype, causal, match):
+    q, k, v = (torch.zeros(s, dtype=dtype, device=DEVICE) for s in (q_shape, k_shape, v_shape))
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, v, causal=causal)

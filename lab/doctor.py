@@ -89,20 +89,13 @@ def _check_gpu() -> list[Check]:
 
 
 _TRITON_PROBE = """
-import torch, triton, triton.language as tl
+import torch, triton
+from lab import kernels  # decides the mode (compiled on a GPU, Triton's interpreter on CPU) before any kernel
+from lab.kernels.add import add
 
-@triton.jit
-def add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
-
-device = "cuda" if torch.cuda.is_available() else "cpu"
-x = torch.arange(100.0, device=device)
-out = torch.empty_like(x)
-add[(2,)](x, x, out, 100, BLOCK=64)
-assert torch.equal(out, 2 * x), "wrong result"
-print(triton.__version__, "GPU" if device == "cuda" else "interpreter")
+x = torch.arange(100.0, device=kernels.DEVICE)
+assert torch.equal(add(x, x), 2 * x), "wrong result"
+print(triton.__version__, kernels.MODE)
 """
 
 _JAX_PROBE = "import jax; print(jax.__version__, jax.device_count(), jax.default_backend())"
@@ -130,12 +123,15 @@ def _check_triton() -> Check:
     if _version("triton") is None:
         return Check("triton", False, "not installed (chapter 09 kernels fall back to PyTorch)",
                      "pip install -e '.[triton]'")
-    ok, out = _probe(_TRITON_PROBE, {"TRITON_INTERPRET": "0" if _cuda_available() else "1"})
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lab, even if not pip-installed
+    ok, out = _probe(_TRITON_PROBE, {"PYTHONPATH": os.pathsep.join(filter(None, [package_root,
+                                                                                 os.environ.get("PYTHONPATH")]))})
     if not ok:
-        return Check("triton", False, f"a vector-add kernel failed: {out}",
+        return Check("triton", False, f"lab.kernels' vector add failed: {out}",
                      "reinstall triton (pip install -e '.[triton]')")
-    version, where = out.split()
-    return Check("triton", True, f"triton {version}: a vector-add kernel ran on the {where}")
+    version, mode = out.split()
+    where = "compiled for the GPU" if mode == "compiled" else "in Triton's interpreter on the CPU (TRITON_INTERPRET=1)"
+    return Check("triton", True, f"triton {version}: lab.kernels run {where}")
 
 
 def _check_jax() -> Check:

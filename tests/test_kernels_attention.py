@@ -9,6 +9,7 @@ Kernels run in Triton's interpreter here (fp32 and fp16; bf16 only on a GPU).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -65,24 +66,25 @@ def _check_core(module, cfg, wants_scale):
     torch.manual_seed(0)
     x = torch.randn(2, 33, cfg.d_model)
     rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
+    cos, sin = rope_angles(torch.arange(x.shape[1]), rope_dim, cfg.rope_theta)
+    eager = module(cfg)
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    calls = []
+
+    def core(*args):
+        calls.append(len(args))
+        return flash_attention(*args)
+
     results = []
-    for dtype, core in ((torch.float32, flash_attention), (torch.float32, None), (torch.float64, None)):
-        m = module(cfg).to(dtype)
-        torch.manual_seed(1)
-        for p in m.parameters():
-            torch.nn.init.normal_(p, std=0.2)
-        calls = []
-        if core is not None:
-            def core(*args, _calls=calls):
-                _calls.append(len(args))
-                return flash_attention(*args)
+    for dtype, kernel in ((torch.float32, True), (torch.float32, False), (torch.float64, False)):
+        m = copy.deepcopy(eager).to(dtype)
+        if kernel:
             m.core = core
-        cos, sin = rope_angles(torch.arange(x.shape[1]), rope_dim, cfg.rope_theta)
         out = m(x.to(dtype), cos.to(dtype), sin.to(dtype))
         out.square().sum().backward()
         results.append([out.detach()] + [p.grad for p in m.parameters()])
-        if core is not None:
-            assert calls == [4 if wants_scale else 3]
+    assert calls == [4 if wants_scale else 3]
     for i, (g, b, r) in enumerate(zip(*results, strict=True)):
         assert_error_ratio(f"{module.__name__} with flash core, tensor {i}", g, b, r)
 

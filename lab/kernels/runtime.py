@@ -15,18 +15,34 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
+
+
+def _interpret_triton_language() -> None:
+    """Triton's own helpers (`tl.sum`, `tl.max`, `tl.cdiv`, ...) are @triton.jit functions too, decorated when
+    `triton.language` is first imported. If that happened before TRITON_INTERPRET=1 was set (triton imported
+    before lab.kernels, by the learner or by torch), they are GPU functions that an interpreted kernel may not
+    call ("Cannot call @triton.jit'd outside of the scope of a kernel"): rebuild them as interpreted ones."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if name == "triton.language" or name.startswith("triton.language."):
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, JITFunction):
+                    setattr(module, attr, InterpretedFunction(value.fn))
 
 
 def _configure() -> str:
     if importlib.util.find_spec("triton") is None:
         return "unavailable"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "interpreter"
-    if torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
         return "compiled"
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton.language" in sys.modules:
+        _interpret_triton_language()
     return "interpreter"
 
 

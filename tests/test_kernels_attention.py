@@ -4,6 +4,8 @@ Each case runs the kernel, torch's own op in the same dtype, and a float64 refer
 output and on dq, dk, dv must be at most 2x torch's. The shape zoo: one row (T=1), head dims that are not powers
 of two (24, 40), lengths that are not a multiple of the 64-row tile (37, 65, 70, 90, 100: several key blocks, so
 the online rescale runs), grouped-query heads (H=4, Hkv=2 and H=2, Hkv=1), Dv != D (MLA), causal and not.
+The paged decode kernel: shuffled blocks, a one-token sequence, a last block cut short, a block size that is not
+a power of two; its baseline is torch's SDPA on the gathered cache.
 Kernels run in Triton's interpreter here (fp32 and fp16; bf16 only on a GPU).
 """
 
@@ -23,6 +25,7 @@ pytest.importorskip("triton")
 from lab.config import ModelConfig  # noqa: E402
 from lab.kernels.accuracy import assert_error_ratio  # noqa: E402
 from lab.kernels.flash_attention import attention_reference, flash_attention  # noqa: E402
+from lab.kernels.paged_attention import gather_kv, paged_attention_decode, paged_attention_reference  # noqa: E402
 from lab.model import Attention, LatentAttention, rope_angles  # noqa: E402
 
 #        B  H  Hkv  T    S    D   Dv  causal
@@ -114,3 +117,68 @@ def test_flash_attention_rejects_bad_input(q_shape, k_shape, v_shape, dtype, cau
     q, k, v = (torch.zeros(s, dtype=dtype, device=DEVICE) for s in (q_shape, k_shape, v_shape))
     with pytest.raises(ValueError, match=match):
         flash_attention(q, k, v, causal=causal)
+
+
+def _paged_case(dtype, block_size, seq_lens, H=4, Hkv=2, D=24, Dv=40):
+    """A cache of shuffled blocks: sequence b owns the blocks of row b of the table, in no particular order."""
+    gen = torch.Generator().manual_seed(block_size)
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, Dv, generator=gen).to(dtype=dtype, device=DEVICE)
+    table = torch.randperm(num_blocks, generator=gen)[:len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
+    q = torch.randn(len(seq_lens), H, D, generator=gen).to(dtype=dtype, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, table.to(dtype=torch.int32, device=DEVICE), lens
+
+
+def _torch_paged(q, k_cache, v_cache, table, lens):
+    """torch's SDPA on each sequence's gathered cache, in the inputs' dtype: the baseline of the error ratio."""
+    rows = []
+    for row, n in enumerate(lens.tolist()):
+        k, v = gather_kv(k_cache, table, n, row), gather_kv(v_cache, table, n, row)
+        rows.append(F.scaled_dot_product_attention(q[row, :, None, :][None], k[None], v[None],
+                                                   enable_gqa=True)[0, :, 0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("block_size, seq_lens", [(16, [1, 16, 37]), (5, [23, 4])],
+                         ids=["bs16-lens1,16,37", "bs5-lens23,4"])
+def test_paged_attention_decode_matches_torch(block_size, seq_lens, dtype):
+    q, k_cache, v_cache, table, lens = _paged_case(dtype, block_size, seq_lens)
+    got = paged_attention_decode(q, k_cache, v_cache, table, lens)
+    base = _torch_paged(q, k_cache, v_cache, table, lens)
+    ref = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lens)
+    assert got.dtype == dtype
+    assert_error_ratio("paged_attention_decode", got, base, ref)
+
+
+def test_paged_attention_is_flash_attention_on_the_gathered_cache():
+    """A decode step equals the last row of full (non-causal over the cache) attention on the gathered K, V."""
+    q, k_cache, v_cache, table, lens = _paged_case(torch.float32, 16, [37])
+    k, v = gather_kv(k_cache, table, 37, 0), gather_kv(v_cache, table, 37, 0)
+    full = flash_attention(q[:, :, None, :], k[None], v[None], causal=False)[:, :, 0]
+    assert_error_ratio("paged vs flash", paged_attention_decode(q, k_cache, v_cache, table, lens), full,
+                       paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lens))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(lens=[0]), r"seq_lens \[0\] must lie in \[1, max_blocks\*block_size = 48\]"),
+    (dict(lens=[49]), "must lie in"),
+    (dict(table_value=99), r"block ids in use must lie in \[0, 5\]"),
+    (dict(table_dtype=torch.int64), "block_table must be int32"),
+    (dict(q_heads=3), "kv heads 2 must divide query heads 3"),
+])
+def test_paged_attention_rejects_bad_input(change, match):
+    q, k_cache, v_cache, table, lens = _paged_case(torch.float32, 16, [37])
+    if "lens" in change:
+        lens = torch.tensor(change["lens"], dtype=torch.int32, device=DEVICE)
+    if "table_value" in change:
+        table[0, 0] = change["table_value"]
+    if "table_dtype" in change:
+        table = table.to(change["table_dtype"])
+    if "q_heads" in change:
+        q = q[:, :change["q_heads"]]
+    with pytest.raises(ValueError, match=match):
+        paged_attention_decode(q, k_cache, v_cache, table, lens)

@@ -1,0 +1,398 @@
+"""The kernels of lab.kernels against torch: speed on a GPU, correctness and interpreter timings on the CPU.
+
+    python benchmarks/kernels.py                         # the GPU lane when torch sees a GPU, else the CPU lane
+    python benchmarks/kernels.py --lane cpu --json out.json
+    python benchmarks/kernels.py --kernels softmax matmul --dtype bf16
+
+GPU lane: each kernel and the same op in torch (and under torch.compile for the elementwise and row-wise ops,
+whose fusion is what Inductor does; a matmul or attention it hands to cuBLAS / the flash kernel anyway), timed
+by `triton.testing.do_bench` (median) at a large shape. Memory-bound ops report GB/s of the bytes the op must
+move at least (read its inputs once, write its outputs once) and % of the device's HBM bandwidth; matmul and
+attention report TFLOP/s and % of the dense tensor-core peak of the dtype. Peaks come from `lab.calc.hardware`,
+the device found by `torch.cuda.get_device_name`. Then the issue's targets: softmax >= 80% of peak HBM bandwidth,
+matmul >= 80% of cuBLAS at 4096³ fp16, flash forward >= 60% of torch's SDPA flash backend, each PASS or MISS.
+
+CPU lane: Triton's interpreter runs each kernel on a small, awkward shape (no powers of two), checked by the
+error-ratio rule of `lab.kernels.accuracy` (error vs a float64 torch reference <= 2x torch's own error in the same
+dtype), and timed with `time.perf_counter`. Interpreter times measure the interpreter (numpy per block
+operation), nothing about a GPU. A kernel module not written yet is a "missing" row, not a crash.
+
+Both lanes print a table and, with --json, write the rows as records with the device, torch and triton versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import lab.kernels  # noqa: E402  (decides compiled vs interpreter before any kernel module is imported)
+from lab.calc.hardware import HARDWARE, Accelerator  # noqa: E402
+from lab.calc.roofline import peak_flops  # noqa: E402
+from lab.kernels.accuracy import error_ratio, max_error  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+RATIO = 2.0  # the error-ratio rule
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: `lab.kernels.<module>.<function>` against `torch_op` (the same op in plain torch, in any dtype:
+    float64 gives the reference). `grads` lists the arguments whose gradients are computed: `mode` "bwd" times
+    the backward alone (the forward run once beforehand), "fwd+bwd" both (the fused cross-entropy computes its
+    gradient in the forward). `work(shape, bytes per element)` is the op's minimum bytes moved (GB/s) or its FLOPs
+    (TFLOP/s) in the timed part."""
+
+    name: str
+    module: str
+    function: str
+    inputs: Callable[[tuple, torch.dtype, str], list]
+    torch_op: Callable
+    work: Callable[[tuple, int], float]
+    unit: str  # "GB/s" or "TFLOP/s"
+    cpu_shape: tuple
+    gpu_shape: tuple
+    grads: tuple[int, ...] = ()
+    mode: str = "fwd"  # "fwd", "bwd" or "fwd+bwd"
+    compile: bool = True  # a torch.compile column on the GPU
+    options: dict = field(default_factory=dict)  # keyword arguments of the kernel and of torch_op
+
+
+def _randn(shape: tuple, dtype: torch.dtype, device: str, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """Seeded normal values, drawn where they will live (a CPU draw of a GPU-sized tensor takes seconds)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def _rows(shape: tuple, dtype: torch.dtype, device: str) -> list:
+    return [_randn(shape, dtype, device, 0)]
+
+
+def _two(shape: tuple, dtype: torch.dtype, device: str) -> list:
+    return [_randn(shape, dtype, device, 0), _randn(shape, dtype, device, 1)]
+
+
+def _norm_inputs(shape: tuple, dtype: torch.dtype, device: str) -> list:
+    return [_randn(shape, dtype, device, 0), 1 + _randn(shape[-1:], dtype, device, 1, 0.1), EPS]
+
+
+def _ce_inputs(shape: tuple, dtype: torch.dtype, device: str) -> list:
+    rows, vocab = shape
+    targets = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(1)).to(device)
+    return [_randn(shape, dtype, device, 0, 2.0), targets]
+
+
+def _qkv(shape: tuple, dtype: torch.dtype, device: str) -> list:
+    B, H, Hkv, T, D = shape
+    return [_randn((B, H, T, D), dtype, device, 0), _randn((B, Hkv, T, D), dtype, device, 1),
+            _randn((B, Hkv, T, D), dtype, device, 2)]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """torch's attention; on a GPU its flash backend only (the target compares against it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flash = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if q.is_cuda else contextlib.nullcontext()
+    with flash:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _attention_flops(shape: tuple, element_bytes: int, passes: int = 4) -> float:
+    """q·kᵀ and p·v: 2 x 2·B·H·T²·D forward (FA2's backward: 5 matmuls, 10·B·H·T²·D); half of it under a causal
+    mask (FlashAttention's convention for TFLOP/s)."""
+    B, H, _, T, D = shape
+    del element_bytes  # FLOPs do not depend on it
+    return passes * B * H * T * T * D / 2
+
+
+# Paged KV cache (vLLM's layout): pages of `block` tokens, (num_pages, block, Hkv, D); sequence b's tokens live in
+# the pages block_table[b, :ceil(len_b / block)], in order. Decode: one query token per sequence.
+def _paged_inputs(shape: tuple, dtype: torch.dtype, device: str) -> list:
+    B, H, Hkv, max_len, D, block = shape
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(max(1, max_len // 2), max_len + 1, (B,), generator=gen)
+    pages_per_seq = -(-max_len // block)
+    table = torch.randperm(B * pages_per_seq, generator=gen).view(B, pages_per_seq)  # scattered pages
+    pages = (B * pages_per_seq, block, Hkv, D)
+    return [_randn((B, H, D), dtype, device, 0), _randn(pages, dtype, device, 1), _randn(pages, dtype, device, 2),
+            table.to(device=device, dtype=torch.int32), lens.to(device=device, dtype=torch.int32)]
+
+
+def _paged_torch(q, k_cache, v_cache, block_table, seq_lens) -> torch.Tensor:
+    """Gather each sequence's pages into a contiguous K/V, then attend with its one query (no mask)."""
+    block, out = k_cache.shape[1], []
+    for b, length in enumerate(seq_lens.tolist()):
+        pages = block_table[b, : -(-length // block)].long()
+        k = k_cache[pages].flatten(0, 1)[:length].transpose(0, 1)  # (Hkv, len, D)
+        v = v_cache[pages].flatten(0, 1)[:length].transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(q[b][:, None], k, v, enable_gqa=k.shape[0] != q.shape[1])[:, 0])
+    return torch.stack(out)
+
+
+def _paged_bytes(shape: tuple, b: int) -> float:
+    B, H, Hkv, max_len, D, _ = shape
+    return b * (2 * B * 0.75 * max_len * Hkv * D + 2 * B * H * D)  # K and V of the (mean 3/4 full) caches, q, out
+
+
+CASES = [
+    Case("add", "add", "add", _two, torch.add, lambda s, b: 3 * b * math.prod(s), "GB/s", (10_007,), (1 << 28,)),
+    Case("softmax", "softmax", "softmax", _rows, lambda x: torch.softmax(x, -1), lambda s, b: 2 * b * math.prod(s),
+         "GB/s", (37, 300), (4096, 32768)),
+    Case("rms_norm fwd", "rmsnorm", "rms_norm", _norm_inputs, lambda x, w, eps: F.rms_norm(x, w.shape, w, eps),
+         lambda s, b: b * (2 * math.prod(s) + s[-1]), "GB/s", (37, 300), (16384, 8192)),
+    Case("rms_norm bwd", "rmsnorm", "rms_norm", _norm_inputs, lambda x, w, eps: F.rms_norm(x, w.shape, w, eps),
+         lambda s, b: b * (3 * math.prod(s) + 2 * s[-1]), "GB/s", (37, 300), (16384, 8192), grads=(0, 1), mode="bwd"),
+    Case("swiglu", "swiglu", "swiglu", _two, lambda g, u: F.silu(g) * u, lambda s, b: 3 * b * math.prod(s), "GB/s",
+         (37, 300), (16384, 14336)),
+    Case("cross_entropy fwd+bwd", "cross_entropy", "cross_entropy", _ce_inputs, F.cross_entropy,
+         lambda s, b: 2 * b * math.prod(s), "GB/s", (37, 500), (8192, 128256), grads=(0,), mode="fwd+bwd"),
+    Case("matmul", "matmul", "matmul", lambda s, dt, dev: [_randn(s[:2], dt, dev, 0), _randn(s[1:], dt, dev, 1)],
+         torch.matmul, lambda s, _: 2 * math.prod(s), "TFLOP/s", (100, 72, 90), (4096, 4096, 4096), compile=False),
+    Case("flash_attention fwd", "flash_attention", "flash_attention", _qkv, _sdpa, _attention_flops, "TFLOP/s",
+         (1, 4, 2, 100, 32), (4, 32, 32, 4096, 128), compile=False),
+    Case("flash_attention bwd", "flash_attention", "flash_attention", _qkv, _sdpa,
+         lambda s, b: _attention_flops(s, b, passes=10), "TFLOP/s", (1, 4, 2, 100, 32), (4, 32, 32, 4096, 128),
+         grads=(0, 1, 2), mode="bwd", compile=False),
+    Case("paged_attention_decode", "paged_attention", "paged_attention_decode", _paged_inputs, _paged_torch,
+         _paged_bytes, "GB/s", (3, 4, 2, 45, 32, 16), (32, 32, 8, 4096, 128, 16), compile=False),
+]
+
+
+def load_kernel(case: Case) -> Callable | None:
+    """The kernel function, or None when its module (or the function) is not written yet."""
+    name = f"lab.kernels.{case.module}"
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name and name.startswith(err.name) and err.name.startswith("lab.kernels"):
+            return None
+        raise
+    return getattr(module, case.function, None)
+
+
+def runner(case: Case, fn: Callable, args: list) -> Callable[[], object]:
+    """A no-argument call of `fn` on `args` that does what `case.mode` times: the forward (its output), or the
+    gradients of the output, weighted by a fixed random dy, with respect to the `grads` arguments."""
+    if case.mode == "fwd":
+        return lambda: fn(*args, **case.options)
+    args = [a.detach().requires_grad_(i in case.grads) if torch.is_tensor(a) and a.is_floating_point() else a
+            for i, a in enumerate(args)]
+    leaves = [args[i] for i in case.grads]
+    out = fn(*args, **case.options)
+    dy = _randn(tuple(out.shape), out.dtype, out.device.type, 7)
+    if case.mode == "fwd+bwd":
+        return lambda: torch.autograd.grad(fn(*args, **case.options), leaves, dy)
+    return lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)
+
+
+def _tensors(result) -> list[torch.Tensor]:
+    return list(result) if isinstance(result, tuple | list) else [result]
+
+
+def _in(args: list, dtype: torch.dtype) -> list:
+    return [a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+
+
+def cpu_row(case: Case, dtype: torch.dtype, repeats: int) -> dict:
+    """Correctness by the error-ratio rule and perf_counter timings, kernel (interpreted) and torch, on CPU."""
+    row = {"lane": "cpu", "kernel": case.name, "shape": list(case.cpu_shape),
+           "dtype": str(dtype).removeprefix("torch.")}
+    fn = load_kernel(case)
+    if fn is None:
+        return {**row, "status": "missing"}
+    args = case.inputs(case.cpu_shape, dtype, "cpu")
+    try:
+        kernel = runner(case, fn, args)
+        result = kernel()
+    except Exception as err:  # a kernel that cannot run is a row saying why
+        return {**row, "status": f"error: {_first_line(err)}"}
+    baseline = runner(case, case.torch_op, args)
+    reference = _tensors(runner(case, case.torch_op, _in(args, torch.float64))())
+    ratio = max(error_ratio(r, b, ref) for r, b, ref in zip(_tensors(result), _tensors(baseline()), reference,
+                                                             strict=True))
+    return {**row, "status": "ok" if ratio <= RATIO else "FAIL", "error_ratio": ratio,
+            "kernel_ms": _perf_ms(kernel, repeats), "torch_ms": _perf_ms(baseline, repeats)}
+
+
+def _perf_ms(call: Callable, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def device_accelerator(name: str) -> Accelerator | None:
+    """The `lab.calc.hardware` entry for a `torch.cuda.get_device_name()` string ("NVIDIA H100 80GB HBM3"), or None.
+    PCIe cards (H100 PCIe: 2 TB/s, 756 TFLOP/s) are not the SXM parts the table holds."""
+    if "PCIE" in name.upper():
+        return None
+    return next((chip for key, chip in HARDWARE.items() if not key.startswith("tpu") and key.upper() in name.upper()),
+                None)
+
+
+def gpu_row(case: Case, dtype: torch.dtype, chip: Accelerator | None) -> dict:
+    """do_bench medians of the kernel, torch and torch.compile at the large shape, with rates and % of peak."""
+    import triton.testing
+
+    dname = str(dtype).removeprefix("torch.")
+    row = {"lane": "gpu", "kernel": case.name, "shape": list(case.gpu_shape), "dtype": dname, "unit": case.unit}
+    fn = load_kernel(case)
+    if fn is None:
+        return {**row, "status": "missing"}
+    args = case.inputs(case.gpu_shape, dtype, "cuda")
+    work = case.work(case.gpu_shape, torch.tensor([], dtype=dtype).element_size())
+    impls = {"kernel": fn, "torch": case.torch_op}
+    if case.compile:
+        impls["compile"] = torch.compile(case.torch_op, dynamic=False)
+    row["status"] = "ok"
+    for impl, op in impls.items():
+        try:
+            call = runner(case, op, args)
+            if impl == "kernel":
+                row["max_abs_diff_vs_torch"] = max(
+                    max_error(a, b) for a, b in zip(_tensors(call()), _tensors(runner(case, case.torch_op, args)()),
+                                                    strict=True))
+            ms = triton.testing.do_bench(call, return_mode="median")
+        except Exception as err:  # one implementation failing leaves the others' numbers
+            row[f"{impl}_error"] = _first_line(err)
+            if impl == "kernel":
+                row["status"] = f"error: {_first_line(err)}"
+            continue
+        rate = work / (ms * 1e-3) / (1e9 if case.unit == "GB/s" else 1e12)
+        row[f"{impl}_ms"], row[f"{impl}_rate"] = ms, rate
+        if chip is not None:
+            peak = chip.hbm_bandwidth / 1e9 if case.unit == "GB/s" else peak_flops(chip, _calc_dtype(dname)) / 1e12
+            row[f"{impl}_pct_peak"] = 100 * rate / peak
+    return row
+
+
+def _calc_dtype(name: str) -> str:
+    return {"float16": "fp16", "bfloat16": "bf16", "float32": "bf16"}[name]  # fp32 matmuls: vs the bf16 roof
+
+
+TARGETS = (  # (kernel row, what is compared, goal)
+    ("softmax", "kernel % of peak HBM bandwidth", 80.0),
+    ("matmul", "kernel % of cuBLAS (torch.matmul)", 80.0),
+    ("flash_attention fwd", "kernel % of torch SDPA flash", 60.0),
+)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets as PASS / MISS (or n/a when a number is missing) from GPU rows."""
+    by_name = {r["kernel"]: r for r in rows if r.get("lane") == "gpu"}
+    verdicts = []
+    for name, what, goal in TARGETS:
+        row = by_name.get(name, {})
+        if name == "softmax":
+            value = row.get("kernel_pct_peak")
+        elif "kernel_rate" in row and "torch_rate" in row:
+            value = 100 * row["kernel_rate"] / row["torch_rate"]
+        else:
+            value = None
+        verdict = "n/a" if value is None else "PASS" if value >= goal else "MISS"
+        verdicts.append({"kernel": name, "target": f"{what} >= {goal:g}%", "value": value, "verdict": verdict})
+    return verdicts
+
+
+def _num(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def print_cpu(rows: list[dict]) -> None:
+    print(f"{'kernel':<24}{'shape':<22}{'dtype':<9}{'status':<10}{'err ratio':>10}{'interp ms':>11}{'torch ms':>10}")
+    for r in rows:
+        status = r["status"] if len(r["status"]) <= 9 else "error"
+        print(f"{r['kernel']:<24}{'x'.join(map(str, r['shape'])):<22}{r['dtype']:<9}{status:<10}"
+              f"{_num(r.get('error_ratio'), '.2f'):>10}{_num(r.get('kernel_ms'), ',.1f'):>11}"
+              f"{_num(r.get('torch_ms'), ',.2f'):>10}")
+        if status == "error":
+            print(f"    {r['status']}")
+
+
+def print_gpu(rows: list[dict]) -> None:
+    print(f"{'kernel':<24}{'unit':<8}{'kernel':>9}{'%peak':>7}{'torch':>9}{'%peak':>7}{'compile':>9}{'%peak':>7}"
+          f"{'kernel/torch':>14}")
+    for r in rows:
+        if r["status"] == "missing":
+            print(f"{r['kernel']:<24}missing")
+            continue
+        cells = "".join(f"{_num(r.get(f'{i}_rate'), ',.1f'):>9}{_num(r.get(f'{i}_pct_peak'), '.0f'):>7}"
+                        for i in ("kernel", "torch", "compile"))
+        ratio = r["kernel_rate"] / r["torch_rate"] if "kernel_rate" in r and "torch_rate" in r else None
+        print(f"{r['kernel']:<24}{r['unit']:<8}{cells}{_num(ratio, '.2f'):>14}")
+        for key in ("kernel_error", "torch_error", "compile_error"):
+            if key in r:
+                print(f"    {key}: {r[key]}")
+    print()
+    for t in targets(rows):
+        print(f"{t['verdict']:<5} {t['kernel']:<22} {t['target']:<45} {_num(t['value'], '.1f')}")
+
+
+def environment() -> dict:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"device": gpu or f"CPU ({platform.processor() or platform.machine()})", "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "kernels_mode": lab.kernels.MODE}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lane", choices=("auto", "gpu", "cpu"), default="auto")
+    names = list(dict.fromkeys(c.name.split()[0] for c in CASES))
+    parser.add_argument("--kernels", nargs="+", choices=names, default=None,
+                        help="only these kernels (by name; rms_norm selects fwd and bwd)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="GPU lane: fp16 (default), bf16 or fp32; CPU lane: fp32 (default) or fp16")
+    parser.add_argument("--repeats", type=int, default=3, help="CPU lane: timed calls per kernel (median)")
+    parser.add_argument("--json", type=Path, default=None, help="write the records here")
+    args = parser.parse_args(argv)
+    lane = ("gpu" if torch.cuda.is_available() else "cpu") if args.lane == "auto" else args.lane
+    if lane == "gpu" and not torch.cuda.is_available():
+        parser.error("--lane gpu needs a GPU torch can see")
+    if lane == "cpu" and args.dtype == "bf16":
+        parser.error("--dtype bf16: Triton's interpreter has no bf16 (lab.kernels.runtime); use fp32 or fp16")
+    cases = [c for c in CASES if args.kernels is None or c.name.split()[0] in args.kernels]
+    env = environment()
+    print(f"{lane} lane on {env['device']}: torch {env['torch']}, triton {env['triton']}, kernels "
+          f"{env['kernels_mode']}")
+    if lane == "gpu":
+        chip = device_accelerator(env["device"])
+        print(f"peaks: {chip.source}" if chip else f"no peak for {env['device']!r} in lab.calc.hardware: "
+              "% of peak left out")
+        rows = [gpu_row(c, DTYPES[args.dtype or "fp16"], chip) for c in cases]
+        print_gpu(rows)
+    else:
+        rows = [cpu_row(c, DTYPES[args.dtype or "fp32"], args.repeats) for c in cases]
+        print_cpu(rows)
+    if args.json:
+        record = {**env, "lane": lane, "rows": rows, "targets": targets(rows) if lane == "gpu" else []}
+        args.json.write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if all(r["status"] in ("ok", "missing") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

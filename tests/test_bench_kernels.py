@@ -1,0 +1,78 @@
+"""benchmarks/kernels.py without a GPU: its CPU lane checks kernels by the error-ratio rule and writes JSON, a kernel
+module not written yet is a "missing" row, and the GPU lane's verdicts follow the issue's targets."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_kernels", REPO / "benchmarks" / "kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_lane_writes_checked_records(bench, tmp_path):
+    out = tmp_path / "kernels.json"
+    assert bench.main(["--lane", "cpu", "--kernels", "add", "softmax", "--repeats", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["lane"] == "cpu" and record["torch"] == torch.__version__ and record["triton"]
+    assert record["device"].startswith("CPU") and record["kernels_mode"] == "interpreter"
+    rows = {r["kernel"]: r for r in record["rows"]}
+    assert set(rows) == {"add", "softmax"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["error_ratio"] <= 2 and row["kernel_ms"] > 0, row
+
+
+def test_a_wrong_kernel_fails_the_error_ratio_rule(bench):
+    """A softmax over the wrong axis runs fine and must still be a FAIL row, not an ok one."""
+    case = dataclasses.replace(bench.CASES[1], torch_op=lambda x: torch.softmax(x, 0))
+    row = bench.cpu_row(case, torch.float32, 1)
+    assert row["status"] == "FAIL" and row["error_ratio"] > 1e3
+
+
+def test_a_module_not_written_yet_is_a_missing_row(bench):
+    case = dataclasses.replace(bench.CASES[0], name="fused_everything", module="fused_everything")
+    assert bench.cpu_row(case, torch.float32, 1)["status"] == "missing"
+    case = dataclasses.replace(bench.CASES[0], function="not_there")
+    assert bench.cpu_row(case, torch.float32, 1)["status"] == "missing"
+
+
+def test_work_formulas(bench):
+    cases = {c.name: c for c in bench.CASES}
+    assert cases["matmul"].work((4096, 4096, 4096), 2) == 2 * 4096**3
+    assert cases["softmax"].work((4096, 32768), 2) == 2 * 2 * 4096 * 32768  # read x, write y
+    # causal flash forward: 4·B·H·T²·D / 2; backward 2.5 times that
+    assert cases["flash_attention fwd"].work((1, 2, 2, 8, 4), 2) == 4 * 2 * 64 * 4 / 2
+    assert cases["flash_attention bwd"].work((1, 2, 2, 8, 4), 2) == 2.5 * cases["flash_attention fwd"].work(
+        (1, 2, 2, 8, 4), 2)
+
+
+def test_device_names_map_to_calc_hardware(bench):
+    assert bench.device_accelerator("NVIDIA H100 80GB HBM3").name == "NVIDIA H100 SXM"
+    assert bench.device_accelerator("NVIDIA H200").name == "NVIDIA H200 SXM"
+    assert bench.device_accelerator("NVIDIA A100-SXM4-80GB").name == "NVIDIA A100 80GB SXM"
+    assert bench.device_accelerator("NVIDIA H100 PCIe") is None  # not the SXM part's peaks
+    assert bench.device_accelerator("Tesla T4") is None
+
+
+def test_targets_pass_and_miss(bench):
+    rows = [{"lane": "gpu", "kernel": "softmax", "kernel_pct_peak": 85.0},
+            {"lane": "gpu", "kernel": "matmul", "kernel_rate": 500.0, "torch_rate": 700.0},
+            {"lane": "gpu", "kernel": "flash_attention fwd", "status": "missing"}]
+    verdicts = {t["kernel"]: t for t in bench.targets(rows)}
+    assert verdicts["softmax"]["verdict"] == "PASS"
+    assert verdicts["matmul"]["verdict"] == "MISS" and verdicts["matmul"]["value"] == pytest.approx(100 * 5 / 7)
+    assert verdicts["flash_attention fwd"]["verdict"] == "n/a"

@@ -132,7 +132,7 @@ class Sandbox:
                                "output_bytes": self.limits.output_mb << 20, "max_tasks": self.limits.max_tasks}}
         read_end, self._write_end = os.pipe()
         self._read_end = read_end
-        env = _environment(work)
+        env = _environment(work, self.packages)
         self.log = open(self.root / "output.txt", "wb")
         if self.warm:
             zygote = _zygote(self.packages)
@@ -223,7 +223,8 @@ class Sandbox:
             source = LAB_DIR / relative
             if source.is_dir():
                 shutil.copytree(source, lib / "lab" / relative, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
+            else:  # a module alone, its package's other modules left out (lab.kernels.runtime)
+                (lib / "lab" / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(source.with_suffix(".py"), (lib / "lab" / relative).with_suffix(".py"))
         shutil.copy(CHILD, lib / CHILD.name)
         (lib / "answer.py").write_text("\n".join(text for _, text in self.parts) + "\n")
@@ -352,10 +353,16 @@ def _link_packages(lib: Path, packages: Sequence[str]) -> Path:
     return site
 
 
-def _environment(work: Path) -> dict[str, str]:
-    """The whole environment of a sandbox (and of a zygote): nothing of the grader's."""
-    return {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
-            "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+def _environment(work: Path, packages: Sequence[str] = ()) -> dict[str, str]:
+    """The whole environment of a sandbox (and of a zygote): nothing of the grader's. Where triton is allowed,
+    kernels run in Triton's interpreter — the sandbox cannot open a GPU, and `triton.jit` reads the choice when a
+    kernel is decorated — and an error in a kernel's body is raised as itself, at its line of the answer, rather
+    than wrapped in an InterpreterError (so that a released stub still reads "not attempted")."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
+           "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    if "triton" in packages:
+        env.update(TRITON_INTERPRET="1", TRITON_FRONT_END_DEBUGGING="1")
+    return env
 
 
 class _WarmChild:
@@ -411,7 +418,7 @@ class _Zygote:
                     self.proc = subprocess.Popen(
                         [*_PYTHON, str(lib / ZYGOTE.name), str(theirs.fileno()), str(os.getpid()), *packages],
                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=work,
-                        env=_environment(work), pass_fds=(theirs.fileno(),), start_new_session=True)
+                        env=_environment(work, packages), pass_fds=(theirs.fileno(),), start_new_session=True)
             finally:
                 theirs.close()
                 started.set()

@@ -1,0 +1,288 @@
+"""Chapter 09, GPU kernels. Four Triton kernels written by the student, run in Triton's interpreter on CPU tensors.
+
+Each exercise cell holds a kernel (`@triton.jit`), its launcher and a driver (`run_softmax`, ...) that draws the
+inputs from a seed in float64, rounds them to the kernel's dtype, launches the kernel and returns flat lists.
+The checks draw the same inputs here and judge the answer by the error-ratio rule of `lab.kernels.accuracy`: the
+kernel's largest error against a float64 reference must be at most `RATIO` times torch's own error in the same
+dtype (its floor: one roundoff unit at the reference's scale). Shapes are random and chosen to expose the classic
+mistakes — widths that are not a power of two (a masked tail), one row, K and sequence lengths that are not a
+multiple of the block, several key blocks (a running output that must be rescaled), strided inputs, several
+programs adding up one reduction.
+
+The sandbox runs kernels in the interpreter (`TRITON_INTERPRET=1` wherever triton is allowed, see
+`lab.grading.sandbox`), whose cost is per program instance and per block operation: the shapes are tiny and the
+launchers' blocks large, so that each check takes well under a second or two.
+
+torch is imported inside the functions: `lab.check` of other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import random
+
+from lab.grading.checks import CheckFailed, exercise, explain
+from lab.grading.sandbox import CallError
+from lab.kernels.accuracy import error_ratio, max_error
+
+KERNELS = {"modules": ("lab.kernels.runtime",), "packages": ("numpy", "torch", "triton"), "memory_mb": 2048}
+RATIO = 4.0
+"""The error-ratio rule's allowance for graded kernels: 4x torch's own error, not the library tests' 2x. A check's
+inputs change with the class secret, and a correct kernel that sums in another order than torch lands above 2x on
+a few draws in a hundred (flash attention over a handful of keys: up to 2.8x in 340 draws), while every mistake the
+checks look for is 10^3x or more: grading must never fail a right answer."""
+
+
+def _drawn(g, shape: tuple[int, ...], dtype):
+    import torch
+
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def expect_accurate(got, baseline, reference, what: str, hint: str | None = None) -> None:
+    """`got` (a flat list from a driver) must hold `reference.numel()` numbers whose largest error against
+    `reference` (float64) is at most RATIO times that of torch's `baseline` (the kernel's dtype)."""
+    import torch
+
+    shape, dtype = tuple(reference.shape), baseline.dtype
+    if not (isinstance(got, list) and len(got) == reference.numel()
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in got)):
+        size = f"{len(got)} values" if isinstance(got, list) else repr(got)[:80]
+        raise CheckFailed(f"{what} returned {size}, expected {reference.numel()} numbers (shape {shape})", hint)
+    result = torch.tensor(got, dtype=torch.float64).view(shape).to(dtype)
+    ratio = error_ratio(result, baseline, reference)
+    if ratio <= RATIO:
+        return
+    diff = (result.double() - reference.double()).abs().nan_to_num(nan=float("inf"))
+    diff[(result.double() == reference.double())] = 0
+    index = tuple(int(i) for i in torch.unravel_index(diff.flatten().argmax(), shape))
+    where = f"[{', '.join(map(str, index))}]"
+    raise CheckFailed(f"{what} returned {float(result[index]):.6g} at {where} where the float64 reference is "
+                      f"{float(reference[index]):.6g}: an error of {max_error(result, reference):.3g}, {ratio:.3g}x "
+                      f"torch's own {max_error(baseline, reference):.3g} in {str(dtype).removeprefix('torch.')}; "
+                      f"expected at most {RATIO:g}x", hint)
+
+
+def answer(what: str, fn, *args):
+    """`fn(*args)`, a driver of the exercise cell: a kernel that raised (a shape that does not broadcast, an index
+    out of range) fails the check with the call and what was due."""
+    try:
+        return fn(*args)
+    except CallError as error:
+        raise explain(error, what, "the kernel's result (flat lists)") from None
+
+
+def _ragged(rng: random.Random, low: int, high: int) -> int:
+    """A size in [low, high] that is not a power of two."""
+    while True:
+        n = rng.randrange(low, high + 1)
+        if n & (n - 1):
+            return n
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+# --- 09.fused_softmax ------------------------------------------------------------------------------------
+
+SOFTMAX = exercise("09.fused_softmax", entry=("run_softmax",), **KERNELS)
+
+
+def _expect_softmax(student, rows: int, cols: int, seed: int, scale: float = 1.0, pad: int = 0,
+                    dtype: str = "float32") -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cols + pad, generator=g, dtype=torch.float64) * scale).to(_dtype(dtype))[:, :cols]
+    what = f"run_softmax(rows={rows}, cols={cols}, seed={seed}, scale={scale:g}, pad={pad}, dtype={dtype!r})"
+    expect_accurate(answer(what, student.run_softmax, rows, cols, seed, scale, pad, dtype), torch.softmax(x, dim=-1),
+                    torch.softmax(x.double(), dim=-1), what)
+
+
+@SOFTMAX.check(points=2, hint="BLOCK is the power of two at or above n_cols: the lanes past n_cols must be masked "
+                              "on load with other=-inf, so that they count for nothing in the max and add e^-inf = 0 "
+                              "to the sum (other=0 adds e^(0 - max) per lane)")
+def softmax_ragged_rows(student, rng):
+    """widths that are not a power of two (a masked tail), one row among them; fp32 and fp16"""
+    _expect_softmax(student, rng.randrange(2, 40), _ragged(rng, 33, 300), rng.randrange(10**6))
+    _expect_softmax(student, 1, _ragged(rng, 3, 31), rng.randrange(10**6))
+    _expect_softmax(student, rng.randrange(2, 20), _ragged(rng, 65, 200), rng.randrange(10**6), dtype="float16")
+
+
+@SOFTMAX.check(points=1, hint="e^x overflows float32 above x ≈ 88: subtract the row's max before tl.exp (softmax "
+                              "does not change when every logit moves by the same amount)")
+def softmax_large_logits(student, rng):
+    """logits in the hundreds: no overflow"""
+    _expect_softmax(student, rng.randrange(2, 20), _ragged(rng, 33, 200), rng.randrange(10**6),
+                    scale=rng.uniform(150.0, 400.0))
+
+
+@SOFTMAX.check(points=1, hint="row `row` starts at in_ptr + row * in_stride: a slice x[:, :n] of a wider tensor "
+                              "has rows in_stride > n_cols elements apart")
+def softmax_strided_rows(student, rng):
+    """a slice of a wider tensor: rows in_stride elements apart"""
+    _expect_softmax(student, rng.randrange(2, 30), _ragged(rng, 33, 200), rng.randrange(10**6),
+                    pad=rng.randrange(1, 40))
+
+
+# --- 09.matmul_tiles -------------------------------------------------------------------------------------
+
+MATMUL = exercise("09.matmul_tiles", entry=("run_matmul",), **KERNELS)
+TILE = 32  # the launcher's BLOCK_M = BLOCK_N = BLOCK_K
+
+
+def _expect_matmul(student, m: int, n: int, k: int, seed: int, dtype: str = "float32",
+                   transpose_b: bool = False) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g, dtype=torch.float64)
+    b = torch.randn(n, k, generator=g, dtype=torch.float64).T if transpose_b else \
+        torch.randn(k, n, generator=g, dtype=torch.float64)
+    a, b = a.to(_dtype(dtype)), b.to(_dtype(dtype))
+    what = f"run_matmul(m={m}, n={n}, k={k}, seed={seed}, dtype={dtype!r}, transpose_b={transpose_b})"
+    expect_accurate(answer(what, student.run_matmul, m, n, k, seed, dtype, transpose_b), a @ b,
+                    a.double() @ b.double(), what)
+
+
+def _off_tile(rng: random.Random, low: int, high: int) -> int:
+    """A size in [low, high] that is not a multiple of the tile."""
+    while True:
+        n = rng.randrange(low, high + 1)
+        if n % TILE:
+            return n
+
+
+@MATMUL.check(points=2, hint="loop k0 over range(0, K, BLOCK_K) — the last slab included — with the mask "
+                             "ks < K on both loads (other=0.0: a zero adds nothing to the dot), and add every "
+                             "slab's tl.dot into one fp32 accumulator made before the loop")
+def matmul_ragged_tiles(student, rng):
+    """M, N and K that are not multiples of the 32-wide tiles, several slabs of K"""
+    for _ in range(2):
+        _expect_matmul(student, _off_tile(rng, 33, 80), _off_tile(rng, 33, 80), _off_tile(rng, 70, 140),
+                       rng.randrange(10**6))
+
+
+@MATMUL.check(points=1, hint="a K shorter than one slab is all tail: the loop must still run once, masked")
+def matmul_one_row_short_k(student, rng):
+    """one row of A (M = 1), K shorter than one slab"""
+    _expect_matmul(student, 1, _off_tile(rng, 20, 60), rng.randrange(3, TILE), rng.randrange(10**6))
+
+
+@MATMUL.check(points=1, hint="address elements with the strides the launcher passes (b_ptr + k * stride_bk + "
+                             "n * stride_bn), never with the shape: a transposed view is not contiguous")
+def matmul_fp16_transposed(student, rng):
+    """fp16 inputs and a transposed (non-contiguous) B"""
+    _expect_matmul(student, _off_tile(rng, 33, 70), _off_tile(rng, 33, 70), _off_tile(rng, 40, 100),
+                   rng.randrange(10**6), dtype="float16", transpose_b=True)
+
+
+# --- 09.flash_attention_loop ----------------------------------------------------------------------------
+
+FLASH = exercise("09.flash_attention_loop", entry=("run_flash_attention",), **KERNELS)
+KEY_BLOCK = 32  # the launcher's BLOCK_N (and BLOCK_M)
+
+
+def _expect_flash(student, heads: int, seq_len: int, head_dim: int, seed: int, causal: bool) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(heads, seq_len, head_dim, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (t.float() for t in (2 * q, k, v))
+    what = f"run_flash_attention(heads={heads}, seq_len={seq_len}, head_dim={head_dim}, seed={seed}, " \
+           f"causal={causal})"
+    expect_accurate(answer(what, student.run_flash_attention, heads, seq_len, head_dim, seed, causal),
+                    F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                    F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal), what)
+
+
+@FLASH.check(points=2, hint="when a block raises the running max from m to m_new, everything summed so far was "
+                            "weighted by e^(s - m): multiply both l and acc by alpha = e^(m - m_new) before adding "
+                            "the block's terms")
+def flash_several_key_blocks(student, rng):
+    """sequences of several key blocks (not a multiple of the block), no mask"""
+    for head_dim in (16, 32):
+        _expect_flash(student, rng.randrange(1, 3), _off_key_block(rng, 2 * KEY_BLOCK + 1, 4 * KEY_BLOCK), head_dim,
+                      rng.randrange(10**6), causal=False)
+
+
+def _off_key_block(rng: random.Random, low: int, high: int) -> int:
+    while True:
+        n = rng.randrange(low, high + 1)
+        if n % KEY_BLOCK:
+            return n
+
+
+@FLASH.check(points=1, hint="keys past seq_len are loaded as zeros, so their score is 0, not -inf: set the scores "
+                            "of those lanes to -inf (tl.where) before the max and the exponentials")
+def flash_short_sequences(student, rng):
+    """one token, and a sequence shorter than one key block"""
+    _expect_flash(student, 1, 1, 16, rng.randrange(10**6), causal=False)
+    _expect_flash(student, rng.randrange(1, 4), rng.randrange(2, KEY_BLOCK), 32, rng.randrange(10**6), causal=False)
+
+
+@FLASH.check(points=2, hint="causal: query i sees key j only when j <= i — global positions, rm and rn, not the "
+                            "lanes of the block")
+def flash_causal(student, rng):
+    """causal mask, sequences of several blocks"""
+    _expect_flash(student, rng.randrange(1, 3), _off_key_block(rng, KEY_BLOCK + 1, 3 * KEY_BLOCK), 16,
+                  rng.randrange(10**6), causal=True)
+
+
+# --- 09.rmsnorm_backward ---------------------------------------------------------------------------------
+
+RMSNORM = exercise("09.rmsnorm_backward", entry=("run_rmsnorm_backward",), **KERNELS)
+ROWS_PER_PROGRAM = 16  # the launcher's BLOCK_ROWS
+
+
+def rmsnorm_backward_reference(dy, x, weight, rstd):
+    """(dx, dweight) of y = x * rstd * weight, in the inputs' dtype: dx = rstd (w dy - x̂ mean(x̂ w dy)) with
+    x̂ = x * rstd and the mean over each row's features, dweight = the sum over rows of dy x̂."""
+    x_hat = x * rstd[:, None]
+    w_dy = weight * dy
+    dx = rstd[:, None] * (w_dy - x_hat * (x_hat * w_dy).mean(dim=-1, keepdim=True))
+    return dx, (dy * x_hat).sum(dim=0)
+
+
+def _rmsnorm(student, rows: int, cols: int, seed: int, eps: float = 1e-6) -> tuple:
+    """The driver's answer, torch's (float32) and the reference (float64), and the call's spelling."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(rows, cols, generator=g, dtype=torch.float64) for _ in range(2))
+    weight = 1 + torch.randn(cols, generator=g, dtype=torch.float64) / 2
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + eps)
+    inputs = [t.float() for t in (dy, x, weight, rstd)]
+    what = f"run_rmsnorm_backward(rows={rows}, cols={cols}, seed={seed})"
+    got = answer(what, student.run_rmsnorm_backward, rows, cols, seed)
+    if not isinstance(got, dict):
+        raise CheckFailed(f"{what} returned {got!r:.120}, expected the driver's dict of dx and dweight")
+    return (got, rmsnorm_backward_reference(*inputs), rmsnorm_backward_reference(*(t.double() for t in inputs)),
+            what)
+
+
+def _rmsnorm_shapes(rng: random.Random) -> list[tuple[int, int]]:
+    """One row; then rows spread over several programs, widths not a power of two (and above 16)."""
+    return [(1, _ragged(rng, 17, 100)), (rng.randrange(2 * ROWS_PER_PROGRAM + 1, 6 * ROWS_PER_PROGRAM),
+                                         _ragged(rng, 17, 100))]
+
+
+@RMSNORM.check(points=2, hint="the mean in dx is over each row's n_cols features (axis=1 of the [rows, features] "
+                              "tile), divided by n_cols — not over the rows, nor by the padded BLOCK_COLS")
+def rmsnorm_dx(student, rng):
+    """dx: one row, and rows over several programs; widths not a power of two"""
+    for rows, cols in _rmsnorm_shapes(rng):
+        got, (dx, _), (dx_ref, _), what = _rmsnorm(student, rows, cols, rng.randrange(10**6))
+        expect_accurate(got.get("dx"), dx, dx_ref, f"{what}: dx")
+
+
+@RMSNORM.check(points=2, hint="dweight sums dy * x̂ over the rows (axis=0 of the tile): each program stores its "
+                              "rows' sum as its own row pid of dw_partial, and the launcher adds those rows up")
+def rmsnorm_dweight(student, rng):
+    """dweight: the sum over every row, rows spread over several programs"""
+    for rows, cols in _rmsnorm_shapes(rng):
+        got, (_, dweight), (_, dweight_ref), what = _rmsnorm(student, rows, cols, rng.randrange(10**6))
+        expect_accurate(got.get("dweight"), dweight, dweight_ref, f"{what}: dweight")

@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 import lab.kernels  # noqa: E402  (decides compiled vs interpreter before any kernel module is imported)
 from lab.calc.hardware import HARDWARE, Accelerator  # noqa: E402
 from lab.calc.roofline import peak_flops  # noqa: E402
-from lab.kernels.accuracy import error_ratio, max_error  # noqa: E402
+from lab.kernels.accuracy import error_ratio  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RATIO = 2.0  # the error-ratio rule
@@ -151,7 +151,8 @@ def _paged_bytes(shape: tuple, b: int) -> float:
 
 
 CASES = [
-    Case("add", "add", "add", _two, torch.add, lambda s, b: 3 * b * math.prod(s), "GB/s", (10_007,), (1 << 28,)),
+    Case("add", "add", "add", _two, lambda x, y: x + y, lambda s, b: 3 * b * math.prod(s), "GB/s", (10_007,),
+         (1 << 28,)),
     Case("softmax", "softmax", "softmax", _rows, lambda x: torch.softmax(x, -1), lambda s, b: 2 * b * math.prod(s),
          "GB/s", (37, 300), (4096, 32768)),
     Case("rms_norm fwd", "rmsnorm", "rms_norm", _norm_inputs, lambda x, w, eps: F.rms_norm(x, w.shape, w, eps),
@@ -213,6 +214,20 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
 
 
+def check(case: Case, fn: Callable, dtype: torch.dtype, device: str) -> dict:
+    """The error-ratio rule at the case's small shape on `device`: {"status": "ok" | "FAIL", "error_ratio"} and
+    the kernel's and torch's calls for timing. The inputs are drawn on the CPU, so both lanes check the same
+    numbers (the GPU lane's ratio is the compiled kernel's, the CPU lane's the interpreter's)."""
+    args = [a.to(device) if torch.is_tensor(a) else a for a in case.inputs(case.cpu_shape, dtype, "cpu")]
+    kernel = runner(case, fn, args)
+    result = kernel()
+    baseline = runner(case, case.torch_op, args)
+    reference = _tensors(runner(case, case.torch_op, _in(args, torch.float64))())
+    ratio = max(error_ratio(r, b, ref) for r, b, ref in zip(_tensors(result), _tensors(baseline()), reference,
+                                                             strict=True))
+    return {"status": "ok" if ratio <= RATIO else "FAIL", "error_ratio": ratio, "calls": (kernel, baseline)}
+
+
 def cpu_row(case: Case, dtype: torch.dtype, repeats: int) -> dict:
     """Correctness by the error-ratio rule and perf_counter timings, kernel (interpreted) and torch, on CPU."""
     row = {"lane": "cpu", "kernel": case.name, "shape": list(case.cpu_shape),
@@ -220,18 +235,12 @@ def cpu_row(case: Case, dtype: torch.dtype, repeats: int) -> dict:
     fn = load_kernel(case)
     if fn is None:
         return {**row, "status": "missing"}
-    args = case.inputs(case.cpu_shape, dtype, "cpu")
     try:
-        kernel = runner(case, fn, args)
-        result = kernel()
+        checked = check(case, fn, dtype, "cpu")
     except Exception as err:  # a kernel that cannot run is a row saying why
         return {**row, "status": f"error: {_first_line(err)}"}
-    baseline = runner(case, case.torch_op, args)
-    reference = _tensors(runner(case, case.torch_op, _in(args, torch.float64))())
-    ratio = max(error_ratio(r, b, ref) for r, b, ref in zip(_tensors(result), _tensors(baseline()), reference,
-                                                             strict=True))
-    return {**row, "status": "ok" if ratio <= RATIO else "FAIL", "error_ratio": ratio,
-            "kernel_ms": _perf_ms(kernel, repeats), "torch_ms": _perf_ms(baseline, repeats)}
+    kernel, baseline = checked.pop("calls")
+    return {**row, **checked, "kernel_ms": _perf_ms(kernel, repeats), "torch_ms": _perf_ms(baseline, repeats)}
 
 
 def _perf_ms(call: Callable, repeats: int) -> float:
@@ -252,33 +261,39 @@ def device_accelerator(name: str) -> Accelerator | None:
                 None)
 
 
-def gpu_row(case: Case, dtype: torch.dtype, chip: Accelerator | None) -> dict:
-    """do_bench medians of the kernel, torch and torch.compile at the large shape, with rates and % of peak."""
+def _do_bench(call: Callable[[], object]) -> float:
     import triton.testing
 
+    return triton.testing.do_bench(call, return_mode="median")
+
+
+def gpu_row(case: Case, dtype: torch.dtype, chip: Accelerator | None, *, device: str = "cuda",
+            shape: tuple | None = None, timer: Callable[[Callable], float] = _do_bench) -> dict:
+    """The compiled kernel's error ratio at the small shape, then the median ms (`timer`: do_bench) of the kernel,
+    torch and torch.compile at the large `shape` (default: the case's), with rates and % of the chip's peak.
+    `device`, `shape` and `timer` let a test walk this on a CPU."""
+    shape = shape or case.gpu_shape
     dname = str(dtype).removeprefix("torch.")
-    row = {"lane": "gpu", "kernel": case.name, "shape": list(case.gpu_shape), "dtype": dname, "unit": case.unit}
+    row = {"lane": "gpu", "kernel": case.name, "shape": list(shape), "dtype": dname, "unit": case.unit}
     fn = load_kernel(case)
     if fn is None:
         return {**row, "status": "missing"}
-    args = case.inputs(case.gpu_shape, dtype, "cuda")
-    work = case.work(case.gpu_shape, torch.tensor([], dtype=dtype).element_size())
+    try:
+        checked = check(case, fn, dtype, device)
+    except Exception as err:
+        return {**row, "status": f"error: {_first_line(err)}"}
+    checked.pop("calls")
+    row.update(status=checked["status"], error_ratio_small=checked["error_ratio"], small_shape=list(case.cpu_shape))
+    args = case.inputs(shape, dtype, device)
+    work = case.work(shape, torch.tensor([], dtype=dtype).element_size())
     impls = {"kernel": fn, "torch": case.torch_op}
     if case.compile:
         impls["compile"] = torch.compile(case.torch_op, dynamic=False)
-    row["status"] = "ok"
     for impl, op in impls.items():
         try:
-            call = runner(case, op, args)
-            if impl == "kernel":
-                row["max_abs_diff_vs_torch"] = max(
-                    max_error(a, b) for a, b in zip(_tensors(call()), _tensors(runner(case, case.torch_op, args)()),
-                                                    strict=True))
-            ms = triton.testing.do_bench(call, return_mode="median")
+            ms = timer(runner(case, op, args))
         except Exception as err:  # one implementation failing leaves the others' numbers
             row[f"{impl}_error"] = _first_line(err)
-            if impl == "kernel":
-                row["status"] = f"error: {_first_line(err)}"
             continue
         rate = work / (ms * 1e-3) / (1e9 if case.unit == "GB/s" else 1e12)
         row[f"{impl}_ms"], row[f"{impl}_rate"] = ms, rate
@@ -332,16 +347,17 @@ def print_cpu(rows: list[dict]) -> None:
 
 
 def print_gpu(rows: list[dict]) -> None:
-    print(f"{'kernel':<24}{'unit':<8}{'kernel':>9}{'%peak':>7}{'torch':>9}{'%peak':>7}{'compile':>9}{'%peak':>7}"
-          f"{'kernel/torch':>14}")
+    print(f"{'kernel':<24}{'status':<8}{'err ratio':>10}  {'unit':<8}{'kernel':>9}{'%peak':>7}{'torch':>9}{'%peak':>7}"
+          f"{'compile':>9}{'%peak':>7}{'kernel/torch':>14}")
     for r in rows:
-        if r["status"] == "missing":
-            print(f"{r['kernel']:<24}missing")
+        if r["status"] not in ("ok", "FAIL"):
+            print(f"{r['kernel']:<24}{r['status']}")
             continue
         cells = "".join(f"{_num(r.get(f'{i}_rate'), ',.1f'):>9}{_num(r.get(f'{i}_pct_peak'), '.0f'):>7}"
                         for i in ("kernel", "torch", "compile"))
         ratio = r["kernel_rate"] / r["torch_rate"] if "kernel_rate" in r and "torch_rate" in r else None
-        print(f"{r['kernel']:<24}{r['unit']:<8}{cells}{_num(ratio, '.2f'):>14}")
+        print(f"{r['kernel']:<24}{r['status']:<8}{_num(r.get('error_ratio_small'), '.2f'):>10}  {r['unit']:<8}"
+              f"{cells}{_num(ratio, '.2f'):>14}")
         for key in ("kernel_error", "torch_error", "compile_error"):
             if key in r:
                 print(f"    {key}: {r[key]}")

@@ -76,3 +76,20 @@ def test_targets_pass_and_miss(bench):
     assert verdicts["softmax"]["verdict"] == "PASS"
     assert verdicts["matmul"]["verdict"] == "MISS" and verdicts["matmul"]["value"] == pytest.approx(100 * 5 / 7)
     assert verdicts["flash_attention fwd"]["verdict"] == "n/a"
+
+
+def test_gpu_lane_logic_walked_on_the_cpu(bench, monkeypatch):
+    """The GPU lane cannot run here; its row logic can, with CPU tensors, a small shape and a timer that says 1 ms:
+    rates and % of peak then follow from the work formulas and the H100's datasheet numbers alone."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)  # Inductor on CPU would take ~10 s
+    h100 = bench.HARDWARE["h100"]
+    cases = {c.name: c for c in bench.CASES}
+    row = bench.gpu_row(cases["softmax"], torch.float32, h100, device="cpu", shape=(64, 1000), timer=lambda _: 1.0)
+    assert row["status"] == "ok" and row["error_ratio_small"] <= 2
+    gbs = 2 * 4 * 64 * 1000 / 1e-3 / 1e9  # read x, write y, fp32, in 1 ms
+    for impl in ("kernel", "torch", "compile"):
+        assert row[f"{impl}_rate"] == pytest.approx(gbs)
+        assert row[f"{impl}_pct_peak"] == pytest.approx(100 * gbs * 1e9 / 3.35e12)
+    row = bench.gpu_row(cases["matmul"], torch.float16, h100, device="cpu", shape=(64, 32, 16), timer=lambda _: 1.0)
+    assert "compile_rate" not in row  # cuBLAS either way: no torch.compile column
+    assert row["kernel_pct_peak"] == pytest.approx(100 * 2 * 64 * 32 * 16 / 1e-3 / 989.4e12)

@@ -187,16 +187,17 @@ def load_kernel(case: Case) -> Callable | None:
     return getattr(module, case.function, None)
 
 
-def runner(case: Case, fn: Callable, args: list) -> Callable[[], object]:
+def runner(case: Case, fn: Callable, args: list, dy_dtype: torch.dtype | None = None) -> Callable[[], object]:
     """A no-argument call of `fn` on `args` that does what `case.mode` times: the forward (its output), or the
-    gradients of the output, weighted by a fixed random dy, with respect to the `grads` arguments."""
+    gradients of the output, weighted by a fixed random dy (rounded to `dy_dtype`, so that a float64 reference
+    gets the very numbers the kernel got), with respect to the `grads` arguments."""
     if case.mode == "fwd":
         return lambda: fn(*args, **case.options)
     args = [a.detach().requires_grad_(i in case.grads) if torch.is_tensor(a) and a.is_floating_point() else a
             for i, a in enumerate(args)]
     leaves = [args[i] for i in case.grads]
     out = fn(*args, **case.options)
-    dy = _randn(tuple(out.shape), out.dtype, out.device.type, 7)
+    dy = _randn(tuple(out.shape), dy_dtype or out.dtype, out.device.type, 7).to(out.dtype)
     if case.mode == "fwd+bwd":
         return lambda: torch.autograd.grad(fn(*args, **case.options), leaves, dy)
     return lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)
@@ -217,14 +218,16 @@ def _first_line(err: BaseException) -> str:
 def check(case: Case, fn: Callable, dtype: torch.dtype, device: str) -> dict:
     """The error-ratio rule at the case's small shape on `device`: {"status": "ok" | "FAIL", "error_ratio"} and
     the kernel's and torch's calls for timing. The inputs are drawn on the CPU, so both lanes check the same
-    numbers (the GPU lane's ratio is the compiled kernel's, the CPU lane's the interpreter's)."""
-    args = [a.to(device) if torch.is_tensor(a) else a for a in case.inputs(case.cpu_shape, dtype, "cpu")]
-    kernel = runner(case, fn, args)
-    result = kernel()
-    baseline = runner(case, case.torch_op, args)
-    reference = _tensors(runner(case, case.torch_op, _in(args, torch.float64))())
-    ratio = max(error_ratio(r, b, ref) for r, b, ref in zip(_tensors(result), _tensors(baseline()), reference,
-                                                             strict=True))
+    numbers (the GPU lane's ratio is the compiled kernel's, the CPU lane's the interpreter's); the float64
+    reference is computed on the CPU (a GPU's flash backend has no float64)."""
+    inputs = case.inputs(case.cpu_shape, dtype, "cpu")
+    args = [a.to(device) if torch.is_tensor(a) else a for a in inputs]
+    kernel = runner(case, fn, args, dtype)
+    result = [t.cpu() for t in _tensors(kernel())]
+    baseline = runner(case, case.torch_op, args, dtype)
+    reference = _tensors(runner(case, case.torch_op, _in(inputs, torch.float64), dtype)())
+    ratio = max(error_ratio(r, b.cpu(), ref) for r, b, ref in zip(result, _tensors(baseline()), reference,
+                                                                   strict=True))
     return {"status": "ok" if ratio <= RATIO else "FAIL", "error_ratio": ratio, "calls": (kernel, baseline)}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from lab.calc.hardware import HARDWARE
-from lab.calc.roofline import ATTENTION_KINDS, Placement, llama_block_ops, peak_flops, place, ridge_point
+from lab.calc.roofline import ATTENTION_CORES, Placement, llama_block_ops, peak_flops, place, ridge_point
 from lab.config import PRESETS
 from lab.widgets.base import Explorer, show_figure
 
@@ -34,7 +34,7 @@ class RooflineExplorer(Explorer):
                  seq: int = 4096, attention: str = "naive") -> None:
         for name, value, options in (("model", model, MODELS), ("gpu", gpu, list(HARDWARE)), ("dtype", dtype, DTYPES),
                                      ("batch", batch, BATCHES), ("seq", seq, SEQS),
-                                     ("attention", attention, ATTENTION_KINDS)):
+                                     ("attention", attention, ATTENTION_CORES)):
             if value not in options:
                 raise ValueError(f"{name}={value!r} must be one of {', '.join(map(repr, options))}")
         narrow = widgets.Layout(width="300px")
@@ -47,7 +47,7 @@ class RooflineExplorer(Explorer):
                                            style={"button_width": "60px"}),
             "batch": selection(BATCHES, batch, "batch"),
             "seq": selection(SEQS, seq, "seq (tokens)"),
-            "attention": widgets.ToggleButtons(options=list(ATTENTION_KINDS), value=attention,
+            "attention": widgets.ToggleButtons(options=list(ATTENTION_CORES), value=attention,
                                                description="attention", style={"button_width": "80px"}),
         })
         self.placements: list[Placement] | None = None

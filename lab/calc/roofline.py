@@ -11,8 +11,8 @@ thousands of tokens sit above the ridge; norms, activations, residual adds and a
 below it at any size, which is why they are fused (`Fusion`: bytes moved before and after) and why
 FlashAttention never writes the T x T scores. Counting conventions: a matmul (m, k) x (k, n) does 2mkn FLOPs; an
 elementwise op one FLOP per arithmetic operation (exp included); attention counts the full T x T matrix, causal
-or not, as `lab.calc.flops` does. The roof of every op is the dtype's tensor-core peak: elementwise work really runs on the slower vector
-units, but it is memory-bound long before either roof matters.
+or not, as `lab.calc.flops` does. The roof of every op is the dtype's tensor-core peak: elementwise work really
+runs on the slower vector units, but it is memory-bound long before either roof matters.
 """
 
 from __future__ import annotations

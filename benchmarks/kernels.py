@@ -23,7 +23,6 @@ Both lanes print a table and, with --json, write the rows as records with the de
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import math
@@ -105,11 +104,11 @@ def _qkv(shape: tuple, dtype: torch.dtype, device: str) -> list:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """torch's attention; on a GPU its flash backend only (the target compares against it)."""
+    """torch's attention on its flash backend (the target compares against it: fp16/bf16 on a GPU, and the CPU's
+    flash kernel); its math backend only where flash refuses the inputs (float64 references, GQA shapes)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    flash = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if q.is_cuda else contextlib.nullcontext()
-    with flash:
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 

@@ -46,31 +46,30 @@ def _fwd_kernel(Q, K, V, Out, LSE,
                 H, GROUP, T, S, D, DV, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
     hk = h // GROUP  # the key/value head this query head shares
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = rows < T
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)
+    row_ok, d_ok, dv_ok = rows < T, offs_d < D, offs_dv < DV
 
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    kT_ptrs = K + b * skb + hk * skh + offs_n[None, :] * sks + offs_d[:, None] * skd  # kᵀ tile, moved along S
+    v_ptrs = V + b * svb + hk * svh + offs_n[:, None] * svs + offs_dv[None, :] * svd
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     end = S
     if CAUSAL:  # key blocks entirely above the diagonal contribute nothing: skip them
         end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < S
-        kT = tl.load(k_base + cols[None, :] * sks + offs_d[:, None] * skd,
-                     mask=col_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        kT = tl.load(kT_ptrs + start_n * sks, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, kT, input_precision="ieee") * qk_scale  # log2 units
         keep = col_ok[None, :]
         if CAUSAL:
@@ -81,14 +80,13 @@ def _fwd_kernel(Q, K, V, Out, LSE,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        v = tl.load(v_ptrs + start_n * svs, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     acc = acc / l_i[:, None]
     tl.store(Out + b * sob + h * soh + rows[:, None] * sot + offs_dv[None, :] * sod, acc.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+             mask=row_ok[:, None] & dv_ok[None, :])
     tl.store(LSE + pid_bh * T + rows, m_i + tl.log2(l_i), mask=row_ok)
 
 
@@ -96,10 +94,10 @@ def _fwd_kernel(Q, K, V, Out, LSE,
 def _bwd_preprocess(Out, DO, DELTA, sob, soh, sot, sod, sdb, sdh, sdt, sdd, H, T, DV,
                     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij, the term the softmax backward subtracts."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)
     mask = (rows[:, None] < T) & (offs_dv[None, :] < DV)
     o = tl.load(Out + b * sob + h * soh + rows[:, None] * sot + offs_dv[None, :] * sod, mask=mask, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + offs_dv[None, :] * sdd, mask=mask, other=0.0)
@@ -115,36 +113,34 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One program per (key block, batch, kv head): dV = Σ Pᵀ dO and dK = scale · Σ dSᵀ q over the query
     blocks of every query head that reads this kv head. dK/dV are contiguous (B, Hkv, S, ·)."""
-    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
+    pid_n, pid_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     b, hk = pid_bh // HKV, pid_bh % HKV
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    col_ok = cols < S
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)
+    col_ok, d_ok, dv_ok = cols < S, offs_d < D, offs_dv < DV
 
     k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
-                mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
-                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+    q_ptrs = Q + b * sqb + offs_m[:, None] * sqt + offs_d[None, :] * sqd  # + head and block offsets below
+    do_ptrs = DO + b * sdb + offs_m[:, None] * sdt + offs_dv[None, :] * sdd
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
     start = 0
     if CAUSAL:  # query rows above this key block's first column see none of it
         start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
     for h in range(hk * GROUP, hk * GROUP + GROUP):
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdb + h * sdh
-        stat_base = (b * H + h) * T
+        lse_ptrs, delta_ptrs = LSE + (b * H + h) * T, DELTA + (b * H + h) * T
         for start_m in range(start, T, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < T
-            q = tl.load(q_base + rows[:, None] * sqt + offs_d[None, :] * sqd,
-                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdt + offs_dv[None, :] * sdd,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            lse = tl.load(LSE + stat_base + rows, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + stat_base + rows, mask=row_ok, other=0.0)
+            q = tl.load(q_ptrs + h * sqh + start_m * sqt, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs + h * sdh + start_m * sdt, mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            lse = tl.load(lse_ptrs + rows, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptrs + rows, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             keep = row_ok[:, None] & col_ok[None, :]
             if CAUSAL:
@@ -155,11 +151,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_,
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
 
-    out = pid_bh * S
-    tl.store(DK + (out + cols[:, None]) * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + (out + cols[:, None]) * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_dv[None, :] < DV))
+    out = pid_bh * S + cols[:, None]
+    tl.store(DK + out * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
+    tl.store(DV_ + out * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=col_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -169,34 +163,32 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One program per (query block, batch, head): dQ = scale · Σ dS k over the key blocks. dQ is contiguous."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
     hk = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = rows < T
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)
+    row_ok, d_ok, dv_ok = rows < T, offs_d < D, offs_dv < DV
 
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + offs_dv[None, :] * sdd,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
     lse = tl.load(LSE + pid_bh * T + rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + pid_bh * T + rows, mask=row_ok, other=0.0)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :] * skd
+    vT_ptrs = V + b * svb + hk * svh + offs_n[None, :] * svs + offs_dv[:, None] * svd
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     end = S
     if CAUSAL:
         end = tl.minimum(S, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < S
-        k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :] * skd,
-                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        vT = tl.load(v_base + cols[None, :] * svs + offs_dv[:, None] * svd,
-                     mask=col_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
+        k = tl.load(k_ptrs + start_n * sks, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        vT = tl.load(vT_ptrs + start_n * svs, mask=col_ok[None, :] & dv_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         keep = row_ok[:, None] & col_ok[None, :]
         if CAUSAL:
@@ -207,7 +199,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
 
     tl.store(DQ + (pid_bh * T + rows[:, None]) * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < D))
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _config(D: int, Dv: int) -> dict:

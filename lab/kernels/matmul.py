@@ -35,7 +35,7 @@ from lab.kernels.runtime import check_dtype, interpreted
 def _matmul_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: no int32 overflow on large matrices
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # grouped order: program ids run down GROUP_M tile rows before moving to the next tile column
@@ -46,16 +46,16 @@ def _matmul_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn,
     pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
     pid_n = (pid % num_pid_in_group) // group_size_m
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    a_ptrs = A + rows[:, None] * sam + offs_k[None, :] * sak  # the first k step's tiles; moved by BLOCK_K below
+    b_ptrs = B + offs_k[:, None] * sbk + cols[None, :] * sbn
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k in range(0, K, BLOCK_K):
-        ks = k + offs_k
-        a = tl.load(A + rows[:, None] * sam + ks[None, :] * sak, mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0)
-        b = tl.load(B + ks[:, None] * sbk + cols[None, :] * sbn, mask=(ks[:, None] < K) & (cols[None, :] < N),
-                    other=0.0)
+        k_ok = k + offs_k < K
+        a = tl.load(a_ptrs + k * sak, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs + k * sbk, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
         acc += tl.dot(a, b, input_precision=PRECISION)
     tl.store(C + rows[:, None] * scm + cols[None, :] * scn, acc.to(C.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))

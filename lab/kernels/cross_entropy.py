@@ -33,7 +33,7 @@ def default_block_v(vocab: int) -> int:
 
 @triton.jit
 def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, n_rows, n_cols, inv_n,
-                          BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+                          BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     row_start = rows.to(tl.int64) * n_cols
@@ -51,38 +51,38 @@ def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, n_rows, n
     target = tl.load(targets_ptr + rows, mask=row_mask, other=0)
     x_target = tl.load(logits_ptr + row_start + target, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(loss_ptr + rows, tl.log(s) + m - x_target, mask=row_mask)
-    # pass 2: the gradient of the mean loss, (softmax - onehot) / N
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = row_mask[:, None] & (cols[None, :] < n_cols)
-        offsets = row_start[:, None] + cols[None, :]
-        x = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        probs = tl.exp(x - m[:, None]) / s[:, None]
-        grad = (probs - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * inv_n
-        tl.store(grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+    if WRITE_GRAD:  # pass 2: the gradient of the mean loss, (softmax - onehot) / N
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = row_mask[:, None] & (cols[None, :] < n_cols)
+            offsets = row_start[:, None] + cols[None, :]
+            x = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            probs = tl.exp(x - m[:, None]) / s[:, None]
+            grad = (probs - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)) * inv_n
+            tl.store(grad_ptr + offsets, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, block_v: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, block_v: int, write_grad: bool) -> torch.Tensor:
         vocab = logits.shape[-1]
         logits2 = logits.reshape(-1, vocab).contiguous()
         targets1 = targets.reshape(-1).contiguous()
         n_rows = logits2.shape[0]
         losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        grad = torch.empty_like(logits2)
+        grad = torch.empty_like(logits2) if write_grad else losses  # (an unused pointer when not write_grad)
         block_rows, num_warps = row_launch(n_rows, block_v)
         _cross_entropy_kernel[(triton.cdiv(n_rows, block_rows),)](
             logits2, targets1, losses, grad, n_rows, vocab, 1.0 / n_rows, BLOCK_ROWS=block_rows, BLOCK_V=block_v,
-            num_warps=num_warps)
+            WRITE_GRAD=write_grad, num_warps=num_warps)
         ctx.save_for_backward(grad)
         ctx.logits_shape = logits.shape
         return losses.mean().to(logits.dtype)
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (grad,) = ctx.saved_tensors
-        return (grad * grad_output).view(ctx.logits_shape), None, None
+        return (grad * grad_output).view(ctx.logits_shape), None, None, None
 
 
 def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -110,4 +110,5 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, block_v: int |
     block_v = default_block_v(vocab) if block_v is None else block_v
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v {block_v} must be a power of two (tl.arange needs one)")
-    return _CrossEntropy.apply(logits, targets, block_v)
+    # an evaluation (no grad needed) skips pass 2: the logits are read once and no N×V tensor is written
+    return _CrossEntropy.apply(logits, targets, block_v, logits.requires_grad and torch.is_grad_enabled())

@@ -38,34 +38,35 @@ def _paged_decode_kernel(Q, KC, VC, TABLE, LENS, Out,
                          sqb, sqh, sqd, skn, skt, skh, skd, svn, svt, svh, svd, stb, stj, sob, soh, sod,
                          H, GROUP, BLOCK_SIZE, D, DV, qk_scale,
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # int64 offsets: block ids times the cache's strides get large
     b, h = pid_bh // H, pid_bh % H
     hk = h // GROUP
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_t = tl.arange(0, BLOCK_T).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)
+    d_ok, dv_ok = offs_d < D, offs_dv < DV
     seq_len = tl.load(LENS + b)
 
-    q = tl.load(Q + b * sqb + h * sqh + offs_d * sqd, mask=offs_d < D, other=0.0).to(tl.float32)
+    q = tl.load(Q + b * sqb + h * sqh + offs_d * sqd, mask=d_ok, other=0.0).to(tl.float32)
+    k_tile = KC + offs_t[:, None] * skt + hk * skh + offs_d[None, :] * skd  # offsets inside one block
+    v_tile = VC + offs_t[:, None] * svt + hk * svh + offs_dv[None, :] * svd
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.full([BLOCK_DV], 0.0, tl.float32)
     for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
         block = tl.load(TABLE + b * stb + j * stj).to(tl.int64)  # physical block id: the indirect step
         tok_ok = (offs_t < BLOCK_SIZE) & (j * BLOCK_SIZE + offs_t < seq_len)
-        k = tl.load(KC + block * skn + offs_t[:, None] * skt + hk * skh + offs_d[None, :] * skd,
-                    mask=tok_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        k = tl.load(k_tile + block * skn, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale  # log2 units
         s = tl.where(tok_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))  # block j holds at least one token of the sequence
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
         l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(VC + block * svn + offs_t[:, None] * svt + hk * svh + offs_dv[None, :] * svd,
-                    mask=tok_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        v = tl.load(v_tile + block * svn, mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         m_i = m_new
-    tl.store(Out + b * sob + h * soh + offs_dv * sod, (acc / l_i).to(Out.dtype.element_ty), mask=offs_dv < DV)
+    tl.store(Out + b * sob + h * soh + offs_dv * sod, (acc / l_i).to(Out.dtype.element_ty), mask=dv_ok)
 
 
 def _check(q, k_cache, v_cache, block_table, seq_lens) -> None:

@@ -129,7 +129,7 @@ def softmax_strided_rows(student, rng):
 
 # --- 09.matmul_tiles -------------------------------------------------------------------------------------
 
-MATMUL = exercise("09.matmul_tiles", entry=("run_matmul",), **KERNELS)
+MATMUL = exercise("09.matmul_tiles", entry=("run_matmul_tiles",), **KERNELS)
 TILE = 32  # the launcher's BLOCK_M = BLOCK_N = BLOCK_K
 
 
@@ -142,8 +142,8 @@ def _expect_matmul(student, m: int, n: int, k: int, seed: int, dtype: str = "flo
     b = torch.randn(n, k, generator=g, dtype=torch.float64).T if transpose_b else \
         torch.randn(k, n, generator=g, dtype=torch.float64)
     a, b = a.to(_dtype(dtype)), b.to(_dtype(dtype))
-    what = f"run_matmul(m={m}, n={n}, k={k}, seed={seed}, dtype={dtype!r}, transpose_b={transpose_b})"
-    expect_accurate(answer(what, student.run_matmul, m, n, k, seed, dtype, transpose_b), a @ b,
+    what = f"run_matmul_tiles(m={m}, n={n}, k={k}, seed={seed}, dtype={dtype!r}, transpose_b={transpose_b})"
+    expect_accurate(answer(what, student.run_matmul_tiles, m, n, k, seed, dtype, transpose_b), a @ b,
                     a.double() @ b.double(), what)
 
 

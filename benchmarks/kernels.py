@@ -1,7 +1,7 @@
 """The kernels of lab.kernels against torch: speed on a GPU, correctness and interpreter timings on the CPU.
 
     python benchmarks/kernels.py                         # the GPU lane when torch sees a GPU, else the CPU lane
-    python benchmarks/kernels.py --lane cpu --json out.json
+    TRITON_INTERPRET=1 python benchmarks/kernels.py --lane cpu --json out.json   # the CPU lane on a GPU machine
     python benchmarks/kernels.py --kernels softmax matmul --dtype bf16
 
 GPU lane: each kernel and the same op in torch (and under torch.compile for the elementwise and row-wise ops,
@@ -11,6 +11,9 @@ move at least (read its inputs once, write its outputs once) and % of the device
 attention report TFLOP/s and % of the dense tensor-core peak of the dtype. Peaks come from `lab.calc.hardware`,
 the device found by `torch.cuda.get_device_name`. Then the issue's targets: softmax >= 80% of peak HBM bandwidth,
 matmul >= 80% of cuBLAS at 4096³ fp16, flash forward >= 60% of torch's SDPA flash backend, each PASS or MISS.
+Before timing, the compiled kernels are checked by the error-ratio rule on the CPU lane's small inputs, and the
+CPU lane runs on those same numbers in a child process with TRITON_INTERPRET=1: the interpreter-vs-compiled
+comparison of every kernel.
 
 CPU lane: Triton's interpreter runs each kernel on a small, awkward shape (no powers of two), checked by the
 error-ratio rule of `lab.kernels.accuracy` (error vs a float64 torch reference <= 2x torch's own error in the same
@@ -26,9 +29,12 @@ import argparse
 import importlib
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -349,8 +355,8 @@ def print_cpu(rows: list[dict]) -> None:
 
 
 def print_gpu(rows: list[dict]) -> None:
-    print(f"{'kernel':<24}{'status':<8}{'err ratio':>10}  {'unit':<8}{'kernel':>9}{'%peak':>7}{'torch':>9}{'%peak':>7}"
-          f"{'compile':>9}{'%peak':>7}{'kernel/torch':>14}")
+    print(f"{'kernel':<24}{'status':<8}{'err ratio':>10}{'interp':>8}  {'unit':<8}{'kernel':>9}{'%peak':>7}"
+          f"{'torch':>9}{'%peak':>7}{'compile':>9}{'%peak':>7}{'kernel/torch':>14}")
     for r in rows:
         if r["status"] not in ("ok", "FAIL"):
             print(f"{r['kernel']:<24}{r['status']}")
@@ -358,7 +364,8 @@ def print_gpu(rows: list[dict]) -> None:
         cells = "".join(f"{_num(r.get(f'{i}_rate'), ',.1f'):>9}{_num(r.get(f'{i}_pct_peak'), '.0f'):>7}"
                         for i in ("kernel", "torch", "compile"))
         ratio = r["kernel_rate"] / r["torch_rate"] if "kernel_rate" in r and "torch_rate" in r else None
-        print(f"{r['kernel']:<24}{r['status']:<8}{_num(r.get('error_ratio_small'), '.2f'):>10}  {r['unit']:<8}"
+        print(f"{r['kernel']:<24}{r['status']:<8}{_num(r.get('error_ratio_small'), '.2f'):>10}"
+              f"{_num(r.get('interpreter_error_ratio'), '.2f'):>8}  {r['unit']:<8}"
               f"{cells}{_num(ratio, '.2f'):>14}")
         for key in ("kernel_error", "torch_error", "compile_error"):
             if key in r:
@@ -366,6 +373,29 @@ def print_gpu(rows: list[dict]) -> None:
     print()
     for t in targets(rows):
         print(f"{t['verdict']:<5} {t['kernel']:<22} {t['target']:<45} {_num(t['value'], '.1f')}")
+
+
+def interpreter_lane(kernels: list[str], dtype: str) -> list[dict]:
+    """This script's CPU lane in a child process with TRITON_INTERPRET=1 (the mode is fixed when lab.kernels is
+    imported): the same kernels on the same small inputs, run by Triton's interpreter."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "interpreter.json"
+        command = [sys.executable, __file__, "--lane", "cpu", "--dtype", dtype, "--repeats", "1", "--json", str(out),
+                   "--kernels", *kernels]
+        subprocess.run(command, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.DEVNULL,
+                       timeout=1200, check=False)
+        return json.loads(out.read_text())["rows"] if out.exists() else []
+
+
+def merge_interpreter(rows: list[dict], interpreted: list[dict]) -> None:
+    """Add the interpreter's verdict and error ratio to each GPU row: the compiled and the interpreted kernel
+    judged on the very same inputs (both lanes draw them on the CPU from the same seeds)."""
+    by_name = {r["kernel"]: r for r in interpreted}
+    for row in rows:
+        other = by_name.get(row["kernel"], {"status": "not run"})
+        row["interpreter_status"] = other["status"]
+        if "error_ratio" in other:
+            row["interpreter_error_ratio"] = other["error_ratio"]
 
 
 def environment() -> dict:
@@ -386,10 +416,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU lane: fp16 (default), bf16 or fp32; CPU lane: fp32 (default) or fp16")
     parser.add_argument("--repeats", type=int, default=3, help="CPU lane: timed calls per kernel (median)")
     parser.add_argument("--json", type=Path, default=None, help="write the records here")
+    parser.add_argument("--no-interpreter", action="store_true",
+                        help="GPU lane: skip the CPU lane's interpreter run on the same inputs")
     args = parser.parse_args(argv)
-    lane = ("gpu" if torch.cuda.is_available() else "cpu") if args.lane == "auto" else args.lane
-    if lane == "gpu" and not torch.cuda.is_available():
-        parser.error("--lane gpu needs a GPU torch can see")
+    compiled = lab.kernels.MODE == "compiled"
+    lane = ("gpu" if compiled else "cpu") if args.lane == "auto" else args.lane
+    if lane == "gpu" and not compiled:
+        parser.error(f"--lane gpu needs compiled kernels, and lab.kernels runs in mode {lab.kernels.MODE!r}")
+    if lane == "cpu" and compiled:
+        parser.error("--lane cpu with a GPU: set TRITON_INTERPRET=1 so that lab.kernels runs in the interpreter")
     if lane == "cpu" and args.dtype == "bf16":
         parser.error("--dtype bf16: Triton's interpreter has no bf16 (lab.kernels.runtime); use fp32 or fp16")
     cases = [c for c in CASES if args.kernels is None or c.name.split()[0] in args.kernels]
@@ -400,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         chip = device_accelerator(env["device"])
         print(f"peaks: {chip.source}" if chip else f"no peak for {env['device']!r} in lab.calc.hardware: "
               "% of peak left out")
-        rows = [gpu_row(c, DTYPES[args.dtype or "fp16"], chip) for c in cases]
+        dtype = args.dtype or "fp16"
+        rows = [gpu_row(c, DTYPES[dtype], chip) for c in cases]
+        if not args.no_interpreter and dtype != "bf16":  # the interpreter has no bf16
+            merge_interpreter(rows, interpreter_lane(sorted({c.name.split()[0] for c in cases}), dtype))
         print_gpu(rows)
     else:
         rows = [cpu_row(c, DTYPES[args.dtype or "fp32"], args.repeats) for c in cases]

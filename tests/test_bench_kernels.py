@@ -93,3 +93,21 @@ def test_gpu_lane_logic_walked_on_the_cpu(bench, monkeypatch):
     row = bench.gpu_row(cases["matmul"], torch.float16, h100, device="cpu", shape=(64, 32, 16), timer=lambda _: 1.0)
     assert "compile_rate" not in row  # cuBLAS either way: no torch.compile column
     assert row["kernel_pct_peak"] == pytest.approx(100 * 2 * 64 * 32 * 16 / 1e-3 / 989.4e12)
+
+
+def test_interpreter_verdicts_join_the_gpu_rows(bench, monkeypatch):
+    """The GPU lane's interpreter-vs-compiled comparison: its CPU lane in a child process with TRITON_INTERPRET=1
+    (here run in this process, which is interpreted already: a child would cost ~8 s of imports), the verdicts
+    merged into the GPU rows by kernel name."""
+    def child(command, env, **_):
+        assert command[:2] == [sys.executable, bench.__file__] and env["TRITON_INTERPRET"] == "1"
+        assert bench.main(command[2:]) == 0
+
+    monkeypatch.setattr(bench.subprocess, "run", child)
+    interpreted = bench.interpreter_lane(["add"], "fp32")
+    assert [r["kernel"] for r in interpreted] == ["add"] and interpreted[0]["status"] == "ok"
+    rows = [{"lane": "gpu", "kernel": "add", "status": "ok"}, {"lane": "gpu", "kernel": "softmax", "status": "ok"}]
+    bench.merge_interpreter(rows, interpreted)
+    assert rows[0]["interpreter_status"] == "ok"
+    assert rows[0]["interpreter_error_ratio"] == interpreted[0]["error_ratio"]
+    assert rows[1]["interpreter_status"] == "not run" and "interpreter_error_ratio" not in rows[1]

@@ -1,19 +1,21 @@
-"""Cross-entropy fused with its own gradient (as Liger-Kernel does): the N×V logits are never materialised twice.
+"""Cross-entropy fused with its own gradient (as Liger-Kernel does): the loss and dloss/dlogits in one launch.
 
 The loss of a token with logits x (V of them) and target t is log Σⱼ exp(xⱼ) − x_t, and its gradient with
-respect to x is softmax(x) − onehot(t) (divided by N for the mean over N tokens). Eager torch computes
-log_softmax (read the logits, write an N×V fp32-or-input-dtype tensor), gathers the targets' entries, and in
-the backward reads the saved log-probabilities again to write the gradient: ~4 passes over N×V, and an extra
-N×V tensor held from the forward to the backward — at a 128k vocabulary the largest activation of the model.
+respect to x is softmax(x) − onehot(t) (divided by N for the mean over N tokens). Eager torch runs log_softmax
+(read the N×V logits, write N×V log-probabilities, kept for the backward) and gathers the targets' entries; its
+backward writes an N×V gradient of the log-probabilities (zero but at the targets), then reads it and the
+log-probabilities to write the logits' gradient: 3 reads and 3 writes of N×V.
 
 This kernel does, per block of rows, in one launch during the *forward*:
     pass 1  over the V columns in chunks of BLOCK_V: a running max m and a running sum s of exp(x − m)
             (online softmax: when a chunk raises the max, the sum so far is rescaled by exp(m_old − m_new)),
             so V need not fit one block; then loss = log s + m − x_t
     pass 2  over the chunks again: writes (exp(x − m) / s − [j = t]) / N, the gradient of the mean loss
-2 reads and 1 write of N×V, and the only N×V tensor kept for the backward is the gradient itself, which the
-backward merely scales by the incoming grad_output. (Liger goes further and writes the gradient over the logits
-in place, saving that buffer too; here the logits are left intact, since a caller may still read them.)
+2 reads and 1 write of N×V in the forward, and the backward merely scales the saved gradient by grad_output
+(1 read, 1 write): 3 reads and 2 writes, with one N×V tensor kept between forward and backward, as eager keeps
+its log-probabilities. Liger goes further: it writes the gradient over the logits in place (no N×V buffer at all)
+and skips the scaling when grad_output is 1; here the logits are left intact, since a caller may still read them.
+An evaluation (no gradient wanted) runs pass 1 only: 1 read of N×V.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 y = x̂ · w with x̂ = x · r and r = 1 / sqrt(mean(x²) + eps) per row (the statistics in fp32 whatever x's dtype,
 x̂ rounded to x's dtype before the weight multiplies it, exactly as `lab.model.rms_norm`).
 
-Eager torch runs it as ~6 ops (cast, square, mean, add+rsqrt, multiply, multiply by w), each reading and
-writing an N×D tensor (fp32 for the casts): ~10 N×D passes forward, more backward. The forward kernel reads x
-once and writes y once, plus 4 bytes per row: the row's r, saved for the backward.
+Eager torch runs it as separate ops (square, mean, rsqrt, multiply, round, multiply by w; casts to fp32 for
+fp16 input), each reading its N×D input and writing its output: 7 passes over N×D in fp32, 13 in fp16 with the
+casts, and more in the backward. The forward kernel reads x once and writes y once, plus 4 bytes per row: the
+row's r, saved for the backward.
 
 The backward needs, with g = dy · w (the gradient reaching x̂):
     dx = r · (g − x̂ · mean(g · x̂))          a reduction along the row, like softmax's backward

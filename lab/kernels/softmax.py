@@ -1,4 +1,4 @@
-"""Fused row softmax: one read and one write of the matrix, where eager torch moves it five times.
+"""Fused row softmax: one read and one write of the matrix, where the op written unfused moves it eight times.
 
 softmax(x)ᵢ = exp(xᵢ − m) / Σⱼ exp(xⱼ − m) over the last dim, with m = maxⱼ xⱼ so that no exp overflows. Written
 as separate ops (max, subtract, exp, sum, divide) each op reads its input from memory and writes its output:

@@ -401,7 +401,7 @@ def merge_interpreter(rows: list[dict], interpreted: list[dict]) -> None:
 def environment() -> dict:
     import triton
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    gpu = torch.cuda.get_device_name() if lab.kernels.MODE == "compiled" else None  # the device kernels run on
     return {"device": gpu or f"CPU ({platform.processor() or platform.machine()})", "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version(), "kernels_mode": lab.kernels.MODE}
 

@@ -51,7 +51,7 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "09.flash_attention_loop", [("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot")],
         {FLASH_BLOCKS, FLASH_CAUSAL}),
     "flash_running_sum_not_rescaled": (
-        "09.flash_attention_loop", [("l = l * alpha + tl.sum", "l = l + tl.sum")], {FLASH_BLOCKS}),
+        "09.flash_attention_loop", [("l_i = l_i * alpha + tl.sum", "l_i = l_i + tl.sum")], {FLASH_BLOCKS}),
     "flash_tail_keys_score_zero": (  # unmasked tail: keys past the end keep the score 0 of their zero padding
         "09.flash_attention_loop", [("visible = rn[None, :] < seq_len", "visible = rn[None, :] < start + BLOCK_N")],
         {FLASH_SHORT, FLASH_BLOCKS}),

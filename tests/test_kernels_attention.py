@@ -63,6 +63,27 @@ def test_flash_attention_matches_torch(shape, dtype):
         assert_error_ratio(f"flash_attention {name}", g, b, r)
 
 
+@pytest.mark.parametrize("dtype, D, causal", [(torch.float16, 24, True), (torch.float32, 24, False),
+                                               (torch.float32, 80, True)], ids=["fp16-D24-c", "fp32-D24", "fp32-D80-c"])
+def test_flash_attention_gpu_tiles_in_interpreter(monkeypatch, dtype, D, causal):
+    """The tiles a GPU launch picks (128×64 forward, 64×32, 32×32 backward: BLOCK_M != BLOCK_N) give the same
+    answer: the kernels assume no particular tile shape. Run through the interpreter by pretending to compile."""
+    import lab.kernels.flash_attention as fa
+
+    monkeypatch.setattr(fa, "interpreted", lambda: False)
+    fwd = fa._config(D, D, dtype)
+    assert fwd["BLOCK_M"] != fwd["BLOCK_N"]
+    gen = torch.Generator().manual_seed(D)
+    B, H, Hkv, T = 1, 2, 1, 150
+    q, k, v, do = (torch.randn(*s, generator=gen).to(dtype=dtype, device=DEVICE)
+                   for s in ((B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D), (B, H, T, D)))
+    got = _run(lambda *a: flash_attention(*a, causal=causal), q, k, v, do)
+    base = _run(lambda *a: _torch_attention(*a, causal), q, k, v, do)
+    ref = _run(lambda *a: attention_reference(*a, causal=causal), q.double(), k.double(), v.double(), do.double())
+    for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref, strict=True):
+        assert_error_ratio(f"flash_attention (GPU tiles) {name}", g, b, r)
+
+
 def _check_core(module, cfg, wants_scale):
     """The module with flash_attention as its core against the same module with the eager core (fp32 baseline)
     and in float64 (reference): output and every weight gradient."""

@@ -38,6 +38,23 @@ def test_matmul_matches_torch(shape, dtype):
     assert_error_ratio("matmul", got, a @ b, matmul_reference(a, b))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_matmul_gpu_tiles_in_interpreter(monkeypatch, dtype):
+    """The 128×128 tiles (K step 64 for fp16, 32 for fp32, GROUP_M=8) a 4096³ GPU launch picks, run through the
+    interpreter by pretending to compile, on a matrix of 3 tile rows (one short group) × 2 tile columns."""
+    import lab.kernels.matmul as mm
+
+    monkeypatch.setattr(mm, "interpreted", lambda: False)
+    big = mm._config(4096, 4096, 4096, dtype)
+    assert (big["BLOCK_M"], big["BLOCK_N"], big["GROUP_M"]) == (128, 128, 8)
+    monkeypatch.setattr(mm, "_config", lambda *shape: big)
+    M, K, N = 300, 200, 130
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(M, K, generator=gen).to(dtype=dtype, device=DEVICE)
+    b = torch.randn(K, N, generator=gen).to(dtype=dtype, device=DEVICE)
+    assert_error_ratio("matmul (GPU tiles)", matmul(a, b), a @ b, matmul_reference(a, b))
+
+
 def test_matmul_strided_inputs():
     """Transposed views go through their strides, not a copy."""
     gen = torch.Generator().manual_seed(0)

@@ -202,18 +202,27 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _config(D: int, Dv: int) -> dict:
-    """Block sizes and launch options. Interpreted: one pinned config of 64×64 tiles (cost is per program and per
-    block op, never per element). Compiled: 64×64 tiles, 4 warps (8 for wide heads), 2 pipeline stages — enough
-    to keep q, k, v tiles and the fp32 accumulator in SRAM/registers for head dims up to 128..256.
-    tl.dot needs every dim ≥ 16 on a GPU, so head dims are padded to at least 16."""
+def _config(D: int, Dv: int, dtype: torch.dtype, backward: bool = False) -> dict:
+    """Block sizes and launch options. tl.dot needs every dim >= 16 on a GPU, so head dims are padded to at least
+    16 (and to a power of two, for tl.arange). Interpreted: one pinned config of 64×64 tiles (the cost is per
+    program and per block op, never per element). Compiled, forward: 128 query rows × 64 keys, 8 warps, 3
+    pipeline stages for 16-bit heads up to 128 wide (q tile 32 KiB + 3 stages of k and v tiles, 96 KiB, fit the
+    ~228 KiB of shared memory of an H100); half the rows and stages for fp32 or wider heads. Backward: 64×64
+    tiles, 32×32 for wide rows (each program holds k, v, q, dO and the fp32 dk, dv where the forward holds q, k,
+    v). Chosen from the shapes and the H100's budget, not tuned: the GPU lane's benchmark says how close it is."""
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(Dv))
+    blocks = dict(BLOCK_D=block_d, BLOCK_DV=block_dv)
     if interpreted():
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, BLOCK_DV=block_dv)
-    wide = max(block_d, block_dv) > 64
-    return dict(BLOCK_M=64, BLOCK_N=64 if not wide else 32, BLOCK_D=block_d, BLOCK_DV=block_dv,
-                num_warps=8 if wide else 4, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=64, **blocks)
+    narrow_16bit = max(block_d, block_dv) <= 128 and dtype != torch.float32
+    if backward:  # rows of q, do, k, v in bytes: halve the tiles past 256 B (fp32 beyond 64, 16-bit beyond 128)
+        tile = 64 if max(block_d, block_dv) * torch.finfo(dtype).bits // 8 <= 256 else 32
+        return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4 if max(block_d, block_dv) <= 64 else 8, num_stages=2,
+                    **blocks)
+    if narrow_16bit:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, **blocks)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, **blocks)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
@@ -246,7 +255,7 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-        cfg = _config(D, Dv)
+        cfg = _config(D, Dv, q.dtype)
         o = torch.empty(B, H, T, Dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
@@ -261,7 +270,7 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         B, H, T, D = q.shape
         Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-        cfg = _config(D, Dv)
+        cfg = _config(D, Dv, q.dtype, backward=True)
         strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
         delta = torch.empty_like(lse)
         _bwd_preprocess[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](

@@ -22,7 +22,9 @@ query block accumulates dQ over the key blocks.
 Shapes: q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv). Query head h reads key/value head h // (H // Hkv)
 through its strides (no copy). Dv may differ from D (DeepSeek MLA). Head dims that are not powers of two are
 padded to the next power of two in registers and masked on every load and store; so are the T and S tails.
-Causal masking is aligned at position 0 (torch's is_causal) and needs T == S.
+Causal masking is aligned at position 0 (torch's is_causal) and needs T == S. Offsets are int64: b·stride_b
+overflows int32 on large GPU tensors, and Triton's interpreter checks every int32 add and multiply for overflow,
+which costs more than the op itself.
 """
 
 from __future__ import annotations
@@ -297,7 +299,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     _check(q, k, v, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[2] == 0:
+    if 0 in q.shape[:3]:
         return q.new_empty(*q.shape[:3], v.shape[3])
     return FlashAttention.apply(q, k, v, float(scale), bool(causal))
 

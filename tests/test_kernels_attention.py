@@ -102,10 +102,10 @@ def _check_core(module, cfg, wants_scale):
 
     results = []
     for dtype, kernel in ((torch.float32, True), (torch.float32, False), (torch.float64, False)):
-        m = copy.deepcopy(eager).to(dtype)
+        m = copy.deepcopy(eager).to(dtype=dtype, device=DEVICE)
         if kernel:
             m.core = core
-        out = m(x.to(dtype), cos.to(dtype), sin.to(dtype))
+        out = m(*(t.to(dtype=dtype, device=DEVICE) for t in (x, cos, sin)))
         out.square().sum().backward()
         results.append([out.detach()] + [p.grad for p in m.parameters()])
     assert calls == [4 if wants_scale else 3]

@@ -13,7 +13,8 @@ The sandbox runs kernels in the interpreter (`TRITON_INTERPRET=1` wherever trito
 `lab.grading.sandbox`), whose cost is per program instance and per block operation: the shapes are tiny and the
 launchers' blocks large, so that each check takes well under a second or two.
 
-torch is imported inside the functions: `lab.check` of other chapters loads this module too.
+torch and `lab.kernels` are imported inside the functions: `lab.check` of other chapters loads this module
+too, and importing `lab.kernels` decides how this process runs Triton.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import random
 
 from lab.grading.checks import CheckFailed, exercise, explain
 from lab.grading.sandbox import CallError
-from lab.kernels.accuracy import error_ratio, max_error
 
 KERNELS = {"modules": ("lab.kernels.runtime",), "packages": ("numpy", "torch", "triton"), "memory_mb": 2048}
 RATIO = 4.0
@@ -42,6 +42,8 @@ def expect_accurate(got, baseline, reference, what: str, hint: str | None = None
     """`got` (a flat list from a driver) must hold `reference.numel()` numbers whose largest error against
     `reference` (float64) is at most RATIO times that of torch's `baseline` (the kernel's dtype)."""
     import torch
+
+    from lab.kernels.accuracy import error_ratio, max_error
 
     shape, dtype = tuple(reference.shape), baseline.dtype
     if not (isinstance(got, list) and len(got) == reference.numel()
@@ -224,8 +226,9 @@ def flash_short_sequences(student, rng):
     _expect_flash(student, rng.randrange(1, 4), rng.randrange(2, KEY_BLOCK), 32, rng.randrange(10**6), causal=False)
 
 
-@FLASH.check(points=2, hint="causal: query i sees key j only when j <= i — global positions, rm and rn, not the "
-                            "lanes of the block")
+@FLASH.check(points=2, hint="causal: query i sees key j only when j <= i — compare the global positions rm and rn, "
+                            "not the lanes of the block; and as without a mask, rescale l_i and acc by alpha whenever "
+                            "the running max moves")
 def flash_causal(student, rng):
     """causal mask, sequences of several blocks"""
     _expect_flash(student, rng.randrange(1, 3), _off_key_block(rng, KEY_BLOCK + 1, 3 * KEY_BLOCK), 16,

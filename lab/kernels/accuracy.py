@@ -3,8 +3,9 @@
 A fixed tolerance is either too loose for fp32 or too tight for fp16. Instead both the kernel and torch's own op
 are run in the same dtype and compared with a float64 reference computed from the same inputs: the kernel passes
 when its largest error is at most `ratio` (2 by default) times torch's largest error. When torch is exact (an fp32
-add), the floor is one unit of roundoff of the dtype at the reference's scale, so that a kernel which rounds
-differently — but correctly — still passes.
+add), the floor is one unit of roundoff of the dtype at the reference's scale (its largest magnitude, however
+small: a loss gradient of 1/N is held to its own scale, not to 1), so that a kernel which rounds differently —
+but correctly — still passes.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ def max_error(result: torch.Tensor, reference: torch.Tensor) -> float:
 
 def error_ratio(result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor) -> float:
     """max|result - reference| / max(max|baseline - reference|, one roundoff unit of result's dtype at the
-    reference's scale). `baseline` is torch's own op in the kernel's dtype; `reference` is computed in float64."""
-    eps = torch.finfo(result.dtype).eps if result.is_floating_point() else 0.0
+    reference's largest magnitude). `baseline` is torch's own op in the kernel's dtype; `reference` is computed
+    in float64."""
+    finfo = torch.finfo(result.dtype) if result.is_floating_point() else torch.finfo(torch.float64)
     scale = float(reference.detach().double().abs().max()) if reference.numel() else 0.0
-    floor = eps * max(scale, 1.0)
+    floor = max(finfo.eps * scale, finfo.tiny)  # relative to the reference's scale: gradients of 1e-3 count too
     return max_error(result, reference) / max(max_error(baseline, reference), floor)
 
 

@@ -17,15 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, interpreted
-
-INTERPRETED_BLOCK = 1 << 16
-"""Elements per program in the interpreter: few programs, each a large numpy operation."""
-
-
-def flat_block(n: int) -> int:
-    """Elements per program of an element-wise kernel over n elements (a power of two, as tl.arange needs)."""
-    return min(triton.next_power_of_2(n), INTERPRETED_BLOCK) if interpreted() else 1024
+from lab.kernels.runtime import check_dtype, flat_block
 
 
 @triton.jit

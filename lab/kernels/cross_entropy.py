@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, interpreted
-from lab.kernels.softmax import row_launch
+from lab.kernels.runtime import check_dtype, interpreted, row_launch
 
 
 def default_block_v(vocab: int) -> int:

@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype
-from lab.kernels.softmax import check_row, row_launch
+from lab.kernels.runtime import check_dtype, check_row, row_launch
 
 MAX_PROGRAMS = 256
 """The backward's grid is at most this many programs, each looping over row blocks: the size of the partial-dw

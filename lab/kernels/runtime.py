@@ -73,3 +73,43 @@ def check_dtype(tensor: torch.Tensor, name: str = "input") -> None:
         where = "in Triton's interpreter (CPU)" if interpreted() else "on this GPU"
         raise ValueError(f"{name} dtype {str(tensor.dtype).removeprefix('torch.')} is not supported {where}: "
                          f"use one of {names}")
+
+
+# --- Launch rules: one pinned configuration per lane, never a device query -------------------------------------
+
+INTERPRETED_ELEMENTS = 1 << 16
+"""Elements per program in the interpreter: few programs, each a large numpy operation."""
+
+GPU_ELEMENTS = 2048
+"""Elements per program of a row-wise kernel on a GPU, for rows narrower than this: enough work to hide latency."""
+
+MAX_ROW = 1 << 16
+"""The widest row a single-block kernel (softmax, RMSNorm) takes; wider rows need a loop over chunks, as
+`lab.kernels.cross_entropy` does."""
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (>= 1): `tl.arange` takes only power-of-two lengths."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def flat_block(n: int) -> int:
+    """Elements per program of an element-wise kernel over n elements: 1024 on a GPU (4 warps of 32 threads, 8
+    elements each), up to 65536 in the interpreter."""
+    return min(next_power_of_2(n), INTERPRETED_ELEMENTS) if interpreted() else 1024
+
+
+def row_launch(n_rows: int, block_cols: int) -> tuple[int, int]:
+    """(BLOCK_ROWS, num_warps) for a kernel whose programs each own BLOCK_ROWS rows of `block_cols` columns.
+    The interpreter packs rows up to 65536 elements per program, a GPU up to 2048."""
+    budget = INTERPRETED_ELEMENTS if interpreted() else GPU_ELEMENTS
+    block_rows = max(1, min(next_power_of_2(n_rows), budget // block_cols))
+    elements = block_rows * block_cols
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+    return block_rows, num_warps
+
+
+def check_row(width: int, name: str = "last dim") -> None:
+    """Refuse a row a single-block kernel cannot hold (or an empty one)."""
+    if not 1 <= width <= MAX_ROW:
+        raise ValueError(f"{name} {width} is out of range: a row-wise kernel takes 1 to {MAX_ROW} columns")

@@ -8,7 +8,7 @@ five steps there and stores the result: 1 read and 1 write, so a memory-bound op
 
 The backward is fused the same way: dx = y · (dy − Σ dy·y) reads y and dy and writes dx, one pass.
 
-Launch (`row_launch`, shared with the other row-wise kernels): a program owns a [BLOCK_ROWS, BLOCK_COLS] block,
+Launch (`runtime.row_launch`, shared with the other row-wise kernels): a program owns a [BLOCK_ROWS, BLOCK_COLS] block,
 BLOCK_COLS the row width rounded up to a power of two (the padding is masked, and set to −inf, so that it adds
 exp(−inf) = 0 to the sum and never wins the max). On a GPU narrow rows are packed several to a program so that
 each program has ~2048 elements to work on; in the interpreter, whose cost is per program and per block op, one
@@ -21,33 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, interpreted
-
-MAX_ROW = 1 << 16
-"""The widest row a single-block kernel (softmax, RMSNorm) takes; wider rows need a loop over chunks, as
-`lab.kernels.cross_entropy` does."""
-
-INTERPRETED_ELEMENTS = 1 << 16
-"""Elements per program in the interpreter."""
-
-GPU_ELEMENTS = 2048
-"""Elements per program on a GPU, for rows narrower than this: enough work per program to hide latency."""
-
-
-def row_launch(n_rows: int, block_cols: int) -> tuple[int, int]:
-    """(BLOCK_ROWS, num_warps) for a kernel whose programs each own BLOCK_ROWS rows of `block_cols` columns.
-    One pinned rule, no device query: the interpreter packs rows up to 65536 elements, a GPU up to 2048."""
-    budget = INTERPRETED_ELEMENTS if interpreted() else GPU_ELEMENTS
-    block_rows = max(1, min(triton.next_power_of_2(n_rows), budget // block_cols))
-    elements = block_rows * block_cols
-    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
-    return block_rows, num_warps
-
-
-def check_row(width: int, name: str = "last dim") -> None:
-    """Refuse a row a single-block kernel cannot hold (or an empty one)."""
-    if not 1 <= width <= MAX_ROW:
-        raise ValueError(f"{name} {width} is out of range: a row-wise kernel takes 1 to {MAX_ROW} columns")
+from lab.kernels.runtime import check_dtype, check_row, row_launch
 
 
 @triton.jit

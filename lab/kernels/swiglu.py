@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.add import flat_block
-from lab.kernels.runtime import check_dtype
+from lab.kernels.runtime import check_dtype, flat_block
 
 
 @triton.jit

@@ -111,3 +111,16 @@ def test_release_cli(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("python -m lab release: error: ") and len(err.strip().splitlines()) == 1
     assert release.main(["--assignment", "A1"]) == 2 and "needs --out" in capsys.readouterr().err
+
+
+def test_entry_names_are_unique_across_exercises():
+    """`lab.check()` finds a notebook's chapters by the functions it defines: an entry name shared by two
+    exercises (chapter 09's matmul driver was once `run_matmul`, chapter 02's entry) makes a notebook count as
+    both chapters."""
+    from lab.grading import checks
+
+    owners: dict[str, str] = {}
+    for exercise in checks.load_all().values():
+        for name in exercise.entry:
+            assert name not in owners, f"entry {name!r} of {exercise.id} is also {owners[name]}'s"
+            owners[name] = exercise.id

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, flat_block
+from lab.kernels.runtime import check_input, flat_block
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def add_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + y for two tensors of the same shape and dtype (any shape: the kernel sees them flat)."""
-    check_dtype(x, "x")
+    check_input(x, "x")
     if y.shape != x.shape or y.dtype != x.dtype:
         raise ValueError(f"y is {str(y.dtype).removeprefix('torch.')} {tuple(y.shape)}: it must have x's shape "
                          f"{tuple(x.shape)} and dtype {str(x.dtype).removeprefix('torch.')}")

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, interpreted, row_launch
+from lab.kernels.runtime import check_input, interpreted, row_launch
 
 
 def default_block_v(vocab: int) -> int:
@@ -95,7 +95,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, block_v: int |
     """The mean cross-entropy of logits (..., V) against int64 targets (...) in [0, V), in logits' dtype:
     `lab.parallel.pp.cross_entropy`'s signature and values. The gradient of the logits is computed in the
     forward and kept (an N×V tensor); `block_v` (a power of two) sets the columns per chunk of the V loop."""
-    check_dtype(logits, "logits")
+    check_input(logits, "logits")
     if logits.dim() < 1 or targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)}: it "
                          "must be logits' shape without its last (vocabulary) dim")

@@ -37,7 +37,7 @@ import triton.language as tl
 
 # Importing this module runs lab/kernels/__init__.py first, which imports lab.kernels.runtime: the interpreter is
 # chosen before the @triton.jit below decorate anything.
-from lab.kernels.runtime import check_dtype, interpreted
+from lab.kernels.runtime import check_input, interpreted
 
 LOG2E = 1.4426950408889634
 
@@ -231,7 +231,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> N
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-        check_dtype(t, name)
+        check_input(t, name)
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, T, D = q.shape

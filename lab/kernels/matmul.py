@@ -28,7 +28,7 @@ import triton.language as tl
 
 # Importing this module runs lab/kernels/__init__.py first, which imports lab.kernels.runtime: the interpreter is
 # chosen before the @triton.jit below is decorated.
-from lab.kernels.runtime import check_dtype, interpreted
+from lab.kernels.runtime import check_input, interpreted
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"inner dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (need a.K == b.K)")
     if a.dtype != b.dtype:
         raise ValueError(f"a and b dtypes differ: {a.dtype} and {b.dtype}")
-    check_dtype(a, "a")
+    check_input(a, "a")
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=a.dtype, device=a.device)

@@ -30,7 +30,7 @@ import triton.language as tl
 # Importing this module runs lab/kernels/__init__.py first, which imports lab.kernels.runtime: the interpreter is
 # chosen before the @triton.jit below is decorated.
 from lab.kernels.flash_attention import LOG2E, attention_reference
-from lab.kernels.runtime import check_dtype
+from lab.kernels.runtime import check_input
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def _check(q, k_cache, v_cache, block_table, seq_lens) -> None:
         raise ValueError(f"k_cache and v_cache must be 4-D (num_blocks, block_size, kv_heads, head_dim), got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(t, name)
+        check_input(t, name)
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k_cache, v_cache dtypes must match, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     B, H, D = q.shape

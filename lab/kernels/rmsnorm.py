@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, check_row, row_launch
+from lab.kernels.runtime import check_input, check_row, row_launch
 
 MAX_PROGRAMS = 256
 """The backward's grid is at most this many programs, each looping over row blocks: the size of the partial-dw
@@ -113,8 +113,8 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x²) + eps) · weight over the last dim, the statistics in fp32: `lab.model.rms_norm`'s
     signature and values (its pure-torch reference), as a fused Triton forward and backward."""
-    check_dtype(x, "x")
-    check_dtype(weight, "weight")
+    check_input(x, "x")
+    check_input(weight, "weight")
     if x.dim() == 0:
         raise ValueError("x is a scalar: rms_norm normalises the last dim of a tensor")
     check_row(x.shape[-1], "x's last dim")

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, check_row, row_launch
+from lab.kernels.runtime import check_input, check_row, row_launch
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def softmax_reference(x: torch.Tensor) -> torch.Tensor:
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim of x (any leading shape), in x's dtype, computed in fp32; differentiable."""
-    check_dtype(x, "x")
+    check_input(x, "x")
     if x.dim() == 0:
         raise ValueError("x is a scalar: softmax needs at least one dim")
     check_row(x.shape[-1], "x's last dim")

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_dtype, flat_block
+from lab.kernels.runtime import check_input, flat_block
 
 
 @triton.jit
@@ -72,7 +72,7 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for two tensors of the same shape and dtype: `lab.model.swiglu`'s signature and values
     (its pure-torch reference), fused forward and backward."""
-    check_dtype(gate, "gate")
+    check_input(gate, "gate")
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"up is {str(up.dtype).removeprefix('torch.')} {tuple(up.shape)}: it must have gate's "
                          f"shape {tuple(gate.shape)} and dtype {str(gate.dtype).removeprefix('torch.')}")

@@ -111,6 +111,19 @@ def test_state_dict_is_interchangeable_with_grad_scaler():
     assert again.state_dict() == ours.state_dict()
 
 
+def test_scale_never_grows_to_inf():
+    """At 2^127 a growth ×2 would be inf in fp32: the scale stays, as GradScaler's does (and the count restarts)."""
+    param = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    for scaler in (DynamicLossScaler(init_scale=2.0**127, growth_interval=1),
+                   torch.amp.GradScaler(device="cpu", init_scale=2.0**127, growth_interval=1)):
+        scaler.scale(param.sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert scaler.get_scale() == 2.0**127 and scaler.state_dict()["_growth_tracker"] == 0
+        optimizer.zero_grad()
+
+
 def test_fp16_gradients_underflow_to_zero_without_scaling_and_survive_with_it():
     """A near-converged fp16 linear: residuals of ~1e-5 averaged over 4096 outputs give dL/dout ≈ 1e-8, below
     half of fp16's smallest subnormal (2^-24 ≈ 6e-8), so backward rounds every one to zero. Scaled by 2^16 they

@@ -1,0 +1,335 @@
+"""Chapter 10, mixed precision and FP8. A per-tensor FP8 scale, the dynamic loss-scale update, delayed scaling
+from an amax history, DeepSeek-V3's 1×128 tile-wise scales.
+
+The FP8 checks draw float32 tensors here, send them as lists, and read back the fp8 values (as floats), the
+scales and the dequantised tensor. The expected fp8 values are torch's own casts (`Tensor.to(float8_...)`),
+computed here: each value must be the fp8 number nearest to x·scale clamped to the format's ±max, either
+neighbour at a tie (`expect_fp8`), so an answer that rounds x·scale in another but equally correct order passes.
+Saturation is checked in e5m2, whose cast overflows to ±inf: torch's CPU cast to e4m3fn happens to clamp by
+itself, so a missing clamp is invisible there (and a NaN on other implementations).
+
+The loss-scale exercise is compared with `loss_scale_reference`, the rule `torch.amp.GradScaler.update` applies
+(`torch._amp_update_scale_`); tests/test_grading_ch10.py checks it against a GradScaler driven with injected
+infs. Delayed and tile-wise scaling are compared with the short references below (`delayed_reference`,
+`tilewise_reference`).
+
+torch is imported inside the functions: `lab.check` of other chapters loads this module too.
+"""
+
+from __future__ import annotations
+
+import random
+
+from lab.grading.checks import (
+    TORCH,
+    CheckFailed,
+    Mistake,
+    driver,
+    exercise,
+    expect_allclose,
+    expect_close,
+    expect_equal,
+    preview,
+    shown,
+)
+
+FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}  # name: (torch dtype, max)
+TILE = 128  # DeepSeek-V3's activation tiles: 1 x 128
+
+
+def _dtype(fmt: str):
+    import torch
+
+    return getattr(torch, FORMATS[fmt][0])
+
+
+def reference_scale(amax, fmt: str):
+    """max/amax of a float32 tensor of amaxes, 1 where amax is 0 (nothing to scale: x·1 = 0 is exact)."""
+    import torch
+
+    return torch.where(amax > 0, FORMATS[fmt][1] / amax, torch.ones_like(amax))
+
+
+def _drawn(rng: random.Random, shape: tuple[int, ...], amax: float):
+    """A float32 tensor of `shape` from the check's rng whose largest |value| is `amax`."""
+    import torch
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(rng.randrange(10**6)), dtype=torch.float64)
+    return (x * (amax / x.abs().max())).float()
+
+
+def expect_fp8(got, x, scale, fmt: str, what: str, hint: str | None = None) -> None:
+    """`got` (a flat list) must hold, for each element of x·scale clamped to ±max, the `fmt` value nearest to it
+    (torch's cast), or the other neighbour when x·scale sits on a tie up to float32 rounding."""
+    import torch
+
+    top = FORMATS[fmt][1]
+    y = (x.double() * scale.double()).clamp(-top, top).flatten()
+    nearest = y.to(_dtype(fmt)).double()
+    if not (isinstance(got, list) and len(got) == y.numel()
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in got)):
+        size = f"{len(got)} values" if isinstance(got, list) else repr(got)[:80]
+        raise CheckFailed(f"{what} returned {size}, expected {y.numel()} fp8 values (shape {tuple(x.shape)})", hint)
+    values = torch.tensor(got, dtype=torch.float64)
+    slack = (nearest - y).abs() + 1e-5 * y.abs()
+    wrong = ~((values - y).abs() <= slack)  # NaN and inf are wrong
+    if wrong.any():
+        i = int(wrong.nonzero()[0])
+        raise CheckFailed(f"{what} returned {shown(float(values[i]))} at flat index {i}, expected "
+                          f"{shown(float(nearest[i]))}: the {fmt} value nearest x·scale = {float(y[i]):.6g} "
+                          f"(x = {float(x.flatten()[i]):.6g}, scale = {float(scale.expand_as(x).flatten()[i]):.6g}"
+                          f", clamped to ±{top:g})", hint)
+
+
+def expect_dequantized(got, fp8: list, scale, what: str) -> None:
+    """The dequantised tensor: the returned fp8 values (already checked) divided by their scales."""
+    import torch
+
+    expect_allclose(got, (torch.tensor(fp8, dtype=torch.float64) / scale.double().flatten()).tolist(), what, tol=1e-5)
+
+
+def _inverted(amax: float, top: float) -> Mistake:
+    return Mistake(amax * amax / (top * top), "amax/max instead of max/amax",
+                   "the scale maps the largest |x| onto the format's max: scale = max / amax, and x·scale is what "
+                   "is cast (amax / max is the dequantisation factor, 1/scale)")
+
+
+# --- 10.quantize_tensorwise ------------------------------------------------------------------------------------
+
+QUANTIZE = exercise("10.quantize_tensorwise", entry=("run_quantize",), **TORCH)
+
+
+def _expect_quantize(student, rng: random.Random, shape: tuple[int, ...], amax: float, fmt: str,
+                     given: float | None = None, hint: str | None = None) -> None:
+    import torch
+
+    x = _drawn(rng, shape, amax) if amax else torch.zeros(shape)
+    what = f"run_quantize(<{shape} float32 values, amax {amax:.4g}>, shape={list(shape)}, fmt={fmt!r}" + \
+        (f", scale={given:.6g})" if given is not None else ")")
+    got = driver(what, "a dict of fp8, dtype, scale and dequantized", student.run_quantize, x.flatten().tolist(),
+                 list(shape), fmt, given)
+    if got.get("dtype") != str(_dtype(fmt)):
+        raise CheckFailed(f"{what}: the quantised tensor's dtype returned {got.get('dtype')!r}, expected "
+                          f"{str(_dtype(fmt))!r}")
+    scale = torch.tensor(given, dtype=torch.float32) if given is not None else \
+        reference_scale(x.abs().max(), fmt)
+    expect_close(got.get("scale"), float(scale), f"{what}: the scale", rel=1e-6,
+                 mistakes=[_inverted(amax, FORMATS[fmt][1])] if amax and given is None else [])
+    expect_fp8(got.get("fp8"), x, scale, fmt, f"{what}: the fp8 values", hint)
+    expect_dequantized(got.get("dequantized"), got["fp8"], scale.expand(shape),
+                       f"{what}: the dequantised values (fp8 / scale)")
+
+
+def _shape(rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.randrange(1, 9) for _ in range(rng.randrange(1, 4)))
+
+
+@QUANTIZE.check(points=2, hint="scale = max / amax with max = torch.finfo(dtype).max (448 for e4m3, 57344 for e5m2) "
+                               "and amax = |x|.max(): the largest value lands on the format's max; cast x * scale, "
+                               "and dequantise by dividing by the scale")
+def quantize_current_scale(student, rng):
+    """a per-tensor scale max/amax: the fp8 values nearest x·scale, and back (e4m3 and e5m2)"""
+    for fmt in ("e4m3", "e5m2", "e4m3"):
+        _expect_quantize(student, rng, _shape(rng), 10 ** rng.uniform(-4, 4), fmt)
+
+
+@QUANTIZE.check(points=1, hint="clamp x * scale to [-max, max] before the cast: a scale chosen from another "
+                               "tensor's amax (delayed scaling) overflows some values, and the cast does not "
+                               "saturate for you (e5m2 gives ±inf; e4m3fn has no inf at all)")
+def quantize_saturates(student, rng):
+    """a given scale that overflows some values: they saturate at ±max, never inf or NaN"""
+    for fmt in ("e5m2", "e4m3"):
+        amax = 10 ** rng.uniform(-2, 2)
+        _expect_quantize(student, rng, (rng.randrange(4, 9), rng.randrange(4, 9)), amax, fmt,
+                         given=FORMATS[fmt][1] / amax * rng.uniform(3.0, 8.0))
+
+
+@QUANTIZE.check(points=1, hint="an all-zero tensor has amax = 0: max / 0 is inf and 0 * inf is NaN. Use scale = 1 "
+                               "where amax == 0 (torch.where(amax > 0, max / amax, 1.0))")
+def quantize_all_zeros(student, rng):
+    """an all-zero tensor: scale 1, zeros back (no inf, no NaN)"""
+    for fmt in ("e4m3", "e5m2"):
+        _expect_quantize(student, rng, _shape(rng), 0.0, fmt)
+
+
+# --- 10.loss_scale_update --------------------------------------------------------------------------------------
+
+LOSS_SCALE = exercise("10.loss_scale_update", entry=("run_loss_scale",), **TORCH)
+
+
+def loss_scale_reference(scale: float, tracker: int, found_inf: bool, growth_factor: float, backoff_factor: float,
+                         growth_interval: int) -> tuple[float, int, bool]:
+    """(new scale, new growth tracker, step skipped) — GradScaler's update: an inf/nan gradient skips the step,
+    multiplies the scale by backoff_factor and restarts the count of clean steps; the growth_interval-th clean step
+    in a row multiplies it by growth_factor and restarts the count."""
+    if found_inf:
+        return scale * backoff_factor, 0, True
+    if tracker + 1 == growth_interval:
+        return scale * growth_factor, 0, False
+    return scale, tracker + 1, False
+
+
+def _expect_trajectory(student, found_infs: list[bool], init_scale: float, growth_factor: float,
+                       backoff_factor: float, growth_interval: int) -> None:
+    scales, trackers, skipped = [], [], []
+    scale, tracker = init_scale, 0
+    for found_inf in found_infs:
+        scale, tracker, skip = loss_scale_reference(scale, tracker, found_inf, growth_factor, backoff_factor,
+                                                    growth_interval)
+        scales.append(scale), trackers.append(tracker), skipped.append(skip)
+    steps = "".join("x" if f else "." for f in found_infs)
+    what = f"run_loss_scale({init_scale:g}, found_infs='{steps}' (x: inf/nan), growth_factor={growth_factor:g}, " \
+           f"backoff_factor={backoff_factor:g}, growth_interval={growth_interval})"
+    got = driver(what, "a dict of scales, trackers and skipped", student.run_loss_scale, init_scale,
+                 list(found_infs), growth_factor, backoff_factor, growth_interval)
+    expect_allclose(got.get("scales"), scales, f"{what}: the scale after each step", tol=1e-6)
+    expect_equal(got.get("trackers"), trackers, f"{what}: the growth tracker after each step")
+    if got.get("skipped") != skipped:
+        raise CheckFailed(f"{what}: skipped returned {preview(got.get('skipped') or [])}, expected "
+                          f"{preview(skipped)} (the steps with an inf/nan gradient)")
+
+
+@LOSS_SCALE.check(points=2, hint="count clean steps in the tracker; when it reaches growth_interval, multiply the "
+                                 "scale by growth_factor and set the tracker back to 0 (a growth starts a new count)")
+def loss_scale_growth(student, rng):
+    """clean steps: the scale grows by growth_factor every growth_interval steps, the tracker restarts"""
+    interval = rng.randrange(2, 7)
+    _expect_trajectory(student, [False] * (3 * interval + rng.randrange(interval)), 2.0 ** rng.randrange(8, 17),
+                       2.0, 0.5, interval)
+
+
+@LOSS_SCALE.check(points=2, hint="an inf/nan step: the optimizer step is skipped, the scale is multiplied by "
+                                 "backoff_factor and the tracker set to 0 — the count of clean steps starts again")
+def loss_scale_backoff(student, rng):
+    """an inf/nan step: back-off, the tracker restarts, the step is skipped"""
+    interval = rng.randrange(2, 6)
+    found = [False] * (interval - 1) + [True] + [False] * interval + [True, True] + [False] * interval
+    found += [rng.random() < 0.3 for _ in range(12)]
+    _expect_trajectory(student, found, 2.0 ** 16, 2.0, 0.5, interval)
+
+
+@LOSS_SCALE.check(points=1, hint="growth multiplies by growth_factor, back-off by backoff_factor: read them from the "
+                                 "arguments (GradScaler's defaults are 2.0, 0.5 and 2000)")
+def loss_scale_random_factors(student, rng):
+    """random growth and back-off factors and intervals, a long random trajectory"""
+    found = [rng.random() < 0.2 for _ in range(60)]
+    _expect_trajectory(student, found, 2.0 ** rng.randrange(4, 20), rng.uniform(1.5, 4.0), rng.uniform(0.1, 0.9),
+                       rng.randrange(2, 6))
+
+
+# --- 10.delayed_scaling ----------------------------------------------------------------------------------------
+
+DELAYED = exercise("10.delayed_scaling", entry=("run_delayed",), requires=("10.quantize_tensorwise",), **TORCH)
+
+
+def delayed_reference(amaxes: list[float], length: int, fmt: str) -> list[float]:
+    """The scale of each step under delayed scaling: max / (the largest amax of the `length` steps before it);
+    1 at the first step, whose history is empty (amax 0), as Transformer Engine's zero-initialised history."""
+    import torch
+
+    scales = []
+    for step in range(len(amaxes)):
+        history = amaxes[max(0, step - length):step]
+        scales.append(float(reference_scale(torch.tensor(max(history, default=0.0)), fmt)))
+    return scales
+
+
+def _expect_delayed(student, rng: random.Random, amaxes: list[float], length: int, fmt: str,
+                    hint: str | None = None) -> None:
+    import torch
+
+    shape = (rng.randrange(2, 6), rng.randrange(2, 9))
+    xs = [_drawn(rng, shape, a) for a in amaxes]
+    amaxes = [float(x.abs().max()) for x in xs]  # float32
+    what = f"run_delayed(<{len(xs)} steps of {shape} values, amaxes {preview(amaxes, 3)}>, length={length}, " \
+           f"fmt={fmt!r})"
+    got = driver(what, "a dict of scales and fp8", student.run_delayed, [x.flatten().tolist() for x in xs],
+                 list(shape), length, fmt)
+    scales = delayed_reference(amaxes, length, fmt)
+    expect_allclose(got.get("scales"), scales, f"{what}: the scale of each step", tol=1e-6)
+    fp8 = got.get("fp8")
+    if not (isinstance(fp8, list) and len(fp8) == len(xs)):
+        raise CheckFailed(f"{what}: fp8 returned {repr(fp8)[:80]}, expected one list of fp8 values per step")
+    for step, (x, values) in enumerate(zip(xs, fp8, strict=True)):
+        expect_fp8(values, x, torch.tensor(scales[step], dtype=torch.float32), fmt, f"{what}: step {step}'s fp8",
+                   hint)
+
+
+@DELAYED.check(points=2, hint="the scale of step t comes from the amaxes of steps t-length ... t-1 only: take the "
+                              "scale from the history first, quantise, and only then push this step's amax "
+                              "(dropping the oldest once the history holds `length`)")
+def delayed_history(student, rng):
+    """the scale of step t comes from the amaxes of the `length` steps before it (the first step's is 1)"""
+    length = rng.randrange(2, 5)
+    amaxes = [10 ** rng.uniform(-1, 1) for _ in range(length + 7)]
+    amaxes[1] *= 50  # a spike that must leave the history `length` steps later
+    _expect_delayed(student, rng, amaxes, length, rng.choice(("e4m3", "e5m2")))
+
+
+@DELAYED.check(points=1, hint="a step whose amax exceeds the history's max is quantised with the old, too-large "
+                              "scale: its largest values saturate at ±max (quantize clamps) — that is the price of "
+                              "delayed scaling, not a reason to use the current amax")
+def delayed_spike_saturates(student, rng):
+    """a step whose amax is far above its history's: its largest values saturate at ±max"""
+    base = 10 ** rng.uniform(-1, 1)
+    amaxes = [base * rng.uniform(0.5, 1.0) for _ in range(3)] + [base * rng.uniform(10, 40)]
+    _expect_delayed(student, rng, amaxes, rng.randrange(2, 5), "e5m2")
+
+
+# --- 10.tilewise_scales ----------------------------------------------------------------------------------------
+
+TILEWISE = exercise("10.tilewise_scales", entry=("run_tilewise",), requires=("10.quantize_tensorwise",), **TORCH)
+
+
+def tilewise_reference(x):
+    """One e4m3 scale per 1×TILE tile of each row of x (rows, cols), the last tile of a row as wide as what is
+    left: (rows, ceil(cols / TILE)) scales, and each element's scale (rows, cols)."""
+    import torch
+
+    rows, cols = x.shape
+    n_tiles = -(-cols // TILE)
+    amax = torch.stack([x[:, t * TILE:(t + 1) * TILE].abs().amax(dim=1) for t in range(n_tiles)], dim=1)
+    scales = reference_scale(amax, "e4m3")
+    return scales, scales.repeat_interleave(TILE, dim=1)[:, :cols]
+
+
+def _expect_tilewise(student, rng: random.Random, rows: int, cols: int, zero_tile: bool = False,
+                     hint: str | None = None) -> None:
+    import torch
+
+    n_tiles = -(-cols // TILE)
+    x = torch.cat([_drawn(rng, (rows, min(TILE, cols - t * TILE)), 10 ** rng.uniform(-3, 3))
+                   for t in range(n_tiles)], dim=1)
+    for _ in range(rows):  # each row gets its own tile magnitudes
+        row, tile = rng.randrange(rows), rng.randrange(n_tiles)
+        x[row, tile * TILE:(tile + 1) * TILE] *= 10 ** rng.uniform(-2, 2)
+    if zero_tile:
+        x[rng.randrange(rows), rng.randrange(n_tiles) * TILE:][:TILE] = 0
+    scales, per_element = tilewise_reference(x)
+    what = f"run_tilewise(<{rows} x {cols} float32 values>, rows={rows}, cols={cols})"
+    got = driver(what, "a dict of scales, fp8 and dequantized", student.run_tilewise, x.flatten().tolist(), rows,
+                 cols)
+    expect_allclose(got.get("scales"), scales.flatten().tolist(),
+                    f"{what}: the scales ({rows} rows x {n_tiles} tiles, row by row)", tol=1e-6)
+    expect_fp8(got.get("fp8"), x, per_element, "e4m3", f"{what}: the fp8 values", hint)
+    expect_dequantized(got.get("dequantized"), got["fp8"], per_element,
+                       f"{what}: the dequantised values (each fp8 value / its tile's scale)")
+
+
+@TILEWISE.check(points=3, hint="view each row as (n_tiles, 128) and take the amax over the last axis — the 128 "
+                               "values of one row's tile — keeping that axis (keepdim=True) so the scales "
+                               "broadcast back over their tiles; dequantising repeats each scale 128 times in a row "
+                               "(repeat_interleave), not the whole row of scales 128 times")
+def tilewise_whole_tiles(student, rng):
+    """rows of whole 1×128 tiles: one scale per tile, the fp8 values and back"""
+    _expect_tilewise(student, rng, rng.randrange(2, 7), TILE * rng.randrange(2, 4))
+
+
+@TILEWISE.check(points=2, hint="a row of cols values has ceil(cols / 128) tiles, the last one narrower: pad the "
+                               "row with zeros to a whole number of tiles (a zero changes no amax) and cut the "
+                               "padding off the result")
+def tilewise_ragged_tile(student, rng):
+    """a ragged last tile (cols not a multiple of 128), one row, and an all-zero tile (scale 1)"""
+    _expect_tilewise(student, rng, rng.randrange(2, 6), TILE * rng.randrange(1, 3) + rng.randrange(1, TILE),
+                     zero_tile=True)
+    _expect_tilewise(student, rng, 1, TILE * rng.randrange(1, 3) + rng.randrange(1, TILE))

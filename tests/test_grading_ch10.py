@@ -1,0 +1,131 @@
+"""Chapter 10's checks: the solutions pass with any secret, the released stubs score nothing, and every
+plausible-but-wrong answer (mutant) fails the checks named for it.
+
+A mutant is the solution cell with one classic mistake — the scale inverted (amax/max), no saturation before the
+cast, no guard for an all-zero tensor, a loss scale that backs off when it should grow or a growth tracker that is
+not reset, delayed scaling from the current amax or from a history that never forgets, tile amaxes over the wrong
+axis or over whole rows, a ragged last tile dropped — and only the checks that must catch it are run, to keep this
+file fast. The loss-scale reference the checks use is compared here with torch.amp.GradScaler itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+from grading_support import Chapter, chapter_tests
+
+from lab.grading.checks import ch10
+
+EXERCISES = ("10.quantize_tensorwise", "10.loss_scale_update", "10.delayed_scaling", "10.tilewise_scales")
+
+Q_CURRENT = "a per-tensor scale max/amax: the fp8 values nearest x·scale, and back (e4m3 and e5m2)"
+Q_SATURATES = "a given scale that overflows some values: they saturate at ±max, never inf or NaN"
+Q_ZEROS = "an all-zero tensor: scale 1, zeros back (no inf, no NaN)"
+LS_GROWTH = "clean steps: the scale grows by growth_factor every growth_interval steps, the tracker restarts"
+LS_BACKOFF = "an inf/nan step: back-off, the tracker restarts, the step is skipped"
+LS_RANDOM = "random growth and back-off factors and intervals, a long random trajectory"
+D_HISTORY = "the scale of step t comes from the amaxes of the `length` steps before it (the first step's is 1)"
+D_SPIKE = "a step whose amax is far above its history's: its largest values saturate at ±max"
+T_WHOLE = "rows of whole 1×128 tiles: one scale per tile, the fp8 values and back"
+T_RAGGED = "a ragged last tile (cols not a multiple of 128), one row, and an all-zero tile (scale 1)"
+
+GROW = "return scale * growth_factor, 0, False"
+BACK_OFF = "return scale * backoff_factor, 0, True"
+PUSH = "    history.push(x.abs().max())\n"
+AMAX = "tiles.abs().amax(dim=-1, keepdim=True)"
+
+MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
+    "scale_inverted": (  # the issue's mutant
+        "10.quantize_tensorwise", [("top / amax, torch.ones_like", "amax / top, torch.ones_like")], {Q_CURRENT}),
+    "no_saturation": (  # the issue's mutant: e5m2 overflows to inf (torch's CPU cast to e4m3fn clamps by itself)
+        "10.quantize_tensorwise", [("(x.float() * scale).clamp(-top, top).to(dtype)", "(x.float() * scale).to(dtype)")],
+        {Q_SATURATES}),
+    "no_guard_for_amax_zero": (
+        "10.quantize_tensorwise", [("torch.where(amax > 0, top / amax, torch.ones_like(amax))", "top / amax")],
+        {Q_ZEROS}),
+    "dequantize_multiplies": (
+        "10.quantize_tensorwise", [("return x_fp8.float() / scale", "return x_fp8.float() * scale")],
+        {Q_CURRENT, Q_SATURATES}),
+    "backoff_applied_when_growing": (
+        "10.loss_scale_update", [(GROW, "return scale * backoff_factor, 0, False")],
+        {LS_GROWTH, LS_BACKOFF, LS_RANDOM}),
+    "tracker_not_reset_after_growth": (
+        "10.loss_scale_update", [(GROW, "return scale * growth_factor, growth_tracker, False")],
+        {LS_GROWTH, LS_BACKOFF, LS_RANDOM}),
+    "tracker_not_reset_on_inf": (
+        "10.loss_scale_update", [(BACK_OFF, "return scale * backoff_factor, growth_tracker, True")],
+        {LS_BACKOFF, LS_RANDOM}),
+    "inf_step_not_skipped": (
+        "10.loss_scale_update", [(BACK_OFF, "return scale * backoff_factor, 0, False")], {LS_BACKOFF, LS_RANDOM}),
+    "delayed_from_the_current_amax": (  # the issue's mutant: the amax pushed before the scale is taken
+        "10.delayed_scaling", [(PUSH, ""), ("    scale = history.scale()\n", PUSH + "    scale = history.scale()\n")],
+        {D_HISTORY, D_SPIKE}),
+    "history_never_forgets": (
+        "10.delayed_scaling", [("[float(amax)])[-self.length:]", "[float(amax)])")], {D_HISTORY}),
+    "tile_amax_per_column": (  # the issue's mutant: the amax over the rows, not along each row's tile
+        "10.tilewise_scales", [(AMAX, "tiles.abs().amax(dim=0, keepdim=True)")], {T_WHOLE, T_RAGGED}),
+    "one_scale_per_row": (
+        "10.tilewise_scales", [(AMAX, "tiles.abs().amax(dim=(1, 2), keepdim=True)")], {T_WHOLE, T_RAGGED}),
+    "ragged_tile_dropped": (
+        "10.tilewise_scales", [("n_tiles = -(-cols // tile)", "n_tiles = cols // tile")], {T_RAGGED}),
+    "dequantize_scales_repeated_as_a_row": (
+        "10.tilewise_scales", [("scales.repeat_interleave(tile, dim=1)", "scales.repeat(1, tile)")],
+        {T_WHOLE, T_RAGGED}),
+}
+
+CHAPTER = Chapter("10_mixed_precision_fp8.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
+globals().update(chapter_tests(CHAPTER))
+
+
+@pytest.mark.parametrize("growth_factor, backoff_factor, growth_interval", [(2.0, 0.5, 3), (3.0, 0.25, 2)])
+def test_the_loss_scale_reference_is_grad_scaler(growth_factor, backoff_factor, growth_interval):
+    """loss_scale_reference gives torch.amp.GradScaler's scale, growth tracker and skipped steps, step for step,
+    with infs planted in the gradients (a skipped step leaves the weight untouched)."""
+    import torch
+
+    found_infs = [False, False, True, False, False, False, True, True, False, False, False, False, True, False]
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=growth_factor,
+                                  backoff_factor=backoff_factor, growth_interval=growth_interval)
+    scale, tracker = 1024.0, 0
+    for found_inf in found_infs:
+        optimizer.zero_grad()
+        scaler.scale(weight.sum()).backward()
+        if found_inf:
+            weight.grad[1] = float("nan") if tracker % 2 else float("inf")
+        before = weight.detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        scale, tracker, skipped = ch10.loss_scale_reference(scale, tracker, found_inf, growth_factor,
+                                                            backoff_factor, growth_interval)
+        assert scaler.get_scale() == pytest.approx(scale, rel=1e-6)
+        assert scaler._get_growth_tracker() == tracker
+        assert torch.equal(weight.detach(), before) == skipped
+
+
+def test_expect_fp8_is_the_nearest_value_rule():
+    """expect_fp8 passes torch's cast and the other neighbour of a tie, fails a value one step off, NaN and inf."""
+    import torch
+
+    x, scale = torch.tensor([0.3, -2.0, 1.0625, 1000.0]), torch.tensor(1.0)
+    cast = x.to(torch.float8_e4m3fn).float().tolist()  # 1.0625 is a tie between 1.0 and 1.125; 1000 saturates
+    assert cast[3] == 448.0
+    ch10.expect_fp8(cast, x, scale, "e4m3", "q")
+    ch10.expect_fp8([cast[0], cast[1], 1.125, 448.0], x, scale, "e4m3", "q")
+    for wrong in ([0.34375, -2.0, 1.0, 448.0], [cast[0], float("nan"), 1.0, 448.0], [*cast[:3], float("inf")]):
+        with pytest.raises(ch10.CheckFailed, match="q returned .* expected"):
+            ch10.expect_fp8(wrong, x, scale, "e4m3", "q")
+    with pytest.raises(ch10.CheckFailed, match="returned 3 values, expected 4 fp8 values"):
+        ch10.expect_fp8(cast[:3], x, scale, "e4m3", "q")
+
+
+def test_the_tilewise_reference_ragged_and_zero():
+    """tilewise_reference: one scale per 128 values of a row, the narrower last tile its own, 1 for a zero tile."""
+    import torch
+
+    x = torch.zeros(2, 300)
+    x[0, :128], x[0, 128:256], x[0, 256:] = 2.0, 0.5, 7.0
+    x[1, 256:] = -4.0  # row 1: two zero tiles, then the ragged one
+    scales, per_element = ch10.tilewise_reference(x)
+    assert scales.tolist() == [[224.0, 896.0, 64.0], [1.0, 1.0, 112.0]]
+    assert per_element.shape == (2, 300) and per_element[0, 299] == 64.0 and per_element[1, 0] == 1.0

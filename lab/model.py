@@ -52,6 +52,24 @@ class RMSNorm(nn.Module):
         return (grad_output * normed).flatten(0, -2).sum(0)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ: every matmul with a weight in the model (and in its tensor-parallel pieces) goes through here."""
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without a bias, whose matmul is a seam (`kernel(x, weight)`, as `Attention.core`): an FP8
+    recipe (`lab.precision.fp8_linear`) is swapped in on every linear layer at once, the column- and
+    row-parallel pieces of tensor parallelism (which subclass this) and the experts included."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, out_features, bias=False, device=device)
+        self.kernel = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight)
+
+
 def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, shape (T, dim/2): pair i of position p turns by p·theta^(-2i/dim)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
@@ -77,10 +95,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wq = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim)
+        self.wk = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim)
+        self.wv = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model)
         self.recompute_core = False
         self.core = causal_attention  # softmax(qkᵀ)v; context parallelism swaps in a distributed version
 
@@ -110,15 +128,15 @@ class LatentAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         qk_dim = self.nope_dim + self.rope_dim
         if cfg.q_lora_rank:
-            self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
+            self.wq_a = Linear(cfg.d_model, cfg.q_lora_rank)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * qk_dim, bias=False)
+            self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * qk_dim)
         else:
-            self.wq = nn.Linear(cfg.d_model, cfg.n_heads * qk_dim, bias=False)
-        self.wkv_a = nn.Linear(cfg.d_model, cfg.kv_lora_rank + self.rope_dim, bias=False)
+            self.wq = Linear(cfg.d_model, cfg.n_heads * qk_dim)
+        self.wkv_a = Linear(cfg.d_model, cfg.kv_lora_rank + self.rope_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
-        self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.d_model, bias=False)
+        self.wkv_b = Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim))
+        self.wo = Linear(cfg.n_heads * self.v_dim, cfg.d_model)
         self.recompute_core = False
         self.core = causal_attention
 
@@ -151,9 +169,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(d_model, d_ff, bias=False)
-        self.w3 = nn.Linear(d_model, d_ff, bias=False)
-        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.w1 = Linear(d_model, d_ff)
+        self.w3 = Linear(d_model, d_ff)
+        self.w2 = Linear(d_ff, d_model)
         self.kernel = swiglu  # `lab.kernels.patch` swaps in a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +203,7 @@ class MoE(nn.Module):
         self.top_k, self.n_experts = cfg.top_k, cfg.n_experts
         self.gating, self.capacity_factor = cfg.moe_gating, cfg.capacity_factor
         self.renormalize, self.route_scale = cfg.renormalizes_gates, cfg.moe_route_scale
-        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.router = Linear(cfg.d_model, cfg.n_experts)
         # keyed by the global expert index: an expert-parallel rank keeps only its own, under the same names
         self.experts = nn.ModuleDict({str(e): FeedForward(cfg.d_model, cfg.d_ff_expert) for e in range(cfg.n_experts)})
         self.shared = (FeedForward(cfg.d_model, cfg.n_shared_experts * cfg.d_ff_expert)
@@ -265,7 +283,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output: Linear | None = Linear(cfg.d_model, cfg.vocab_size)
         self.recompute = "none"
         self.tie_weights()
 

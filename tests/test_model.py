@@ -145,3 +145,22 @@ def test_gates_follow_the_architecture(name, gate_norm, top_k, renormalizes, sca
 def test_renormalised_top1_is_refused():
     with pytest.raises(ValueError, match="moe_gate_norm='topk' with top_k=1 makes every gate 1"):
         dataclasses.replace(PRESETS["mixtral-8x7b"], top_k=1)
+
+
+@pytest.mark.parametrize("variant", SMALL_VARIANTS)
+def test_every_weight_matrix_is_multiplied_through_the_linear_seam(variant):
+    """An FP8 recipe is installed on `Linear.kernel`: it reaches every matmul with a weight only if each one
+    goes through the seam — attention, MLA, experts, router and output layer alike (the embedding is a lookup)."""
+    from lab.model import Linear, MoE
+
+    cfg = SMALL_VARIANTS[variant]
+    model = materialize(build_model(cfg), "cpu", seed=0)
+    seen = []
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.kernel = lambda x, weight, seen=seen: seen.append(weight) or torch.nn.functional.linear(x, weight)
+    model(torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0)))
+    assert all(bool((m.load > 0).all()) for m in model.modules() if isinstance(m, MoE)), "every expert gets tokens"
+    matrices = {id(p) for n, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in n}
+    matrices.add(id(model.output.weight))  # tied, it is the embedding's (listed once, under the embedding's name)
+    assert {id(w) for w in seen} == matrices

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lab.model import Attention, FeedForward, Transformer
+from lab.model import Attention, FeedForward, Linear, Transformer
 from lab.parallel.placement import Placement, place, sum_partial_gradients
 from lab.parallel.tp_comms import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 
@@ -45,17 +45,17 @@ def _tp(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """y[.., F_X] = x[.., D] W[D, F_X]: this rank's slice of the output features. No communication here:
     the input must already be the full x on every rank (see `prepare_input`)."""
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup) -> None:
         rank, tp = _tp(group)
-        super().__init__(linear.in_features, linear.out_features // tp, bias=False, device="meta")
+        super().__init__(linear.in_features, linear.out_features // tp, device="meta")
         self.weight = _piece(linear.weight, Placement(tp_dim=0, tp_parts=tp, tp_index=rank, replicas=1))
 
 
-class ReplicatedKVLinear(nn.Linear):
+class ReplicatedKVLinear(Linear):
     """wk or wv when tp > n_kv_heads (GQA): each rank keeps the one KV head its query heads use, so tp/n_kv
     ranks hold a copy of each head. Their gradients are partial (each rank's queries only): the placement says
     so, and `sync_tensor_parallel_grads` sums them over the copies."""
@@ -63,19 +63,19 @@ class ReplicatedKVLinear(nn.Linear):
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, n_kv_heads: int) -> None:
         rank, tp = _tp(group)
         copies = tp // n_kv_heads
-        super().__init__(linear.in_features, linear.out_features // n_kv_heads, bias=False, device="meta")
+        super().__init__(linear.in_features, linear.out_features // n_kv_heads, device="meta")
         self.weight = _piece(linear.weight, Placement(tp_dim=0, tp_parts=n_kv_heads, tp_index=rank // copies,
                                                       tp_partial=True, replicas=copies))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y[.., F] = sum over ranks of x[.., D_X] W[D_X, F]: this module computes the partial sum; the hook that
     `reduce_output` adds all-reduces it (or reduce-scatters it along the sequence with sequence parallelism).
     Keeping the communication out of the matmul lets the zero-bubble W pass treat it as any linear layer."""
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup) -> None:
         rank, tp = _tp(group)
-        super().__init__(linear.in_features // tp, linear.out_features, bias=False, device="meta")
+        super().__init__(linear.in_features // tp, linear.out_features, device="meta")
         self.weight = _piece(linear.weight, Placement(tp_dim=1, tp_parts=tp, tp_index=rank, replicas=1))
 
 

@@ -1,0 +1,137 @@
+"""Mixed-precision training with fp32 master weights: the model computes in bf16/fp16, the optimizer updates fp32.
+
+Why the fp32 copy: a weight stored in bf16 keeps 8 significant bits, so around 1.0 its neighbours are 2^-7 apart
+and any update smaller than half of that (2^-8 ≈ 0.004) rounds back to the same weight. With lr 1e-4 almost every
+AdamW update is that small: a bf16 model updated in bf16 stops learning, silently. The fp32 master copy receives
+every update, however small, and they add up; the bf16 copy the model computes with is re-rounded from it after
+each step. The same holds for gradients summed over micro-batches: in bf16 each addition rounds to 8 bits, in fp32
+the sum is exact to 24.
+
+The knobs carry the names of FSDP2's `MixedPrecisionPolicy` (torch.distributed.fsdp), so the two read alike:
+
+- `param_dtype`: the dtype of the copy the model computes with (forward and backward);
+- `reduce_dtype`: the dtype gradients are summed in — over micro-batches here, over ranks in the engines;
+- `output_dtype`: the dtype the model's output is cast to (the loss is best taken in fp32), None to keep it.
+
+`MasterWeights` works on whatever tensors it is given — whole parameters, TP shards, ZeRO's flat pieces — so
+the optimizer, which `lab.train` builds outside the data-parallel engines, is built over `master_params` in
+every layout. One step reads::
+
+    loss.backward()                 # per micro-batch; then grads_to_master() to accumulate in reduce_dtype
+    masters.grads_to_master()       # the model's low-precision gradients added into the fp32 master gradients
+    optimizer.step()                # over masters.master_params
+    masters.master_to_model()       # the updated masters rounded into the model's bf16/fp16 weights
+    optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Which dtype the model computes in (`param_dtype`), which one gradients are summed in (`reduce_dtype`), and
+    which one the model's output is cast to (`output_dtype`, None: left as computed). FSDP2's names."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, field)
+            if dtype not in _NAMES and not (field == "output_dtype" and dtype is None):
+                raise ValueError(f"{field}={dtype} must be one of {', '.join(map(str, _NAMES))}")
+        if self.reduce_dtype.itemsize < self.param_dtype.itemsize:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} must be at least as wide as "
+                             f"param_dtype={self.param_dtype}: a sum is never kept coarser than its terms")
+
+    @classmethod
+    def preset(cls, name: str) -> MixedPrecisionPolicy:
+        """The policy of a `--precision` name: fp32, or bf16/fp16 compute with fp32 gradient sums and output."""
+        if name not in PRESETS:
+            raise ValueError(f"precision {name!r} must be one of {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+    @property
+    def needs_master_weights(self) -> bool:
+        """An fp32 copy is needed whenever the model's own weights are coarser than fp32."""
+        return self.param_dtype != torch.float32
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """fp16's 5 exponent bits flush small gradients to zero (`lab.precision.loss_scale`); bf16 has fp32's 8."""
+        return self.param_dtype == torch.float16
+
+
+# The logits are cast to fp32: the loss's log-sum-exp over the vocabulary is where low precision hurts most.
+PRESETS = {"fp32": MixedPrecisionPolicy(),
+           "bf16": MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32),
+           "fp16": MixedPrecisionPolicy(torch.float16, torch.float32, torch.float32)}
+
+
+class MasterWeights:
+    """fp32 master copies of a model's low-precision parameters, for the optimizer to update.
+
+    `params` are the tensors this rank updates, already in `policy.param_dtype`. Each master is a new fp32 leaf
+    carrying the model tensor's attributes (a TP placement, ZeRO's `decays`): `clip_grad_norm` and `adamw` read
+    them from whatever tensors they are given. Under an fp32 policy the masters are the parameters themselves —
+    no copy, no extra bytes, and both methods do nothing.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], policy: MixedPrecisionPolicy) -> None:
+        self.policy = policy
+        self.model_params = list(params)
+        wrong = sorted({str(p.dtype) for p in self.model_params if p.dtype != policy.param_dtype})
+        if wrong:
+            raise ValueError(f"parameters in {', '.join(wrong)} given for param_dtype={policy.param_dtype}: cast "
+                             "the model to param_dtype first")
+        self.master_params = [self._master(p) for p in self.model_params]
+
+    def _master(self, param: torch.Tensor) -> torch.Tensor:
+        if not self.policy.needs_master_weights:
+            return param
+        master = nn.Parameter(param.detach().float().clone())
+        master.__dict__.update(param.__dict__)  # placement, decays: what the optimizer and the norm read
+        return master
+
+    @torch.no_grad()
+    def grads_to_master(self) -> None:
+        """Add the model's gradients into the master gradients, summed in `reduce_dtype`, and zero the model's.
+
+        Called once per step, the sum over micro-batches is the one backward made in `param_dtype`; called after
+        every micro-batch's backward, it is made in `reduce_dtype` instead (fp32: exact to 24 bits). A parameter
+        without a gradient (unused this micro-batch) is skipped, so its master gradient stays None until one
+        arrives, as autograd's would. The model's gradient is zeroed in place rather than freed: the engines keep
+        views into it (gradient buckets, ZeRO's flat buffers). A `reduce_dtype` narrower than fp32 is emulated:
+        the sum is rounded to it after each addition and kept in the fp32 tensor the optimizer needs.
+        """
+        if not self.policy.needs_master_weights:
+            return
+        for param, master in zip(self.model_params, self.master_params, strict=True):
+            if param.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = param.grad.float()
+            else:
+                master.grad.add_(param.grad.float())
+            if self.policy.reduce_dtype != torch.float32:
+                master.grad.copy_(master.grad.to(self.policy.reduce_dtype))
+            param.grad.zero_()
+
+    @torch.no_grad()
+    def master_to_model(self) -> None:
+        """Copy the updated masters into the model's parameters, rounded (to nearest) to `param_dtype`; in place,
+        so views of them (a ZeRO shard's pieces) see the new values."""
+        if not self.policy.needs_master_weights:
+            return
+        for param, master in zip(self.model_params, self.master_params, strict=True):
+            param.copy_(master)

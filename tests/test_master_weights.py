@@ -1,0 +1,178 @@
+"""lab.precision.master: fp32 master weights and fp32 gradient sums for a model computing in bf16.
+
+Three runs of one tiny regression from the same (bf16-representable) start: (a) fp32, (b) bf16 parameters with
+fp32 masters, (c) bf16 parameters updated in bf16. At lr 1e-4 most AdamW updates are below half a bf16 ulp of
+the weight they change, so (c) loses them and (b) keeps them: (b) must track (a) far more closely than (c).
+Models are tiny (bf16 matmuls are slow on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lab.parallel.optim import adamw
+from lab.parallel.placement import Placement, place, placement_of
+from lab.precision.master import PRESETS, MasterWeights, MixedPrecisionPolicy
+
+BF16 = MixedPrecisionPolicy.preset("bf16")
+STEPS, LR = 20, 1e-4
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    """The same start in every dtype: weights drawn in fp32 and rounded to bf16, exact in all three."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16())
+    return model.to(dtype)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(64, 32, generator=gen), torch.randn(64, 8, generator=gen)
+
+
+def _train(mode: str) -> tuple[list[torch.Tensor], list[float]]:
+    """`fp32`, `masters` (bf16 model, fp32 masters) or `bf16` (bf16 model, bf16 update); returns the final
+    weights (in fp32) and the losses."""
+    model = _model(torch.float32 if mode == "fp32" else torch.bfloat16)
+    masters = MasterWeights(model.parameters(), BF16) if mode == "masters" else None
+    optimizer = adamw(masters.master_params if masters else model.parameters(), lr=LR, weight_decay=0.0)
+    x, y = _data()
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for _ in range(STEPS):
+        loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+        loss.backward()
+        if masters:
+            masters.grads_to_master()
+        optimizer.step()
+        if masters:
+            masters.master_to_model()
+        optimizer.zero_grad()
+        model.zero_grad()
+        losses.append(loss.item())
+    return [p.detach().float() for p in (masters.master_params if masters else model.parameters())], losses
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[list[torch.Tensor], list[float]]]:
+    return {mode: _train(mode) for mode in ("fp32", "masters", "bf16")}
+
+
+def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return torch.cat([(x - y).flatten() for x, y in zip(a, b, strict=True)]).norm().item()
+
+
+def test_master_weights_track_fp32_and_bf16_updates_do_not(runs):
+    start = [p.detach().float() for p in _model(torch.float32).parameters()]
+    moved = _distance(runs["fp32"][0], start)
+    with_masters, without = _distance(runs["masters"][0], runs["fp32"][0]), _distance(runs["bf16"][0], runs["fp32"][0])
+    assert with_masters < 0.1 * moved, "fp32 masters should follow the fp32 run closely"
+    assert without > 0.5 * moved, "bf16 updates should lose most of the fp32 run's progress"
+    assert with_masters < 0.1 * without
+    fp32_drop = runs["fp32"][1][0] - runs["fp32"][1][-1]
+    assert runs["masters"][1][0] - runs["masters"][1][-1] == pytest.approx(fp32_drop, rel=0.1)
+
+
+def test_an_update_below_half_a_bf16_ulp_vanishes_without_masters_and_adds_up_with_them():
+    """w = 1.0, gradient -1, SGD lr 1e-3: 100 updates of 1e-3, each below half of bf16's spacing at 1 (2^-8)."""
+    def descend(masters: bool) -> float:
+        weight = nn.Parameter(torch.ones((), dtype=torch.bfloat16))
+        master = MasterWeights([weight], BF16) if masters else None
+        optimizer = torch.optim.SGD(master.master_params if master else [weight], lr=1e-3)
+        for _ in range(100):
+            (-weight.float()).backward()
+            if master:
+                master.grads_to_master()
+            optimizer.step()
+            if master:
+                master.master_to_model()
+            optimizer.zero_grad()
+            weight.grad = None
+        return weight.item()
+
+    assert descend(masters=False) == 1.0  # every update rounded away
+    assert descend(masters=True) == torch.tensor(1.1).bfloat16().item()  # 1.1 in fp32, rounded for the model
+
+
+def test_fp32_gradient_sums_over_micro_batches_beat_bf16_sums():
+    """16 micro-batches' bf16 gradients summed in the reduce_dtype; the reference sums the same gradients in
+    fp64, so only the summation differs."""
+    model = _model(torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 32, generator=gen).bfloat16(), torch.randn(4, 8, generator=gen)) for _ in range(16)]
+    grads = []
+    for x, y in batches:
+        model.zero_grad()
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        grads.append([p.grad.double() for p in model.parameters()])
+    exact = [sum(g[i] for g in grads) for i in range(len(grads[0]))]
+
+    def error(reduce_dtype: torch.dtype) -> float:
+        masters = MasterWeights(model.parameters(), MixedPrecisionPolicy(torch.bfloat16, reduce_dtype))
+        model.zero_grad()
+        for x, y in batches:
+            nn.functional.mse_loss(model(x).float(), y).backward()
+            masters.grads_to_master()
+        got = [m.grad.double() for m in masters.master_params]
+        return _distance(got, exact) / torch.cat([e.flatten() for e in exact]).norm().item()
+
+    fp32, bf16 = error(torch.float32), error(torch.bfloat16)
+    assert fp32 < 1e-6 and bf16 > 1e-3
+    # and the sum that autograd itself makes in the bf16 .grad, one grads_to_master at the end, is as coarse
+    masters = MasterWeights(model.parameters(), BF16)
+    model.zero_grad()
+    for x, y in batches:
+        nn.functional.mse_loss(model(x).float(), y).backward()
+    masters.grads_to_master()
+    got = [m.grad.double() for m in masters.master_params]
+    assert _distance(got, exact) / torch.cat([e.flatten() for e in exact]).norm().item() > 100 * fp32
+
+
+def test_none_gradients_and_partial_pieces():
+    """Only the tensors given: views of a flat bf16 buffer (ZeRO's pieces), one of them without a gradient."""
+    flat = torch.arange(8, dtype=torch.bfloat16)
+    pieces = [nn.Parameter(flat[:5]), nn.Parameter(flat[5:])]
+    masters = MasterWeights(pieces, BF16)
+    pieces[0].grad = torch.ones(5, dtype=torch.bfloat16)
+    masters.grads_to_master()
+    assert masters.master_params[1].grad is None and torch.equal(pieces[0].grad, torch.zeros(5, dtype=torch.bfloat16))
+    torch.optim.SGD(masters.master_params, lr=0.25).step()  # a None gradient: that master is not touched
+    masters.master_to_model()
+    assert flat.tolist() == [-0.25, 0.75, 1.75, 2.75, 3.75, 5, 6, 7]  # written through the views
+
+
+def test_masters_carry_the_attributes_the_optimizer_and_norm_read():
+    matrix = place(nn.Parameter(torch.zeros(4, 2, dtype=torch.bfloat16)), Placement(tp_dim=0, tp_parts=2))
+    piece = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    piece.decays = True  # a flat piece of a matrix, as ZeRO marks it
+    norm_weight = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    masters = MasterWeights([matrix, piece, norm_weight], BF16)
+    assert all(m.dtype == torch.float32 and m.is_leaf for m in masters.master_params)
+    assert placement_of(masters.master_params[0]) == Placement(tp_dim=0, tp_parts=2)
+    groups = adamw(masters.master_params, lr=1.0, weight_decay=0.1).param_groups
+    assert [len(g["params"]) for g in groups] == [2, 1]  # matrix and piece decay, the norm weight does not
+
+
+def test_fp32_policy_keeps_no_copy():
+    params = list(_model(torch.float32).parameters())
+    masters = MasterWeights(params, PRESETS["fp32"])
+    assert all(m is p for m, p in zip(masters.master_params, params, strict=True))
+
+
+def test_policy_presets_and_validation():
+    assert BF16 == MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)
+    assert BF16.needs_master_weights and not BF16.needs_loss_scaling
+    assert PRESETS["fp16"].needs_loss_scaling and not PRESETS["fp32"].needs_master_weights
+    with pytest.raises(ValueError, match="'fp8' must be one of fp32, bf16, fp16"):
+        MixedPrecisionPolicy.preset("fp8")
+    with pytest.raises(ValueError, match="param_dtype=torch.int8"):
+        MixedPrecisionPolicy(torch.int8)
+    with pytest.raises(ValueError, match="reduce_dtype=torch.bfloat16 must be at least as wide"):
+        MixedPrecisionPolicy(torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="torch.float32 given for param_dtype=torch.bfloat16"):
+        MasterWeights(_model(torch.float32).parameters(), BF16)

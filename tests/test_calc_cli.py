@@ -1,4 +1,4 @@
-"""`python -m lab calc memory|flops|params`: tables, JSON, and one-line errors with exit status 2."""
+"""`python -m lab calc memory|flops|params|comms|bubble|search|roofline`: tables, JSON, and one-line errors (exit 2)."""
 
 import json
 import re
@@ -379,3 +379,34 @@ def test_search_bad_values_exit_2_with_one_line(capsys, argv, message):
         code, (out, err) = exit_.code, capsys.readouterr()
     assert code == 2 and out == ""
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# --- python -m lab calc roofline ---------------------------------------------------------------------------
+
+def test_roofline_json_is_the_library_and_flash_removes_the_memory_bound_attention(capsys):
+    from lab.calc import roofline
+
+    code, out, _ = run(capsys, "roofline", "--model", "llama3-8b", "--seq", "4096", "--hardware", "h100", "--json")
+    assert code == 0
+    data = json.loads(out)
+    placed = [roofline.place(op, "h100") for op in roofline.llama_block_ops(PRESETS["llama3-8b"], 1, 4096)]
+    assert [op["name"] for op in data["ops"]] == [p.op.name for p in placed]
+    assert [op["bound"] for op in data["ops"]] == [p.bound for p in placed]
+    assert data["block_time_s"] == pytest.approx(sum(p.time_s for p in placed))
+    assert data["ridge"] == pytest.approx(989.4e12 / 3.35e12)  # H100 bf16, How to Scale Your Model ch. 1: ~295
+    naive = {op["name"]: op["bound"] for op in data["ops"]}
+    assert naive["softmax"] == naive["scores"] == "memory" and naive["gate_up_proj"] == "compute"
+    code, out, _ = run(capsys, "roofline", "--model", "llama3-8b", "--attention", "flash", "--json")
+    flash = json.loads(out)
+    assert "softmax" not in {op["name"] for op in flash["ops"]}
+    assert flash["block_time_s"] < 0.8 * data["block_time_s"]
+
+
+def test_roofline_table_and_errors(capsys):
+    code, out, _ = run(capsys, "roofline", "--model", "llama3-8b")
+    assert code == 0 and "ridge point 295 FLOPs/byte" in out and "9 of 13 ops memory-bound" in out
+    code, _, err = run(capsys, "roofline", "--model", "tiny-moe")
+    assert code == 2 and err.strip().endswith("must be a dense GQA model (attention='gqa', n_experts=0): the block "
+                                              "ops cover Llama blocks only")
+    code, _, err = run(capsys, "roofline", "--model", "tiny", "--seq", "0")
+    assert code == 2 and "seq=0 must be an integer >= 1" in err

@@ -19,6 +19,7 @@ import math
 import re
 import sys
 
+from lab.calc import roofline
 from lab.calc.bubble import Simulation, closed_form, explore
 from lab.calc.comms import ALGORITHMS as COMM_ALGORITHMS
 from lab.calc.comms import OPS as COMM_OPS
@@ -167,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     flops.add_argument("--precision", choices=("bf16", "fp8", "int8"), default="bf16",
                        help="number format of the matmuls, for the peak (default bf16)")
     _old_names(flops, "flops")
+
+    roof = sub.add_parser("roofline", help="one Llama block's ops on a chip's roofline: FLOPs, bytes, intensity, "
+                                           "memory- or compute-bound, least time")
+    roof.add_argument("--model", required=True, help=f"preset (dense GQA): {', '.join(PRESETS)}")
+    roof.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    roof.add_argument("--mbs", type=int, default=1, help="sequences per micro-batch (default 1)")
+    roof.add_argument("--hardware", choices=tuple(HARDWARE), default="h100")
+    roof.add_argument("--dtype", choices=tuple(roofline.DTYPE_BYTES), default="bf16")
+    roof.add_argument("--attention", choices=roofline.ATTENTION_CORES, default="naive",
+                      help="naive: the T x T scores written to HBM; flash: one fused kernel")
+    roof.add_argument("--json", action="store_true")
 
     comms = sub.add_parser("comms", help="alpha-beta time of a collective on a cluster's links")
     comms.add_argument("--op", choices=COMM_OPS, default="all_reduce")
@@ -379,6 +391,29 @@ def _flops(cfg: ModelConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _roofline(cfg: ModelConfig, args: argparse.Namespace) -> int:
+    ops = roofline.llama_block_ops(cfg, args.mbs, args.seq, args.dtype, args.attention)
+    placed = [roofline.place(op, args.hardware, args.dtype) for op in ops]
+    total = sum(p.time_s for p in placed)
+    ridge = roofline.ridge_point(args.hardware, args.dtype)
+    if args.json:
+        print(json.dumps({"model": cfg.name, "hardware": args.hardware, "dtype": args.dtype, "ridge": ridge,
+                          "block_time_s": total, "ops": [
+                              {"name": p.op.name, "flops": p.op.flops, "bytes": p.op.bytes_moved,
+                               "intensity": p.op.intensity, "bound": p.bound, "time_s": p.time_s} for p in placed]}))
+        return 0
+    print(f"{cfg.name}: one block's forward on {args.mbs} x {args.seq} tokens, {args.dtype} on {args.hardware} "
+          f"(ridge point {ridge:.0f} FLOPs/byte); attention {args.attention}")
+    print(f"  {'op':<16} {'GFLOP':>10} {'MB moved':>10} {'FLOPs/byte':>11} {'bound':>8} {'least us':>9} {'share':>6}")
+    for p in placed:
+        print(f"  {p.op.name:<16} {p.op.flops / 1e9:>10.2f} {p.op.bytes_moved / 1e6:>10.2f} {p.op.intensity:>11.1f} "
+              f"{p.bound:>8} {p.time_s * 1e6:>9.1f} {p.time_s / total:>6.1%}")
+    memory = [p for p in placed if p.bound == "memory"]
+    print(f"  block: at least {total * 1e6:.1f} us; {len(memory)} of {len(placed)} ops memory-bound, "
+          f"{sum(p.time_s for p in memory) / total:.0%} of the time")
+    return 0
+
+
 def _search(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ValueError(f"top={args.top} must be an integer >= 1")
@@ -427,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "search":
             return _search(args)
         cfg = ModelConfig.from_preset(args.model)
-        return {"params": _params, "memory": _memory, "flops": _flops}[args.what](cfg, args)
+        return {"params": _params, "memory": _memory, "flops": _flops, "roofline": _roofline}[args.what](cfg, args)
     except ValueError as err:
         print(f"{parser.prog} {args.what}: error: {err}", file=sys.stderr)
         return 2

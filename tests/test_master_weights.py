@@ -14,6 +14,7 @@ from torch import nn
 
 from lab.parallel.optim import adamw
 from lab.parallel.placement import Placement, place, placement_of
+from lab.precision.loss_scale import DynamicLossScaler
 from lab.precision.master import PRESETS, MasterWeights, MixedPrecisionPolicy
 
 BF16 = MixedPrecisionPolicy.preset("bf16")
@@ -131,6 +132,35 @@ def test_fp32_gradient_sums_over_micro_batches_beat_bf16_sums():
     masters.grads_to_master()
     got = [m.grad.double() for m in masters.master_params]
     assert _distance(got, exact) / torch.cat([e.flatten() for e in exact]).norm().item() > 100 * fp32
+
+
+def test_fp16_step_with_loss_scaling_and_masters():
+    """The fp16 recipe end to end, in the order a training step takes: backward on the scaled loss, gradients
+    into the fp32 masters, unscale and check there, step (skipped on an overflow), masters back to the model."""
+    model = _model(torch.float16)
+    masters = MasterWeights(model.parameters(), PRESETS["fp16"])
+    optimizer = adamw(masters.master_params, lr=1e-2, weight_decay=0.0)
+    scaler = DynamicLossScaler(init_scale=2.0**12, growth_interval=3)
+    x, y = _data()
+    losses, stepped = [], []
+    for step in range(5):
+        loss = nn.functional.mse_loss(model(x.half()).float(), y)
+        scaler.scale(loss).backward()
+        if step == 2:
+            next(model.parameters()).grad[0, 0] = float("inf")  # an fp16 overflow in backward
+        masters.grads_to_master()
+        before = [m.detach().clone() for m in masters.master_params]
+        stepped.append(scaler.step(optimizer))
+        scaler.update()
+        masters.master_to_model()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step == 2:
+            assert all(torch.equal(b, m) for b, m in zip(before, masters.master_params, strict=True))
+    assert stepped == [True, True, False, True, True]
+    assert scaler.get_scale() == 2.0**11  # backed off once; the overflow restarted the count, so no growth
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters.master_params, strict=True))
 
 
 def test_none_gradients_and_partial_pieces():

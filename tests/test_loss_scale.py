@@ -163,7 +163,7 @@ def test_disabled_scaler_passes_through():
     assert torch.equal(param.detach(), torch.full((2,), -2.0)) and scaler.state_dict() == {}
 
 
-@pytest.mark.parametrize("kwargs", [dict(init_scale=0.0), dict(init_scale=float("inf")), dict(growth_factor=1.0),
+@pytest.mark.parametrize("kwargs", [dict(init_scale=0.0), dict(init_scale=1e39), dict(growth_factor=1.0),
                                     dict(backoff_factor=1.0), dict(growth_interval=0), dict(growth_interval=2.5)])
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):

@@ -55,8 +55,8 @@ class DynamicLossScaler:
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True) -> None:
-        if not 0 < init_scale < float("inf"):
-            raise ValueError(f"init_scale={init_scale} must be finite and > 0")
+        if not 0 < _fp32(init_scale) < float("inf"):
+            raise ValueError(f"init_scale={init_scale} must be > 0 and finite in fp32 (at most ~3.4e38)")
         if not growth_factor > 1:
             raise ValueError(f"growth_factor={growth_factor} must be > 1")
         if not 0 < backoff_factor < 1:

@@ -255,6 +255,8 @@ def test_fp8_matmul_rejects_bad_arguments() -> None:
         fp8_matmul(qa, sa, qa, sa, s, s, backend="gpu")
     with pytest.raises(ValueError, match=r"\(4, 8\) and \(8, 4\)"):
         fp8_matmul(qa, sa, qa.t(), sa, s, s)
+    with pytest.raises(ValueError, match=r"got \('tile', 'block'\)"):
+        fp8_matmul(qa, sa, qa, sa, Scaling(granularity="tile"), Scaling(granularity="block"), backend="scaled_mm")
     with pytest.raises(ValueError, match="recipe 'fp4'"):
         FP8Matmul("fp4")
 

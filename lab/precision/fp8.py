@@ -206,9 +206,10 @@ class AmaxHistory:
 
 
 def _truncate(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Keep `bits` significant bits of each value, dropping the rest (round toward zero)."""
-    mantissa, exponent = torch.frexp(x)                      # x = mantissa * 2**exponent, |mantissa| in [0.5, 1)
-    return torch.ldexp(torch.trunc(mantissa * 2.0**bits) / 2.0**bits, exponent)
+    """Keep `bits` significant bits of each float32 value, dropping the rest (round toward zero): clearing the
+    low 24 - bits bits of the significand is one integer AND, where frexp/ldexp would be ten times slower."""
+    mask = -(1 << (24 - bits))                               # ...111000: sign, exponent, top bits - 1 of mantissa
+    return (x.float().view(torch.int32) & mask).view(torch.float32)
 
 
 def _accumulate(a: torch.Tensor, b: torch.Tensor, promote_every: int | None, accum_bits: int | None
@@ -279,6 +280,9 @@ def fp8_matmul(a_fp8: torch.Tensor, a_scale: torch.Tensor, b_fp8: torch.Tensor, 
         raise ValueError(f"promote_every={promote_every!r}: expected an int >= 1 or None (never promote)")
     if backend not in ("auto", "emulate", "scaled_mm"):
         raise ValueError(f"backend={backend!r}: expected 'auto', 'emulate' or 'scaled_mm'")
+    pair = (a_scaling.granularity, b_scaling.granularity)
+    if backend == "scaled_mm" and pair not in (("tensor", "tensor"), ("row", "row")):
+        raise ValueError(f"backend='scaled_mm' takes tensorwise or rowwise pairs, got {pair}: use 'emulate'")
     use_scaled_mm = backend == "scaled_mm" or (
         backend == "auto" and scaled_mm_supported(a_fp8, b_fp8, a_scaling, b_scaling))
     if use_scaled_mm:

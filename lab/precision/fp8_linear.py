@@ -105,15 +105,16 @@ class _FP8MatmulFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         xs, ws = saved[: ctx.n_x], saved[ctx.n_x:]                   # (fp8, scale) to reuse, or (high precision,)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = None
+        dx = dw = q_dy = None
         if ctx.needs_input_grad[0]:                                          # dx = dy · W = dy @ (Wᵀ)ᵀ
             sdy, swt = owner.recipe.grad_input
-            qdy, scdy = owner.quantize("grad_input.dy", dy2, sdy)
+            q_dy = owner.quantize("grad_input.dy", dy2, sdy)
             qwt, scwt = _transpose(*ws) if len(ws) == 2 else owner.quantize("grad_input.wt", ws[0].t(), swt)
-            dx = owner.matmul(qdy, scdy, qwt, scwt, sdy, swt).reshape(ctx.x_shape).to(dy.dtype)
+            dx = owner.matmul(*q_dy, qwt, scwt, sdy, swt).reshape(ctx.x_shape).to(dy.dtype)
         if ctx.needs_input_grad[1]:                                          # dW = dyᵀ · x = dyᵀ @ (xᵀ)ᵀ
             sdyt, sxt = owner.recipe.grad_weight
-            qdyt, scdyt = owner.quantize("grad_weight.dyt", dy2.t(), sdyt)
+            reuse_dy = q_dy is not None and sdyt == owner.recipe.grad_input[0] and _transposable(sdyt)
+            qdyt, scdyt = _transpose(*q_dy) if reuse_dy else owner.quantize("grad_weight.dyt", dy2.t(), sdyt)
             qxt, scxt = _transpose(*xs) if len(xs) == 2 else owner.quantize("grad_weight.xt", xs[0].t(), sxt)
             dw = owner.matmul(qdyt, scdyt, qxt, scxt, sdyt, sxt).to(ctx.w_dtype)
         return dx, dw, None

@@ -100,7 +100,8 @@ class MasterWeights:
         if not self.policy.needs_master_weights:
             return param
         master = nn.Parameter(param.detach().float().clone())
-        master.__dict__.update(param.__dict__)  # placement, decays: what the optimizer and the norm read
+        # placement, decays: what the optimizer and the norm read (torch's own state is not in __dict__)
+        master.__dict__.update({k: v for k, v in vars(param).items() if not k.startswith("_")})
         return master
 
     @torch.no_grad()

@@ -471,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             rows.append(gpu_row(shape, chip, missing, quants))
             torch.cuda.empty_cache()
+            print(f"  {shape.name}: bf16 {rows[-1]['bf16_ms']:.3f} ms, speed-ups "
+                  f"{ {k: round(v, 2) for k, v in rows[-1].items() if k.startswith('speedup')} }", flush=True)
         found = measured_crossovers(rows, list(quants))
         predictions = [predicted_crossover(chip, args.sizes)] if chip and chip.fp8_flops else []
         print_gpu(rows, list(quants), found, predictions[0] if predictions else None)

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from lab.calc.formats import FORMATS, encode, neighbours  # noqa: E402
+from lab.calc.formats import FORMATS, encode, neighbours, values_between  # noqa: E402
 from lab.widgets.formats import DEFAULT_FORMATS, flags, format_explorer, parse_value  # noqa: E402
 
 
@@ -51,6 +51,11 @@ def test_default_view_is_calc_formats_encode_for_every_ticked_format(widget):
     assert ('<span class="lab-bits-sign" style="color:#c62828">0</span> <span class="lab-bits-exponent" '
             'style="color:#1565c0">01011</span> <span class="lab-bits-mantissa" style="color:#2e7d32">10</span>'
             ) in widget.summary.value
+    # the chart: e4m3fn's and e5m2's grids over 0.1 / 4 .. 0.1 x 4 as ticks, the 16-bit and 32-bit ones as bands
+    assert widget.window == (0.025, 0.4)
+    assert widget.grids == {"fp32": None, "fp16": None, "bf16": None, "e4m3fn": values_between(0.025, 0.4, "e4m3fn"),
+                            "e5m2": values_between(0.025, 0.4, "e5m2")}
+    assert [len(widget.grids[name]) for name in ("e4m3fn", "e5m2")] == [32, 16]  # 8 and 4 values a binade
     assert '<table class="lab-format-info"' in widget.summary.value and "<td>e4m3fn</td><td>1/4/3</td><td>448.0" \
         in widget.summary.value
 
@@ -107,6 +112,8 @@ def test_the_chart_and_the_table_follow_every_change(widget):
         seen.append(now)
     assert list(widget.encodings) == ["fp32", "tf32", "fp16", "bf16", "e4m3fn", "e5m2"]  # FORMATS' order
     assert _row(widget, "fp16")[2] == "65504.0" and _row(widget, "e4m3fn")[2] == "448.0"
+    assert widget.window == (25000.0, 400000.0) and widget.grids["e5m2"] == [28672, 32768, 40960, 49152, 57344]
+    assert widget.grids["e4m3fn"] == []  # all of the window is past 448
     with widget.batched():
         for name, value in (("value", "0.1"), ("tf32", False), ("saturate", False)):
             widget.controls[name].value = value

@@ -49,8 +49,9 @@ def parse_value(text: str) -> float:
 class FormatExplorer(Explorer):
     """The value box, a saturate switch and a checkbox per format on the left; the grid chart, the encoding
     table and the formats' ranges on the right. Tests read `encodings` (format name -> Encoding, or a string
-    saying why the format cannot store the value; None while the error line shows), `summary.value` and
-    `error.value`."""
+    saying why the format cannot store the value; None while the error line shows), `grids` (format name ->
+    the magnitudes drawn as ticks in the chart's `window`, None for a format drawn as a band), `summary.value`
+    and `error.value`."""
 
     def __init__(self, value: str | float = "0.1", formats: tuple[str, ...] = DEFAULT_FORMATS,
                  saturate: bool = False) -> None:
@@ -65,6 +66,8 @@ class FormatExplorer(Explorer):
             controls[name] = widgets.Checkbox(value=name in formats, description=_label(FORMATS[name]))
         super().__init__(controls)
         self.encodings: dict[str, Encoding | str] | None = None
+        self.grids: dict[str, list[float] | None] = {}
+        self.window = (0.0, 0.0)
         self.children = self.beside([*self.controls.values(), note(
             "Press Enter to apply the value. Try 0.1, 65504, 65520, 1e-5, 3e-8, 448, 464, 465, 1e-40, inf.")],
             width="270px")
@@ -125,7 +128,8 @@ class FormatExplorer(Explorer):
         from matplotlib.ticker import FuncFormatter
 
         centre = abs(x) if math.isfinite(x) and x != 0 else 1.0
-        lo, hi = centre * 2.0**-BINADES, centre * 2.0**BINADES
+        lo, hi = self.window = centre * 2.0**-BINADES, centre * 2.0**BINADES
+        self.grids = {}
         fmts = self.chosen()
         fig, ax = plt.subplots(figsize=(7, 0.5 * len(fmts) + 1.3))
         labelled = set()  # one legend entry per band
@@ -136,6 +140,7 @@ class FormatExplorer(Explorer):
                     ax.fill_between([start, end], row - 0.4, row + 0.4, color=BAND_COLOURS[band], linewidth=0,
                                     label=None if band in labelled else band)
                     labelled.add(band)
+            self.grids[fmt.name] = None
             if fmt.mantissa_bits > DENSE_MANTISSA:
                 start, end = max(lo, fmt.min_positive), min(hi, fmt.max)
                 if start < end:
@@ -143,8 +148,8 @@ class FormatExplorer(Explorer):
                     ax.text(math.sqrt(start * end), row - 0.27, f"{2**fmt.mantissa_bits:,} values per normal binade",
                             ha="center", va="bottom", fontsize=7)
             else:
-                grid = [g for g in values_between(lo, hi, fmt) if g > 0]
-                ax.vlines(grid, row - 0.25, row + 0.25, color="#37474f", linewidth=0.8)
+                self.grids[fmt.name] = [g for g in values_between(lo, hi, fmt) if g > 0]
+                ax.vlines(self.grids[fmt.name], row - 0.25, row + 0.25, color="#37474f", linewidth=0.8)
             enc = self.encodings[fmt.name]
             if isinstance(enc, Encoding) and math.isfinite(enc.value) and lo <= abs(enc.value) <= hi:
                 ax.plot([abs(enc.value)], [row], "o", color="#2e7d32" if not enc.rounded else "#ef6c00",

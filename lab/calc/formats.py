@@ -111,9 +111,6 @@ class Format:
             return f"{sign}{e}" + (f".{'1' * m}" if m else "") + " only"
         return f"{sign}{e}.M with M != 0 ({2**m - 1} patterns per sign)"
 
-    def __str__(self) -> str:
-        return self.name
-
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("fp32", 8, 23, 127, torch_dtype="float32"),
@@ -130,7 +127,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 def get_format(fmt: str | Format) -> Format:
     if isinstance(fmt, Format):
         return fmt
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} must be one of {', '.join(map(repr, FORMATS))}")
     return FORMATS[fmt]
 
@@ -226,7 +223,7 @@ def decode(bits: int | str, fmt: str | Format) -> float:
         mantissa = magnitude & ((1 << fmt.mantissa_bits) - 1)
         special = math.inf if fmt.has_inf and mantissa == 0 else math.nan
         return math.copysign(special, sign)
-    return sign * float(_magnitude_value(magnitude, fmt))
+    return sign * _magnitude_value(magnitude, fmt)
 
 
 def neighbours(value: float, fmt: str | Format) -> tuple[float | None, float | None]:

@@ -16,6 +16,7 @@ from lab.precision.fp8 import (
     FP8_DTYPES,
     AmaxHistory,
     Scaling,
+    _scaled_mm_works,
     amax,
     dequantize,
     fp8_matmul,
@@ -244,6 +245,22 @@ def test_scaled_mm_and_emulation_agree(granularity: str) -> None:
     exact = fp8_matmul(qa, sa, qb, sb, s, s, accum_bits=None, backend="emulate")
     assert torch.allclose(hardware, exact, rtol=1e-5, atol=1e-5)
     assert _rel(hardware, fp8_matmul(qa, sa, qb, sb, s, s, backend="emulate")) < 1e-3
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError, NotImplementedError])
+def test_scaled_mm_probe_treats_any_refusal_as_unsupported(error: type[Exception],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA refuses e5m2×e5m2 with a ValueError (seen on an H100, torch 2.11), CPU with a RuntimeError: the probe
+    # must answer False for either, so that fp8_matmul falls back to emulation instead of failing.
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise error("Multiplication of two Float8_e5m2 matrices is not supported")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    _scaled_mm_works.cache_clear()
+    try:
+        assert not _scaled_mm_works("cpu", "tensor", E5M2, E5M2)
+    finally:
+        _scaled_mm_works.cache_clear()
 
 
 def test_fp8_matmul_rejects_bad_arguments() -> None:

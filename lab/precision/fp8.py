@@ -244,7 +244,7 @@ def _scaled_mm_works(device: str, granularity: str, a_dtype: torch.dtype, b_dtyp
         (torch.full((m, 1), 2.0, device=device), torch.full((1, n), 0.5, device=device))
     try:
         out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, ValueError):          # CUDA refuses e5m2×e5m2 with ValueError
         return False
     return bool(torch.equal(out.cpu(), torch.full((m, n), float(k))))
 
@@ -272,6 +272,11 @@ def fp8_matmul(a_fp8: torch.Tensor, a_scale: torch.Tensor, b_fp8: torch.Tensor, 
     `accum_bits=None` accumulates exactly in float32 (what torch._scaled_mm does on CPU).
     backend "scaled_mm": torch._scaled_mm (tensorwise or rowwise pairs only; takes the inverse scales); the
     accumulation is then the hardware's own. "auto": scaled_mm where `scaled_mm_supported`, else emulate.
+
+    Measured on an H100 (torch 2.11, M=N=256, relative Frobenius error against the float64 sum of the same FP8
+    operands): cuBLAS's default FP8 GEMM 1.27e-4 at K = 512, 4096 and 16384, this emulation with promotion
+    every 128 1.28e-4; cuBLAS with use_fast_accum=True 3.4e-4, 1.3e-3, 2.1e-3, this emulation never promoting
+    4.3e-4, 3.3e-3, 1.3e-2 (an upper bound: the fast path's accumulation is not documented).
     """
     if a_fp8.dim() != 2 or b_fp8.dim() != 2 or a_fp8.shape[1] != b_fp8.shape[1]:
         raise ValueError(f"fp8_matmul takes a (M, K) and b (N, K), got {tuple(a_fp8.shape)} and "

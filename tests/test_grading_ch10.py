@@ -5,7 +5,8 @@ A mutant is the solution cell with one classic mistake — the scale inverted (a
 cast, no guard for an all-zero tensor, a loss scale that backs off when it should grow or a growth tracker that is
 not reset, delayed scaling from the current amax or from a history that never forgets, tile amaxes over the wrong
 axis or over whole rows, a ragged last tile dropped — and only the checks that must catch it are run, to keep this
-file fast. The loss-scale reference the checks use is compared here with torch.amp.GradScaler itself.
+file fast. The checks' own references are torch.amp.GradScaler and lab.precision.fp8; the GradScaler driver is
+checked here against the rule GradScaler documents.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ Q_ZEROS = "an all-zero tensor: scale 1, zeros back (no inf, no NaN)"
 LS_GROWTH = "clean steps: the scale grows by growth_factor every growth_interval steps, the tracker restarts"
 LS_BACKOFF = "an inf/nan step: back-off, the tracker restarts, the step is skipped"
 LS_RANDOM = "random growth and back-off factors and intervals, a long random trajectory"
-D_HISTORY = "the scale of step t comes from the amaxes of the `length` steps before it (the first step's is 1)"
+D_HISTORY = "the scale of step t comes from the amaxes of the `length` steps before it (the first: its own amax)"
 D_SPIKE = "a step whose amax is far above its history's: its largest values saturate at ±max"
 T_WHOLE = "rows of whole 1×128 tiles: one scale per tile, the fp8 values and back"
 T_RAGGED = "a ragged last tile (cols not a multiple of 128), one row, and an all-zero tile (scale 1)"
 
 GROW = "return scale * growth_factor, 0, False"
 BACK_OFF = "return scale * backoff_factor, 0, True"
-PUSH = "    history.push(x.abs().max())\n"
+PUSH = "    history.push(amax)\n"
+AMAX_OF_X = "    amax = x.abs().max()\n"
 AMAX = "tiles.abs().amax(dim=-1, keepdim=True)"
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
@@ -57,7 +59,7 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "inf_step_not_skipped": (
         "10.loss_scale_update", [(BACK_OFF, "return scale * backoff_factor, 0, False")], {LS_BACKOFF, LS_RANDOM}),
     "delayed_from_the_current_amax": (  # the issue's mutant: the amax pushed before the scale is taken
-        "10.delayed_scaling", [(PUSH, ""), ("    scale = history.scale()\n", PUSH + "    scale = history.scale()\n")],
+        "10.delayed_scaling", [(PUSH, ""), (AMAX_OF_X, AMAX_OF_X + PUSH)],
         {D_HISTORY, D_SPIKE}),
     "history_never_forgets": (
         "10.delayed_scaling", [("[float(amax)])[-self.length:]", "[float(amax)])")], {D_HISTORY}),
@@ -76,31 +78,15 @@ CHAPTER = Chapter("10_mixed_precision_fp8.ipynb", EXERCISES, MUTANTS, said=("ret
 globals().update(chapter_tests(CHAPTER))
 
 
-@pytest.mark.parametrize("growth_factor, backoff_factor, growth_interval", [(2.0, 0.5, 3), (3.0, 0.25, 2)])
-def test_the_loss_scale_reference_is_grad_scaler(growth_factor, backoff_factor, growth_interval):
-    """loss_scale_reference gives torch.amp.GradScaler's scale, growth tracker and skipped steps, step for step,
-    with infs planted in the gradients (a skipped step leaves the weight untouched)."""
-    import torch
-
-    found_infs = [False, False, True, False, False, False, True, True, False, False, False, False, True, False]
-    weight = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([weight], lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=growth_factor,
-                                  backoff_factor=backoff_factor, growth_interval=growth_interval)
-    scale, tracker = 1024.0, 0
-    for found_inf in found_infs:
-        optimizer.zero_grad()
-        scaler.scale(weight.sum()).backward()
-        if found_inf:
-            weight.grad[1] = float("nan") if tracker % 2 else float("inf")
-        before = weight.detach().clone()
-        scaler.step(optimizer)
-        scaler.update()
-        scale, tracker, skipped = ch10.loss_scale_reference(scale, tracker, found_inf, growth_factor,
-                                                            backoff_factor, growth_interval)
-        assert scaler.get_scale() == pytest.approx(scale, rel=1e-6)
-        assert scaler._get_growth_tracker() == tracker
-        assert torch.equal(weight.detach(), before) == skipped
+def test_the_grad_scaler_driver_follows_the_documented_rule():
+    """The loss-scale checks' reference, torch.amp.GradScaler driven with planted infs, gives the trajectory its
+    documentation describes: growth after growth_interval clean steps, back-off and a skipped step on an inf, the
+    count restarted by both."""
+    found_infs = [False, False, True, False, True, False, False, False]
+    scales, trackers, skipped = ch10.grad_scaler_trajectory(found_infs, 1024.0, 2.0, 0.5, 2)
+    assert scales == [1024.0, 2048.0, 1024.0, 1024.0, 512.0, 512.0, 1024.0, 1024.0]
+    assert trackers == [1, 0, 0, 1, 0, 1, 0, 1]
+    assert skipped == found_infs
 
 
 def test_expect_fp8_is_the_nearest_value_rule():

@@ -277,6 +277,8 @@ def gpu_row(shape: Shape, chip: Accelerator | None, missing: dict[str, str | Non
                 continue
             total = row[f"fp8_{gran}_ms"] + ms
             row[f"quant_{name}_{gran}_ms"] = ms
+            if chip is not None:  # how close the casts come to their memory-bound least time
+                row[f"quant_{name}_{gran}_pct_roofline"] = 100 * roofline_ms(chip, shape)["quant"] / ms
             row[f"fp8_{gran}_{name}_total_ms"] = total
             row[f"speedup_{gran}_{name}"] = row["bf16_ms"] / total
         row[f"speedup_{gran}_gemm"] = row["bf16_ms"] / row[f"fp8_{gran}_ms"]
@@ -285,7 +287,7 @@ def gpu_row(shape: Shape, chip: Accelerator | None, missing: dict[str, str | Non
 
 def _rates(row: dict, key: str, ms: float, shape: Shape, chip: Accelerator | None, dtype: str) -> None:
     row[f"{key}_tflops"] = shape.flops / (ms * 1e-3) / 1e12
-    if chip is not None and chip.fp8_flops is not None:
+    if chip is not None and (dtype == "bf16" or chip.fp8_flops is not None):
         row[f"{key}_pct_peak"] = 100 * row[f"{key}_tflops"] * 1e12 / peak_flops(chip, dtype)
 
 
@@ -425,6 +427,12 @@ def print_gpu(rows: list[dict], quants: Sequence[str], found: list[dict], predic
     print("\ncrossover of the square sweep: smallest n from which FP8 stays faster than bf16")
     for f in found:
         print(f"  {f['granularity'] + 'wise':<11}{f['fp8']:<28}measured n = {_num(f['crossover_n'], 'd')}")
+    square = [r for r in rows if r["shape"].startswith("square")]
+    if square and prediction:
+        last = max(square, key=lambda r: r["m"])
+        cells = [f"{gran} {q} {r:.0f}%" for gran in GRANULARITIES for q in quants
+                 if (r := last.get(f"quant_{q}_{gran}_pct_roofline")) is not None]
+        print(f"  quantisation at {last['shape']}, % of its roofline time (5 B per element): {', '.join(cells)}")
     if prediction:
         print(f"  roofline ({prediction['chip']}): FP8 with its casts wins from n = {prediction['crossover_n']} "
               f"(on the sweep: {_num(prediction['crossover_sweep'], 'd')}); compute-bound from n = "

@@ -26,7 +26,7 @@ from lab.precision.fp8 import (
     scaled_mm_supported,
     sqnr,
 )
-from lab.precision.fp8_linear import RECIPES, FP8Matmul, FP8Recipe, double_quantization_error
+from lab.precision.fp8_linear import RECIPES, FP8Matmul, FP8Recipe, double_quantization_error, retile
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -362,6 +362,17 @@ def test_double_quantisation_error(granularity: str, doubled: bool) -> None:
         assert double < single - 1
     else:
         assert double == single
+    # Power-of-2 scales share one mantissa grid across groups: re-quantising is exact (DeepSeek-V3 §3.3.3).
+    single, double = double_quantization_error(x, Scaling("e4m3", granularity, power_of_2=True))
+    assert double == pytest.approx(single, abs=1e-6)
+
+
+def test_retile_keeps_the_recipe_shape(linear_case: dict[str, torch.Tensor]) -> None:
+    small = retile(RECIPES["tilewise"], 32)
+    assert {s.tile for pair in (small.output, small.grad_input, small.grad_weight) for s in pair} == {32}
+    assert [s.granularity for s in small.output] == ["tile", "block"]
+    y, _, _ = _run(FP8Matmul(small), linear_case)
+    assert sqnr(linear_case["y"], y) >= 18
 
 
 def test_recipes_cite_their_layouts() -> None:

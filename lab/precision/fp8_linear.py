@@ -72,6 +72,15 @@ RECIPES: dict[str, FP8Recipe] = {
 }
 
 
+def retile(recipe: FP8Recipe, tile: int) -> FP8Recipe:
+    """The same recipe with `tile`-wide tiles and blocks: DeepSeek-V3's 128 is small against its K = 7168,
+    but at a toy width (d_model = 64) a 1×128 tile is a whole row and a 128×128 block a whole matrix."""
+    def re(pair: Pair) -> Pair:
+        return replace(pair[0], tile=tile), replace(pair[1], tile=tile)
+
+    return FP8Recipe(output=re(recipe.output), grad_input=re(recipe.grad_input), grad_weight=re(recipe.grad_weight))
+
+
 def _transposable(scaling: Scaling) -> bool:
     """Whether the FP8 copy of a tensor, transposed, is the FP8 copy of its transpose (same groups)."""
     return scaling.granularity in ("tensor", "block")
@@ -180,7 +189,10 @@ def double_quantization_error(x: torch.Tensor, scaling: Scaling) -> DoubleQuanti
     transpose (groups along M) — the second rounding lands on a grid chosen for other groups, so errors add.
     With tensor scales the two coincide (the same scale, and FP8 values are already on its grid); with row or
     tile scales double is worse, which is why torchao and Transformer Engine keep the high-precision tensor
-    for the backward, and DeepSeek-V3 accepts it only for a few activations it caches in FP8.
+    for the backward. Unless the scales are powers of two: multiplying by 2^k only moves the exponent, so
+    every group's grid is the same 3-bit mantissa grid (away from underflow) and re-quantising FP8 values is
+    exact — which is how DeepSeek-V3 re-tiles the activations it caches in FP8 from 1×128 to 128×1 for the
+    backward ("all the scaling factors are round scaled, i.e., integral power of 2", §3.3.3).
     """
     ref = x.detach().float().t()
     q, s = quantize(ref, scaling)

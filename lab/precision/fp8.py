@@ -17,7 +17,7 @@ computes `a @ b.T` for `a` (M, K) and `b` (N, K), so "row" and "tile" scales alw
 
 On CPU, float8 tensors can be cast and `torch._scaled_mm` accepts tensorwise and rowwise scales, but nothing
 else computes in float8 (cpu-torch-distributed-notes §6): amax, scaling and the blockwise GEMM run in float32 on
-dequantised values, which is exact for the products (an e4m3×e4m3 product has 8 significant bits), and the one
+dequantised values, whose products float32 rounds at 2^-24 (FP8 itself rounds at 2^-4 or 2^-3), and the one
 thing float32 does better than the hardware — accumulation — is degraded on purpose (see `fp8_matmul`).
 """
 
@@ -85,6 +85,7 @@ class Scaling:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The torch float8 dtype of `fmt`."""
         return FP8_DTYPES[self.fmt]
 
 
@@ -122,7 +123,9 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, power_of_2: bool = False) -> t
     group) gets scale 1 rather than inf: any scale quantises zeros exactly. A non-finite amax raises: the
     tensor already holds inf or nan, which no scale can bring into FP8, and silently saturating it (what a
     clamp would do) would hide a diverged step. `power_of_2` rounds the scale *down* to a power of two, so
-    the scaled amax still fits under fp8_max and multiplying by the scale changes only the exponent.
+    the scaled amax still fits under fp8_max and multiplying by the scale changes only the exponent. There is
+    no epsilon floor under amax (torchao 1e-12, DeepGEMM 1e-4): only an exact zero needs care, and a floor
+    would push the values of a legitimately tiny group (a small gradient tile) down into the subnormals.
     """
     a = amax.detach().double()
     if not bool(torch.isfinite(a).all()):

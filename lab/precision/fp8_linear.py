@@ -160,7 +160,7 @@ class FP8Matmul:
             return quantize(t, scaling)
         history = self.histories.setdefault(key, AmaxHistory(scaling.history))
         now = amax(t, scaling)
-        scale = history.scale(scaling.fmt, scaling.power_of_2) if len(history) else \
+        scale = history.scale(scaling.fmt, scaling.power_of_2).to(t.device) if len(history) else \
             scale_from_amax(now, scaling.fmt, scaling.power_of_2)
         q = quantize(t, scaling, scale)
         history.update(now)

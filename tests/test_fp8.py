@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import lab.precision.fp8_linear as fp8_linear
+from lab.model import Linear
 from lab.precision.fp8 import (
     FP8_DTYPES,
     AmaxHistory,
@@ -310,6 +311,19 @@ def test_fp8_linear_without_weight_grad(linear_case: dict[str, torch.Tensor]) ->
     x = linear_case["x"].clone().requires_grad_()
     FP8Matmul("tilewise")(x, linear_case["w"]).backward(linear_case["dy"])
     assert sqnr(linear_case["dx"], x.grad) >= 17
+
+
+def test_fp8_linear_is_a_linear_kernel_in_bf16_too() -> None:
+    # The seam's contract (lab.model.Linear.kernel): F.linear without bias, any leading dims, the input's dtype.
+    layer = Linear(64, 48)
+    layer.kernel = FP8Matmul("tilewise")
+    x = _randn(2, 5, 64, seed=22).bfloat16().requires_grad_()
+    layer.bfloat16()
+    y = layer(x)
+    assert y.shape == (2, 5, 48) and y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16
+    assert sqnr(F.linear(x.float(), layer.weight.float()), y.float()) >= 18
 
 
 def test_each_gemm_gets_its_own_formats(monkeypatch: pytest.MonkeyPatch,

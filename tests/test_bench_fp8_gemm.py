@@ -142,3 +142,9 @@ def test_gpu_row_walked_on_the_cpu(bench):
     assert row["fp8_tensor_status"] == "ok" and row["sqnr_fp8_tensor_db"] > 18
     assert row["fp8_tensor_eager_total_ms"] == 2.0 and row["speedup_tensor_eager"] == 0.5
     assert row["fp8_row_status"] == "missing: no rowwise here" and "fp8_row_ms" not in row
+
+
+def test_quantizer_modes(bench):
+    assert list(bench.quantizers("off")) == ["eager"] and bench.quantizers("off")["eager"] is bench.quantize
+    with pytest.raises(ValueError, match="compile='jit' must be one of static, dynamic, off"):
+        bench.quantizers("jit")

@@ -10,8 +10,9 @@ an FP8 GEMM in training first has to *quantise* its bf16 inputs: one pass for th
 M·K·N, so FP8 only pays once the GEMM is large enough to amortise the casts. Roofline arithmetic (`lab.calc`)
 for a square n³ GEMM whose casts move 5 bytes per input element: bf16 takes 2n³/P, FP8 n³/P + 10n²/BW, so FP8
 wins above n = 10·P/BW, ten times the bf16 ridge point (~2,950 on an H100, ~2,060 on an H200 with its faster
-HBM). Both GEMMs turn compute-bound at about the same n (FP8 halves the bytes and doubles the peak; its bf16
-output keeps its ridge a little higher), so the ridge alone does not say when FP8 pays: the casts do.
+HBM). FP8 halves the bytes but doubles the peak, so its GEMM turns compute-bound at a similar size (H100: n =
+1,182 against 887 for bf16, its bf16 output keeping it a little higher): the ridge alone does not say when FP8
+pays; the casts do.
 
 GPU lane: torch.matmul in bf16 against torch._scaled_mm (e4m3 x e4m3, bf16 out) with tensorwise and rowwise
 scales, each feature-detected by a tiny probe first (FP8 tensor cores: Ada/Hopper or newer; rowwise scales:

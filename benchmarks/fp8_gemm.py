@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from lab.calc.hardware import HARDWARE, Accelerator  # noqa: E402
+from lab.calc.hardware import HARDWARE, Accelerator, device_accelerator  # noqa: E402
 from lab.calc.roofline import Op, matmul, peak_flops, place, ridge_point  # noqa: E402
 from lab.config import ModelConfig  # noqa: E402
 from lab.precision.fp8 import Scaling, fp8_matmul, quantize, sqnr  # noqa: E402
@@ -323,15 +323,6 @@ def measured_crossovers(rows: list[dict], quants: Sequence[str]) -> list[dict]:
             found.append({"granularity": gran, "fp8": what,
                           "crossover_n": crossover(sizes, base, [r.get(key) for r in square])})
     return found
-
-
-def device_accelerator(name: str) -> Accelerator | None:
-    """The `lab.calc.hardware` entry for a torch.cuda.get_device_name() string, as benchmarks/kernels.py finds
-    it (PCIe cards are not the SXM parts the table holds)."""
-    if "PCIE" in name.upper():
-        return None
-    return next((chip for key, chip in HARDWARE.items() if not key.startswith("tpu") and key.upper() in name.upper()),
-                None)
 
 
 # --- CPU lane -----------------------------------------------------------------------------------------------------

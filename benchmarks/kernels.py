@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import lab.kernels  # noqa: E402  (decides compiled vs interpreter before any kernel module is imported)
-from lab.calc.hardware import HARDWARE, Accelerator  # noqa: E402
+from lab.calc.hardware import Accelerator, device_accelerator  # noqa: E402
 from lab.calc.roofline import peak_flops  # noqa: E402
 from lab.kernels.accuracy import error_ratio  # noqa: E402
 
@@ -258,15 +258,6 @@ def _perf_ms(call: Callable, repeats: int) -> float:
         call()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
-
-
-def device_accelerator(name: str) -> Accelerator | None:
-    """The `lab.calc.hardware` entry for a `torch.cuda.get_device_name()` string ("NVIDIA H100 80GB HBM3"), or None.
-    PCIe cards (H100 PCIe: 2 TB/s, 756 TFLOP/s) are not the SXM parts the table holds."""
-    if "PCIE" in name.upper():
-        return None
-    return next((chip for key, chip in HARDWARE.items() if not key.startswith("tpu") and key.upper() in name.upper()),
-                None)
 
 
 def _do_bench(call: Callable[[], object]) -> float:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab.calc.hardware import HARDWARE, device_accelerator
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -61,11 +63,11 @@ def test_work_formulas(bench):
 
 
 def test_device_names_map_to_calc_hardware(bench):
-    assert bench.device_accelerator("NVIDIA H100 80GB HBM3").name == "NVIDIA H100 SXM"
-    assert bench.device_accelerator("NVIDIA H200").name == "NVIDIA H200 SXM"
-    assert bench.device_accelerator("NVIDIA A100-SXM4-80GB").name == "NVIDIA A100 80GB SXM"
-    assert bench.device_accelerator("NVIDIA H100 PCIe") is None  # not the SXM part's peaks
-    assert bench.device_accelerator("Tesla T4") is None
+    assert device_accelerator("NVIDIA H100 80GB HBM3").name == "NVIDIA H100 SXM"
+    assert device_accelerator("NVIDIA H200").name == "NVIDIA H200 SXM"
+    assert device_accelerator("NVIDIA A100-SXM4-80GB").name == "NVIDIA A100 80GB SXM"
+    assert device_accelerator("NVIDIA H100 PCIe") is None  # not the SXM part's peaks
+    assert device_accelerator("Tesla T4") is None
 
 
 def test_targets_pass_and_miss(bench):
@@ -82,7 +84,7 @@ def test_gpu_lane_logic_walked_on_the_cpu(bench, monkeypatch):
     """The GPU lane cannot run here; its row logic can, with CPU tensors, a small shape and a timer that says 1 ms:
     rates and % of peak then follow from the work formulas and the H100's datasheet numbers alone."""
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)  # Inductor on CPU would take ~10 s
-    h100 = bench.HARDWARE["h100"]
+    h100 = HARDWARE["h100"]
     cases = {c.name: c for c in bench.CASES}
     row = bench.gpu_row(cases["softmax"], torch.float32, h100, device="cpu", shape=(64, 1000), timer=lambda _: 1.0)
     assert row["status"] == "ok" and row["error_ratio_small"] <= 2

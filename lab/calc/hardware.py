@@ -65,3 +65,12 @@ def get_accelerator(name: str) -> Accelerator:
     if name not in HARDWARE:
         raise ValueError(f"gpu={name!r} must be one of {', '.join(HARDWARE)}")
     return HARDWARE[name]
+
+
+def device_accelerator(device_name: str) -> Accelerator | None:
+    """The entry for a `torch.cuda.get_device_name()` string ("NVIDIA H100 80GB HBM3" is h100), or None when the
+    table has none. PCIe cards (H100 PCIe: 2 TB/s, 756 TFLOP/s) are not the SXM parts the table holds: None."""
+    if "PCIE" in device_name.upper():
+        return None
+    return next((chip for key, chip in HARDWARE.items()
+                 if not key.startswith("tpu") and key.upper() in device_name.upper()), None)

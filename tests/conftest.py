@@ -15,6 +15,19 @@ pytest.register_assert_rewrite("grading_support")  # the chapters' shared gradin
 
 # --- Jupyter: an isolated environment for kernels and servers (notebook and browser lanes) -------------
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules that run Triton's interpreter: it feeds torch tiny ops one by one, and torch's OpenMP threads
+    then spin between them. With two threads on CI's two cores, a test beside it ran 3-4x slower (chapter 01's
+    notebook: 25 s alone, 69-93 s beside tests/test_kernels_model.py; 30 s with this)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def jupyter_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment variables that give kernels and JupyterLab throwaway config/data/runtime dirs.

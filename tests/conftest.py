@@ -10,23 +10,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Under pytest-xdist two workers share CI's two cores, each often beside a notebook kernel or ranks it started: with
+# torch's default of one OpenMP thread per core, the threads of busy processes spin waiting for each other. Measured
+# here: chapter 07's notebook took 87 s beside a worker running torch tests (22 s alone), and those tests 72 s; with
+# one thread each, 34 s and 21 s. Set before any test module imports torch; kernels and ranks inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 pytest.register_assert_rewrite("grading_support")  # the chapters' shared grading tests: show what was compared
 
 
 # --- Jupyter: an isolated environment for kernels and servers (notebook and browser lanes) -------------
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """For modules that run Triton's interpreter: it feeds torch tiny ops one by one, and torch's OpenMP threads
-    then spin between them. With two threads on CI's two cores, a test beside it ran 3-4x slower (chapter 01's
-    notebook: 25 s alone, 69-93 s beside tests/test_kernels_model.py; 30 s with this)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="session")
 def jupyter_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:

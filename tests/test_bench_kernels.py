@@ -14,8 +14,6 @@ import torch
 
 from lab.calc.hardware import HARDWARE, device_accelerator
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: the interpreter and torch threads
-
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -28,8 +28,6 @@ from lab.kernels.flash_attention import attention_reference, flash_attention  # 
 from lab.kernels.paged_attention import gather_kv, paged_attention_decode, paged_attention_reference  # noqa: E402
 from lab.model import Attention, LatentAttention, rope_angles  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: the interpreter and torch threads
-
 
 def ratio_for(dtype: torch.dtype) -> float:
     """The issue's 2x torch's error; on a GPU an fp32 dot product of the kernel and one of cuBLAS add in different

@@ -17,8 +17,6 @@ pytest.importorskip("triton")
 from lab.kernels.accuracy import assert_error_ratio  # noqa: E402
 from lab.kernels.matmul import grouped_order, matmul, matmul_reference  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: the interpreter and torch threads
-
 
 def ratio_for(dtype: torch.dtype) -> float:
     """The issue's 2x torch's error; on a GPU an fp32 dot product of the kernel and one of cuBLAS add in different

@@ -30,8 +30,6 @@ from lab.parallel.optim import adamw  # noqa: E402
 from lab.parallel.pp import cross_entropy, weight_gradients  # noqa: E402
 from lab.train import main  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: the interpreter and torch threads
-
 # Triton's interpreter pays per program instance, and attention launches one per (sequence, head): the tiny model
 # with 2 layers, 2 heads (one KV head) and 2 sequences a step keeps 30 steps within CI's budget.
 SMALL = {"n_layers": 2, "n_heads": 2, "n_kv_heads": 1}

@@ -30,8 +30,6 @@ from lab.kernels.swiglu import swiglu  # noqa: E402
 from lab.model import rms_norm as rms_norm_reference  # noqa: E402
 from lab.model import swiglu as swiglu_reference  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest: the interpreter and torch threads
-
 DTYPES = [torch.float32, torch.float16] + ([] if interpreted() else [torch.bfloat16])
 EPS = 1e-6
 

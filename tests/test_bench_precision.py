@@ -1,0 +1,161 @@
+"""benchmarks/precision_side_by_side.py, small: `lab.train --precision bf16` against FSDP2's MixedPrecisionPolicy on 2
+ranks for 3 steps, the comparison catching bugs planted on either side, lab's fp8-tensorwise against torchao's
+float8 where torchao is installed, and the rows that say why a reference did not run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Started from the same masters, lab and the reference do the same arithmetic: the same bf16 weights, the same bf16
+# forward and backward ops, per-rank bf16 gradients summed in fp32 (two bf16 values add exactly in fp32) and the same
+# AdamW on fp32 masters; for FP8, the same tensorwise recipe (e4m3 x and W, e5m2 dy, scale = 448 / amax in float64)
+# through the same torch._scaled_mm. Measured: bit-identical losses and gradient norms at every step (10 steps too).
+# The tolerances leave room for the order of fp32 additions only (the norm over shards, AdamW's foreach groups):
+# 2 ulps of a loss near 5.5 (ulp 4.8e-7) and 1e-6 relative on the norm.
+LOSS_TOL = 1e-6
+NORM_TOL = 1e-6
+# FSDP2's own masters (the fp32 init instead of lab's bf16-rounded copy): from step 2 a weight in about four is
+# one bf16 step (2^-8 relative) away from lab's. Measured max |diff| 2.4e-4 at 3 steps (bf16) and 2.5e-4 / 1.9e-3
+# over 10 steps (bf16 / fp8); the bound is 4x the largest 3-step value, ~0.02% of the loss.
+MASTERS_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_precision", REPO / "benchmarks" / "precision_side_by_side.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def config(bench):
+    return bench.build_config(steps=3, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def lab_bf16(bench, config):
+    return bench.run_lab(config, "bf16")
+
+
+@pytest.fixture(scope="module")
+def bf16_rows(bench, config, lab_bf16):
+    return {masters: bench.compare("bf16", masters, lab_bf16, bench.run_torch(config, lab_masters=masters == "lab"))
+            for masters in bench.MASTERS}
+
+
+def test_lab_bf16_is_fsdp2_mixed_precision(bf16_rows):
+    row = bf16_rows["lab"]
+    assert row["status"] == "ok" and [s["step"] for s in row["steps"]] == [1, 2, 3]
+    assert row["step1_grad_norm_rel_diff"] <= NORM_TOL, row
+    assert row["max_abs_diff"] <= LOSS_TOL, row
+    assert all(abs(s["lab_grad_norm"] - s["ref_grad_norm"]) <= NORM_TOL * s["ref_grad_norm"] for s in row["steps"])
+    losses = [s["lab_loss"] for s in row["steps"]]
+    assert losses[-1] < losses[0]  # it trains
+
+
+def test_fsdp2_own_masters_differ_by_bf16_noise_only(bf16_rows):
+    """FSDP2 keeps the fp32 init as its masters, lab the bf16-rounded copy: the same weights at step 1 (identical
+    loss and gradient norm), bf16 rounding noise after — which LOSS_TOL does notice (a planted difference too)."""
+    row = bf16_rows["fsdp2"]
+    first = row["steps"][0]
+    assert first["abs_diff"] <= LOSS_TOL and row["step1_grad_norm_rel_diff"] <= NORM_TOL, row
+    assert LOSS_TOL < row["max_abs_diff"] <= MASTERS_TOL, row
+
+
+@pytest.mark.parametrize("plant, noticed_by", [
+    # logits left in bf16: the loss itself is rounded to bf16 (2^-5 apart near 5.5): ~3e-2 off at step 1
+    ({"fp32_logits": False}, "step-1 loss"),
+    # gradients reduce-scattered in bf16: each summed gradient rounded to 8 bits, the step-1 norm by ~1e-5
+    ({"reduce_dtype": torch.bfloat16}, "step-1 norm"),
+    # FSDP2's default cast_forward_inputs: RoPE's cos/sin rounded to bf16 at each block, the step-1 loss by ~2e-5
+    ({"cast_block_inputs": True}, "step-1 loss"),
+])
+def test_a_bug_planted_in_the_reference_is_noticed(bench, config, lab_bf16, plant, noticed_by):
+    row = bench.compare("bf16", "lab", lab_bf16, bench.run_torch(config, **plant))
+    step1 = row["steps"][0]
+    found = {"step-1 loss": step1["abs_diff"] > 10 * LOSS_TOL,
+             "step-1 norm": row["step1_grad_norm_rel_diff"] > 10 * NORM_TOL}
+    assert found[noticed_by], row
+
+
+def test_a_bug_planted_in_lab_is_noticed(bench, config, bf16_rows):
+    """lab summing the ranks' gradients in bf16 (train.reduce_dtype, a supported setting) is not FSDP2's fp32
+    reduction: the step-1 gradient norm differs by ~1e-5."""
+    data = config.to_dict()
+    coarse = bench.Config.from_dict({**data, "train": {**data["train"], "precision": "bf16", "reduce_dtype": "bf16"}})
+    reference = [{"step": s["step"], "loss": s["ref_loss"], "grad_norm": s["ref_grad_norm"]}
+                 for s in bf16_rows["lab"]["steps"]]
+    row = bench.compare("bf16", "lab", bench.run_lab(coarse, "bf16"), reference)
+    assert row["step1_grad_norm_rel_diff"] > 10 * NORM_TOL, row
+
+
+def test_lab_fp8_tensorwise_is_torchao_float8(bench, config):
+    pytest.importorskip("torchao.float8")
+    (row,) = bench.precision_rows(config, "fp8-tensorwise", masters=("lab",))
+    if row["status"] != "ok":  # a torchao that refuses this machine: the row must say so, and why
+        assert row["status"].startswith("not run: torchao's float8 training failed here: "), row
+        return
+    assert row["max_abs_diff"] <= LOSS_TOL and row["step1_grad_norm_rel_diff"] <= NORM_TOL, row
+
+
+def test_a_missing_torchao_is_a_row_that_says_why(bench, config, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao...` now raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    reason = bench.torchao_missing()
+    assert reason.startswith("torchao is not installed") and "pip install" in reason
+    rows = bench.precision_rows(config, "fp8-tensorwise", lab=pytest.fail, reference=pytest.fail)  # nothing runs
+    assert rows == [{"precision": "fp8-tensorwise", "reference": bench.REFERENCES["fp8-tensorwise"],
+                     "status": f"not run: {reason}"}]
+    assert bench.torchao_tilewise_refusal(config) == reason
+
+
+def test_a_failing_torchao_is_a_row_that_says_why(bench, config, monkeypatch):
+    monkeypatch.setattr(bench, "torchao_missing", lambda: None)
+
+    def refuse(config, **options):
+        raise RuntimeError("rank 0 failed: NotImplementedError: _scaled_mm on cpu\ntraceback")
+
+    (row,) = bench.precision_rows(config, "fp8-tensorwise", lab=pytest.fail, reference=refuse)
+    assert row["status"] == ("not run: torchao's float8 training failed here: RuntimeError: rank 0 failed: "
+                             "NotImplementedError: _scaled_mm on cpu")
+    with pytest.raises(RuntimeError, match="rank 0 failed"):  # a failing FSDP2 is a bug to see, not a row
+        bench.precision_rows(config, "bf16", lab=pytest.fail, reference=refuse)
+
+
+def test_torchao_tilewise_refuses_a_cpu(bench, config):
+    pytest.importorskip("torchao.prototype.blockwise_fp8_training.linear")
+    reason = bench.torchao_tilewise_refusal(config)
+    assert reason.startswith("torchao.prototype.blockwise_fp8_training refuses on this machine: ")
+    assert "divisible by 128" in reason  # the tiny model's 64-wide linears are too narrow for it as well
+
+
+def test_main_prints_and_writes_the_rows(bench, bf16_rows, monkeypatch, tmp_path, capsys):
+    """The CLI around the rows (the runs are the fixture's, not made again)."""
+    found = [*bf16_rows.values(), bench.not_run("fp8-tilewise", "no Hopper here")]
+    monkeypatch.setattr(bench, "rows", lambda config: found)
+    out = tmp_path / "precision.json"
+    assert bench.main(["--steps", "3", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["torch"] == torch.__version__ and record["config"]["parallel"]["dp"] == 2
+    assert record["config"]["model"]["n_layers"] == 2 and record["rows"] == found
+    printed = capsys.readouterr().out
+    assert f"{bf16_rows['fsdp2']['steps'][2]['ref_loss']:.6f}" in printed and "not run: no Hopper here" in printed
+
+
+def test_layouts_fsdp2_alone_cannot_reproduce_are_refused(bench):
+    with pytest.raises(ValueError, match=r"parallel \{'tp': 2\}: this benchmark compares plain data parallelism"):
+        bench.build_config(sets=["parallel.tp=2"])
+    with pytest.raises(ValueError, match="grad_accum"):
+        bench.build_config(sets=["parallel.grad_accum=2"])
+    with pytest.raises(ValueError, match="nproc=0 must be an integer >= 1"):
+        bench.build_config(nproc=0)

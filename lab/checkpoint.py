@@ -8,6 +8,7 @@ single-process name as the FULL logical tensor, of which every rank writes only 
     optim.{name}.exp_avg_sq      AdamW's second moment, same box
     optim.{name}.step            AdamW's step count (a scalar)
     scheduler, data, meta        the LR scheduler's and the data stream's state dicts, the step and the layout
+    scaler                       fp16 only: the dynamic loss scale and its growth count
     rng.rank{r}                  each rank's CPU random state (restored only when the world size is the same)
 
 A rank describes its piece as a box — offsets and sizes within the full tensor — read off the parameter's
@@ -60,6 +61,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from lab.parallel.placement import placement_of
 from lab.parallel.zero import Zero
+from lab.precision.loss_scale import DynamicLossScaler
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
@@ -179,20 +181,22 @@ def _rank_state(par, optimizer: torch.optim.Optimizer, loading: bool
     tensors, boxes, fills = {}, {}, []
     for name, param in named_parameters(par):
         keys, box = _keys(name), _box(param)
-        tensors[keys["param"]] = param.data  # loaded in place
-        state = optimizer.state.get(param)
+        master = par.masters.master(param)  # the fp32 weight under bf16/fp16 (the parameter itself under fp32)
+        tensors[keys["param"]] = master.data  # loaded in place
+        state = optimizer.state.get(master)
         if loading:
-            state = {s: torch.zeros_like(param.data) for s in ADAM_STATES}
+            state = {s: torch.zeros_like(master.data) for s in ADAM_STATES}
             state["step"] = torch.zeros((), dtype=torch.float32)
-            fills.append((param, state))
+            fills.append((master, state))
         if state:
             tensors.update({keys[s]: state[s] for s in (*ADAM_STATES, "step")})
         for s in ("param", *ADAM_STATES):
             boxes[keys[s]] = box
 
     def apply() -> None:
-        for param, state in fills:
-            optimizer.state[param] = state
+        for master, state in fills:
+            optimizer.state[master] = state
+        par.masters.master_to_model()  # the loaded fp32 weights, rounded into a bf16/fp16 model
 
     return tensors, boxes, apply
 
@@ -221,15 +225,18 @@ def _zero_state(par, optimizer: torch.optim.Optimizer, loading: bool):
     pieces = _zero_pieces(engine)
     tensors, boxes, flats = {}, {}, []
     steps: dict[nn.Parameter, torch.Tensor] = {}
+    dtype = par.masters.master_params[0].dtype  # of the weights saved (fp32 masters of a bf16 model) and moments
     for unit in engine.units:
         full_numel, kinds = unit.full.numel(), ("param", *ADAM_STATES)
-        full = {kind: torch.zeros(full_numel, dtype=unit.shard.dtype, device=unit.shard.device) for kind in kinds}
+        full = {kind: torch.zeros(full_numel, dtype=dtype, device=unit.shard.device) for kind in kinds}
         if not loading:  # gather the shards of the parameters and of the optimizer's moments
-            shards = {kind: torch.zeros_like(unit.shard) for kind in kinds}
-            shards["param"].copy_(unit.shard)
+            shards = {kind: torch.zeros_like(unit.shard, dtype=dtype) for kind in kinds}
             for owner, param, piece, lo, hi in pieces:
-                state = optimizer.state.get(piece)
-                if owner is unit and state:
+                if owner is not unit:
+                    continue
+                master = par.masters.master(piece)
+                shards["param"][lo:hi] = master
+                if state := optimizer.state.get(master):
                     for s in ADAM_STATES:
                         shards[s][lo:hi] = state[s]
                     steps[param] = state["step"]
@@ -246,16 +253,18 @@ def _zero_state(par, optimizer: torch.optim.Optimizer, loading: bool):
             elif param in steps:
                 tensors[keys["step"]] = steps[param]
 
+    @torch.no_grad()
     def apply() -> None:
         for unit, full in flats:
             unit.shard.copy_(full["param"][unit.start:unit.start + unit.shard_numel])
             if engine.stage < 3:
                 unit.full.copy_(full["param"])
         fulls = {id(unit): full for unit, full in flats}
-        for unit, param, piece, lo, hi in pieces:  # each piece keeps its range of the unit's moments
-            full, start = fulls[id(unit)], unit.start
-            optimizer.state[piece] = {"step": steps[param].clone(),
-                                      **{s: full[s][start + lo:start + hi].clone() for s in ADAM_STATES}}
+        for unit, param, piece, lo, hi in pieces:  # each piece keeps its range of the unit's weights and moments
+            full, start, master = fulls[id(unit)], unit.start, par.masters.master(piece)
+            master.copy_(full["param"][start + lo:start + hi])  # a bf16 model's fp32 masters (under fp32: piece)
+            optimizer.state[master] = {"step": steps[param].clone(),
+                                       **{s: full[s][start + lo:start + hi].clone() for s in ADAM_STATES}}
 
     return tensors, boxes, apply
 
@@ -296,7 +305,8 @@ class PendingSave:
 
 
 def start_save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config,
-               async_group: dist.ProcessGroup | None = None, asynchronous: bool = False) -> PendingSave:
+               async_group: dist.ProcessGroup | None = None, asynchronous: bool = False,
+               scaler: DynamicLossScaler | None = None) -> PendingSave:
     """Write the run's state after `step` steps into `directory/.tmp-step-N`. Asynchronous: DCP copies the state
     to CPU memory (the part that blocks training) and a background thread writes it, over `async_group` (its own
     gloo group, so that its collectives never interleave with training's)."""
@@ -312,6 +322,8 @@ def start_save(directory: str, step: int, par, optimizer: torch.optim.Optimizer,
     meta = {"step": step, "layout": layout_of(config.parallel), "world": world}
     state = {**tensors, "scheduler": scheduler.state_dict(), "data": data.state_dict(), "meta": meta,
              f"rng.rank{_rank()}": torch.get_rng_state()}
+    if scaler is not None and scaler.enabled:
+        state["scaler"] = scaler.state_dict()
     pending = PendingSave(tmp, final, {**meta, "config": config.to_dict()})
     # the writer named, not found from a path: DCP would import fsspec to probe it (~0.3 s per process)
     options = {"storage_writer": dcp.FileSystemWriter(tmp), "planner": _BoxSavePlanner(boxes),
@@ -338,9 +350,10 @@ def finish_save(pending: PendingSave) -> str:
     return pending.final
 
 
-def save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config) -> str:
+def save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config,
+         scaler: DynamicLossScaler | None = None) -> str:
     """Save the run's state after `step` steps as `directory/step-N` (atomically); return its path."""
-    return finish_save(start_save(directory, step, par, optimizer, scheduler, data, config))
+    return finish_save(start_save(directory, step, par, optimizer, scheduler, data, config, scaler=scaler))
 
 
 def prune(directory: str, keep: int) -> None:
@@ -379,13 +392,20 @@ def newest(directory: str) -> tuple[str | None, str]:
     return (done[-1] if done else None), note
 
 
-def load(path: str, par, optimizer: torch.optim.Optimizer, scheduler, data, config) -> dict:
-    """Load a checkpoint saved at any layout into this rank's part of the run; return its `meta`."""
+def load(path: str, par, optimizer: torch.optim.Optimizer, scheduler, data, config,
+         scaler: DynamicLossScaler | None = None) -> dict:
+    """Load a checkpoint saved at any layout (and any precision: the weights are saved in fp32 unless the run
+    was all bf16/fp16) into this rank's part of the run; return its `meta`. An fp16 run resumed from a checkpoint
+    of another precision starts its loss scale afresh."""
     tensors, boxes, apply = _rank_state(par, optimizer, loading=True)
-    if not any(k.startswith("optim.") for k in _read_metadata(path).state_dict_metadata):
+    saved = _read_metadata(path).state_dict_metadata
+    if not any(k.startswith("optim.") for k in saved):
         # saved before the first optimizer step: AdamW's zero moments and step 0, as a fresh optimizer has
         tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
     state = {**tensors, "scheduler": None, "data": None, "meta": None}
+    with_scaler = scaler is not None and scaler.enabled and any(k.startswith("scaler") for k in saved)
+    if with_scaler:
+        state["scaler"] = None
     with open(os.path.join(path, LAB_FILE)) as f:
         saved_world = json.load(f)["world"]
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -400,6 +420,8 @@ def load(path: str, par, optimizer: torch.optim.Optimizer, scheduler, data, conf
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
     data.load_state_dict(state["data"])
+    if with_scaler:
+        scaler.load_state_dict(state["scaler"])
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     return state["meta"]
@@ -421,8 +443,8 @@ def resume_note(meta: dict, config) -> str | None:
 class Checkpointer:
     """The training loop's two hooks: `resume` before the first step, `after_step` after each."""
 
-    def __init__(self, options: CheckpointOptions, config) -> None:
-        self.options, self.config = options, config
+    def __init__(self, options: CheckpointOptions, config, scaler: DynamicLossScaler | None = None) -> None:
+        self.options, self.config, self.scaler = options, config, scaler
         self.pending: PendingSave | None = None
         # an asynchronous save's collectives run beside training's: they get their own group (made by every rank)
         self.group = dist.new_group(backend="gloo") if options.asynchronous and dist.is_initialized() else None
@@ -434,7 +456,7 @@ class Checkpointer:
         path, note = newest(self.options.dir)
         step = 0
         if path is not None:
-            meta = load(path, par, optimizer, scheduler, data, self.config)
+            meta = load(path, par, optimizer, scheduler, data, self.config, self.scaler)
             step = meta["step"]
             if (reshard := resume_note(meta, self.config)) is not None:
                 note += f"; {reshard}"
@@ -449,7 +471,7 @@ class Checkpointer:
             return
         self._finish_pending()
         self.pending = start_save(self.options.dir, step, par, optimizer, scheduler, data, self.config,
-                                  self.group, self.options.asynchronous)
+                                  self.group, self.options.asynchronous, self.scaler)
         if last or not self.options.asynchronous:
             self._finish_pending()
 

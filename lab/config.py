@@ -28,6 +28,10 @@ MOE_GATE_NORMS = ("auto", "none", "topk")  # see ModelConfig.renormalizes_gates
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")  # lab.calc.schedules builds them
 RECOMPUTE_MODES = ("none", "selective", "full")
 KERNEL_MODES = ("eager", "triton")  # torch's own ops, or lab.kernels' Triton kernels patched into the model
+# The numbers a run computes in (lab.precision.scheme): fp32; bf16/fp16 compute with fp32 master weights (fp16 with
+# dynamic loss scaling); bf16 with the linears' three GEMMs in FP8, scaled per tensor or in DeepSeek-V3's tiles.
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-tilewise")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")  # what gradients are summed in: over micro-batches and over ranks
 DP_MODES = ("naive", "overlapped", "bucketed")
 CP_IMPLS = ("ring", "zigzag", "ulysses")  # ring attention on contiguous or zig-zag chunks; Ulysses all-to-all
 
@@ -251,6 +255,8 @@ class TrainConfig:
     data_branching: int = 4
     device: str = "auto"
     kernels: str = "eager"  # "triton": RMSNorm, SwiGLU, attention and the loss run as lab.kernels' Triton kernels
+    precision: str = "fp32"  # one of PRECISIONS: the model's compute dtype (FSDP2's param_dtype) and FP8 recipe
+    reduce_dtype: str = "fp32"  # FSDP2's reduce_dtype: gradients summed over micro-batches and ranks in this
 
     def __post_init__(self) -> None:
         self.validate()
@@ -263,6 +269,12 @@ class TrainConfig:
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("kernels", self.kernels, KERNEL_MODES)
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        compute = {"fp16": "fp16", "fp32": "fp32"}.get(self.precision, "bf16")
+        _require(self.reduce_dtype == "fp32" or self.reduce_dtype == compute,
+                 f"reduce_dtype={self.reduce_dtype!r} with precision={self.precision!r}: gradients are summed in "
+                 f"fp32 or in the compute dtype ({compute!r}), never in a narrower or another 16-bit format")
 
 
 @dataclass

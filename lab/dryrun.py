@@ -9,14 +9,16 @@ From the modules the dry run then measures what the rank keeps from step to step
 `lab.calc.memory.estimate_memory` for the same rank's pipeline stage:
 
 - parameters: the numel of the rank's local parameters x their dtype size (under ZeRO-3, only its shard pieces);
-- gradients: of the same tensors as the parameters (under ZeRO-2 and 3, the shard pieces);
+- gradients: of the same tensors as the parameters (under ZeRO-2 and 3, the shard pieces), in the dtype they are
+  summed in (`train.reduce_dtype`), plus the fp32 copy the master weights take of 16-bit sums;
 - optimizer: AdamW's two fp32 states (m, v) over what the rank's optimizer updates, `engine.parameters()` (ZeRO's
-  pieces), plus an fp32 master copy when the weights are not fp32 (calc's "mixed" precision).
+  pieces), plus an fp32 master copy when the weights are not fp32 (`train.precision` bf16, fp16, fp8-*).
 
 Tensors are counted, not the flat buffers behind them: ZeRO's padding of each unit to a multiple of the group
 (at most dp·cp - 1 elements a unit) is in neither column, and the last ranks of a ZeRO group, where the padding
-falls, hold fewer elements (calc's `zero_rank`). lab trains in fp32, so the comparison is in calc's
-`precision="fp32"` (4 + 4 + 8 bytes per parameter). The two are independent accounts of the same layout — one
+falls, hold fewer elements (calc's `zero_rank`). The comparison is in the calc precision of the run's
+`--precision` (`lab.calc.memory.training_precision`: fp32's 4 + 4 + 8 bytes per parameter, bf16's 2 + 4 + 12).
+The two are independent accounts of the same layout — one
 counts tensors that exist, the other multiplies out a formula — so they must agree to the byte; a difference is a
 bug in one of them.
 """
@@ -29,10 +31,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lab.calc.memory import estimate_memory
+from lab.calc.memory import estimate_memory, training_precision
 from lab.config import Config, check_supported
 from lab.distributed.mesh import AXES, GROUPS
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
+from lab.precision.scheme import precision_scheme
 
 STATIC = ("params", "grads", "optimizer")
 ADAMW_STATES = 2  # m and v, fp32 whatever the weights' dtype
@@ -69,7 +72,8 @@ class DryRun:
                  "groups (global ranks):"]
         lines += [f"  {axis:<6} {describe_ranks(ranks)}" for axis, ranks in self.groups.items()]
         lines.append(f"static memory of rank {self.rank} (pipeline stage {self.coords['pp']}), precision "
-                     f"{self.precision!r}: weights and gradients in the modules' dtype, AdamW's m and v in fp32")
+                     f"{self.precision!r}: weights in the modules' dtype, gradients in the one they are summed in, "
+                     "fp32 master weights (unless fp32) and AdamW's m and v")
         lines.append(f"  {'bytes':<12}{'measured (modules)':>20}{'lab.calc.memory':>20}{'GiB':>10}")
         for key in (*STATIC, "total"):
             got = sum(self.measured.values()) if key == "total" else self.measured[key]
@@ -99,22 +103,22 @@ def _numel(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in {id(t): t for t in tensors}.values())  # a tied weight counts once
 
 
-def measure_static(par: Parallelized, zero: int) -> tuple[dict[str, int], str]:
-    """Bytes of weights, gradients and optimizer states the rank keeps between steps, counted on its modules,
-    and the calc precision they correspond to ("fp32", or "mixed" for 16-bit weights with fp32 master copies)."""
+def measure_static(par: Parallelized, zero: int) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer states the rank keeps between steps, counted on its modules."""
     local = list(par.model.parameters())  # a ZeRO-3 model's parameters are views of freed buffers...
-    updated = par.parameters()  # ...what the rank keeps is its shard; its optimizer updates the shard's pieces
+    updated = par.engine.parameters()  # ...what the rank keeps is its shard; its optimizer updates the shard's pieces
     dtype = local[0].dtype
     if any(t.dtype != dtype for t in local + updated):
         raise ValueError(f"the rank's parameters mix dtypes ({sorted({str(t.dtype) for t in local})}): the dry run "
                          f"compares one precision")
-    size = torch.finfo(dtype).bits // 8
-    master = 0 if dtype == torch.float32 else 4  # fp32 master weights next to 16-bit ones
+    policy = par.precision.policy
+    master = 4 if policy.needs_master_weights else 0  # fp32 master weights next to 16-bit ones
+    # gradients summed in reduce_dtype; 16-bit sums also get an fp32 copy in the master gradients
+    grad = policy.reduce_dtype.itemsize + (master if policy.reduce_dtype != torch.float32 else 0)
     kept_params = updated if zero >= 3 else local
     kept_grads = updated if zero >= 2 else local
-    measured = {"params": size * _numel(kept_params), "grads": size * _numel(kept_grads),
-                "optimizer": (4 * ADAMW_STATES + master) * _numel(updated)}
-    return measured, "fp32" if dtype == torch.float32 else "mixed"
+    return {"params": dtype.itemsize * _numel(kept_params), "grads": grad * _numel(kept_grads),
+            "optimizer": (4 * ADAMW_STATES + master) * _numel(updated)}
 
 
 def dry_run(config: Config, rank: int = 0) -> DryRun:
@@ -133,14 +137,18 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
     dist.init_process_group("fake", rank=rank, world_size=p.world_size, store=dist.HashStore())
     try:
         mesh = build_mesh(p)
-        par = parallelize(config.model, mesh, p, torch.device("meta"), config.train.seed, config.train.seq_len)
-        measured, precision = measure_static(par, p.zero)
+        scheme = precision_scheme(config.train.precision, config.train.reduce_dtype)
+        par = parallelize(config.model, mesh, p, torch.device("meta"), config.train.seed, config.train.seq_len,
+                          precision=scheme)
+        measured = measure_static(par, p.zero)
         coords = {**mesh.coords(rank), "ep": mesh.ep_rank}
         groups = {axis: mesh.group_ranks(axis) for axis in GROUPS}
     finally:
         dist.destroy_process_group()
     seconds = time.perf_counter() - start
     mbs = config.train.global_batch // (p.dp * p.grad_accum)
-    estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, precision=precision, stage=coords["pp"],
+    precision, fp32_grad_accum = training_precision(config.train.precision, config.train.reduce_dtype)
+    estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, precision=precision,
+                               fp32_grad_accum=fp32_grad_accum, stage=coords["pp"],
                                zero_rank=groups["dp_cp"].index(rank), flash=True)  # SDPA's fused kernel on a GPU
     return DryRun(config, rank, coords, groups, measured, estimate.per_gpu, precision, seconds)

@@ -6,6 +6,7 @@
     python -m lab.train --config configs/llama3-70b.toml --dp 8 --tp 8 --pp 4 --dry-run --rank 37  # lab.dryrun
     python -m lab.train --config configs/tiny.toml --nproc 2 --checkpoint-dir ckpt --checkpoint-every 2 \
         --inject-failure rank=1,step=3,kind=kill --max-restarts 1     # a rank dies; the group resumes (lab.faults)
+    python -m lab.train --config configs/tiny.toml --nproc 4 --tp 2 --precision fp8-tilewise  # lab.precision
 
 On a CPU it starts `--nproc` gloo ranks through `lab.distributed.run`; under `torchrun` it joins the launched
 group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,
@@ -33,7 +34,7 @@ from torch import nn
 from lab import distributed as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
 from lab.checkpoint import Checkpointer, CheckpointOptions, newest
-from lab.config import KERNEL_MODES, Config, ParallelConfig, check_supported, parse_override, read_config
+from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
 from lab.dryrun import dry_run
 from lab.faults import USAGE, InjectedFailure
@@ -41,6 +42,8 @@ from lab.model import MoE, build_model, moe_losses, num_params
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
 from lab.parallel.pp import cross_entropy
+from lab.precision.loss_scale import DynamicLossScaler
+from lab.precision.scheme import precision_scheme
 
 
 @dataclass
@@ -57,6 +60,8 @@ class StepLog:
     load_imbalance: float | None = None
     dropped_tokens: int | None = None
     aux_loss: float | None = None
+    loss_scale: float | None = None  # fp16 only: the dynamic loss scale this step's backward used
+    skipped: bool | None = None  # fp16 only: an inf/nan gradient made the step skip its update
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None or k == "peak_bytes"}
@@ -93,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--kernels", choices=KERNEL_MODES, help="'triton': train with lab.kernels' Triton kernels patched "
                    "into the model (Triton's interpreter on CPU), as --set train.kernels=triton")
+    p.add_argument("--precision", choices=PRECISIONS, help="what the model computes in: bf16/fp16 with fp32 master "
+                   "weights and fp32 gradient sums (fp16 with loss scaling), fp8-*: bf16 with the linears' GEMMs in "
+                   "FP8 (lab.precision), as --set train.precision=NAME")
     p.add_argument("--seed", type=int)
     p.add_argument("--log-json", metavar="PATH", help="write one JSON object per step to PATH")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
@@ -159,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     model, parallel, train = (data.setdefault(section, {}) for section in ("model", "parallel", "train"))
     for section, name, value in ((model, "preset", args.model), (train, "seq_len", args.seq),
                                  (train, "steps", args.steps), (train, "seed", args.seed),
-                                 (train, "kernels", args.kernels)):
+                                 (train, "kernels", args.kernels), (train, "precision", args.precision)):
         if value is not None:
             section[name] = value
     flags = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ParallelConfig)}
@@ -208,6 +216,12 @@ def _check_kernels(config: Config) -> None:
         where = "CPU tensors (Triton's interpreter, TRITON_INTERPRET=1)" if kernels.DEVICE == "cpu" else "the GPU"
         raise ValueError(f"--kernels triton with train.device={config.train.device!r}: this process runs Triton "
                          f"kernels on {where}; use the same device for the model, or --kernels eager")
+    compute = precision_scheme(config.train.precision).policy.param_dtype
+    if compute not in kernels.supported_dtypes():
+        names = ", ".join(str(d).removeprefix("torch.") for d in kernels.supported_dtypes())
+        raise ValueError(f"--kernels triton with --precision {config.train.precision} (computing in "
+                         f"{str(compute).removeprefix('torch.')}): the kernels here take {names}; use --precision "
+                         f"fp32 or fp16, or --kernels eager")
 
 
 def _device(config: Config) -> torch.device:
@@ -240,10 +254,12 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     if train.kernels == "triton":  # the fused loss here; RMSNorm, SwiGLU and attention patched in below
         from lab import kernels
         from lab.kernels.cross_entropy import cross_entropy as loss
-    par = parallelize(config.model, build_mesh(parallel), parallel, device, train.seed, train.seq_len, loss)
+    scheme = precision_scheme(train.precision, train.reduce_dtype)
+    par = parallelize(config.model, build_mesh(parallel), parallel, device, train.seed, train.seq_len, loss, scheme)
     if train.kernels == "triton":
         kernels.patch(par.model)
-    optimizer = adamw(par.parameters(), train.lr, train.weight_decay)
+    optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16
+    scaler = DynamicLossScaler(enabled=scheme.policy.needs_loss_scaling)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
                            train.data_branching)
@@ -260,7 +276,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         print(f"restart {restart}/{max_restarts}: {where}", file=sys.stderr, flush=True)
     if restart > 0 and checkpoint is not None:  # a restarted group goes on from its newest checkpoint
         checkpoint = dataclasses.replace(checkpoint, resume=True)
-    checkpointer = Checkpointer(checkpoint, config) if checkpoint is not None else None
+    checkpointer = Checkpointer(checkpoint, config, scaler) if checkpoint is not None else None
     first = checkpointer.resume(par, optimizer, scheduler, data) if checkpointer is not None else 0
 
     log_file = _open_log(log_path, first) if (log_path and rank == 0) else None
@@ -274,26 +290,31 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             inputs, targets = par.batch(*data.next_batch())
             if moe is not None:
                 moe.reset()
+            scale = scaler.get_scale()  # fp16: backward starts from loss x scale (1 otherwise)
             if par.pipeline is not None:
+                par.pipeline.grad_scale = scale
                 with par.engine.no_sync():  # the schedule's backwards accumulate; gradients are reduced after
                     loss = par.pipeline.step(inputs, targets, par.batch.positions)
                 loss = torch.zeros((), device=device) if loss is None else loss
             else:
-                loss = _accumulate_gradients(par, inputs, targets, parallel.grad_accum, moe)
-            par.finish_gradients()  # every rank now holds the averaged gradients of what it updates
+                loss = _accumulate_gradients(par, inputs, targets, parallel.grad_accum, moe, scale)
+            par.finish_gradients()  # every rank now holds the averaged gradients of what it updates (fp32 masters)
             loss = par.mean_loss(loss)
+            scaler.unscale_(par.parameters())  # fp16: divide by the scale; all ranks agree on any inf/nan
             norm = clip_grad_norm(par.parameters(), train.grad_clip)
             lr = scheduler.get_last_lr()[0]
             if inject is not None:  # gradients reduced, update not made: the step is lost
                 inject.maybe_fire(rank, step + 1)
-            optimizer.step()
-            par.engine.after_step()
+            stepped = scaler.step(optimizer)  # fp16: skipped when a gradient overflowed
+            scaler.update()
+            par.after_step()  # the masters rounded into the model's weights; ZeRO-1/2 all-gather
             scheduler.step()
-            par.engine.zero_grad()
+            par.zero_grad()
             elapsed = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            entry = StepLog(step + 1, loss.item(), lr, norm.item(),
-                            train.global_batch * train.seq_len / elapsed, peak, **(moe.summary() if moe else {}))
+            fp16 = {"loss_scale": scale, "skipped": not stepped} if scaler.enabled else {}
+            entry = StepLog(step + 1, loss.item(), lr, norm.item(), train.global_batch * train.seq_len / elapsed,
+                            peak, **(moe.summary() if moe else {}), **fp16)
             logs.append(entry)
             if log_file:
                 log_file.write(json.dumps(entry.as_dict()) + "\n")
@@ -363,9 +384,10 @@ class MoEStats:
 
 
 def _accumulate_gradients(par: Parallelized, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int,
-                          moe: MoEStats | None) -> torch.Tensor:
+                          moe: MoEStats | None, grad_scale: float = 1.0) -> torch.Tensor:
     """Forward and backward of every micro-batch in turn (gradient accumulation); returns the mean
-    cross-entropy. An MoE model's router losses are added to what is backpropagated, with their weights."""
+    cross-entropy. An MoE model's router losses are added to what is backpropagated, with their weights; what is
+    backpropagated is multiplied by `grad_scale` (fp16's loss scale)."""
     loss = torch.zeros((), device=inputs.device)
     positions = par.batch.positions
     pairs = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
@@ -374,7 +396,7 @@ def _accumulate_gradients(par: Parallelized, inputs: torch.Tensor, targets: torc
         with par.engine.backward_context(last_micro_batch=i == len(pairs) - 1):
             micro_loss = par.loss_fn(par.model(micro_in, positions), micro_tgt)
             objective = micro_loss + (moe.router_loss(par.model) if moe is not None else 0.0)
-            (objective / micro_batches).backward()
+            (objective * (grad_scale / micro_batches)).backward()
         loss += micro_loss.detach() / micro_batches
     return loss
 
@@ -414,8 +436,11 @@ def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> 
                        + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])
                        + (["sp"] if p.sp else []) + ([f"zero={p.zero}"] if p.zero else [])) or "single process"
     rate, startup, steady = throughput(logs, config.train.global_batch * config.train.seq_len, seconds)
-    return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters) for "
-            f"{len(logs)} steps on {nproc} rank(s) [{layout}]: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "
+    precision = "" if config.train.precision == "fp32" else f" in {config.train.precision}"
+    skipped = sum(bool(log.skipped) for log in logs)
+    skipped = f", {skipped} step(s) skipped on fp16 overflow" if skipped else ""
+    return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters){precision} for "
+            f"{len(logs)} steps on {nproc} rank(s) [{layout}]{skipped}: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "
             f"(data floor {floor:.4f}); {rate:,.0f} tokens/s over {steady}; start-up {startup:.1f} s "
             f"(ranks, model, first step), {seconds:.1f} s in all")
 

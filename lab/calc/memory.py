@@ -46,8 +46,22 @@ PRECISIONS = {
     "fp32": (4, 4, 8),  # fp32 weights and gradients, Adam's m and v
     "mixed": (2, 2, 12),  # bf16 weights and gradients + fp32 master weights, m and v (ZeRO's K = 12)
     "bf16": (2, 2, 8),  # bf16 weights and gradients, fp32 m and v, no master copy: the playbook's 5D plots
+    # bf16 weights, gradients kept in fp32 only (each bf16 gradient moved into an fp32 sum as autograd makes it:
+    # Megatron's main_grad), fp32 master weights, m and v: what `lab.train --precision bf16|fp16|fp8-*` keeps
+    "mixed-fp32-grads": (2, 4, 12),
 }
 FP32_GRAD_ACCUM_BYTES = 4  # an fp32 gradient buffer next to the bf16 one: 16 -> 20 bytes per parameter
+
+
+def training_precision(precision: str, reduce_dtype: str = "fp32") -> tuple[str, bool]:
+    """The scheme of PRECISIONS, and whether to add fp32 gradient accumulation, that a `lab.train --precision`
+    run keeps between steps. FP8 changes no static byte: the FP8 copies of weights and activations are made in
+    each forward and live as activations, the weights stay bf16 with fp32 masters (torchao, DeepSeek-V3 §3.3).
+    Gradients summed in the 16-bit compute dtype (`reduce_dtype`) stay in autograd's .grad, and the fp32
+    masters take an fp32 copy of them: 2 + 4 bytes, the playbook's "fp32 gradient accumulation" layout."""
+    if precision == "fp32":
+        return "fp32", False
+    return ("mixed-fp32-grads", False) if reduce_dtype == "fp32" else ("mixed", True)
 ACTIVATION_MODELS = ("korthikanti", "exact")
 PARAM_CONVENTIONS = ("exact", "playbook")
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from lab.kernels.runtime import DEVICE, MODE, interpreted, require_triton
+from lab.kernels.runtime import DEVICE, MODE, interpreted, require_triton, supported_dtypes
 
 PATCHABLE = ("rms_norm", "swiglu", "attention")
 
@@ -48,4 +48,4 @@ def patch(model: nn.Module, kernels: Iterable[str] = PATCHABLE) -> nn.Module:
     return model
 
 
-__all__ = ["DEVICE", "MODE", "PATCHABLE", "interpreted", "patch", "require_triton"]
+__all__ = ["DEVICE", "MODE", "PATCHABLE", "interpreted", "patch", "require_triton", "supported_dtypes"]

@@ -64,6 +64,12 @@ def require_triton() -> None:
         raise ImportError("lab.kernels needs triton: pip install -e '.[triton]' (or use --kernels eager)")
 
 
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    """What the kernels compute correctly here: fp32 and fp16 in the interpreter (its bf16 is silently wrong),
+    also bf16 on a GPU."""
+    return (torch.float32, torch.float16) if interpreted() else (torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_input(tensor: torch.Tensor, name: str = "input") -> None:
     """Refuse what a kernel cannot compute correctly here, in one line: a tensor on another device than this
     process's kernels (DEVICE), or a dtype other than fp32 and fp16 in the interpreter (its bf16 is silently
@@ -71,7 +77,7 @@ def check_input(tensor: torch.Tensor, name: str = "input") -> None:
     if tensor.device.type != DEVICE:
         where = "the GPU (cuda)" if DEVICE == "cuda" else "the CPU (Triton's interpreter)"
         raise ValueError(f"{name} is on {tensor.device}: this process runs Triton kernels on {where}")
-    allowed = (torch.float32, torch.float16) if interpreted() else (torch.float32, torch.float16, torch.bfloat16)
+    allowed = supported_dtypes()
     if tensor.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         where = "in Triton's interpreter (CPU)" if interpreted() else "on this GPU"

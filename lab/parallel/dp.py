@@ -31,6 +31,11 @@ share one optimizer step.
 
 Gradient accumulation: inside `no_sync()` (every micro-batch but the last) nothing is communicated; the
 gradients add up locally and the last micro-batch's backward sends their sum once.
+
+Mixed precision: every engine sums gradients — over micro-batches and over ranks — in `reduce_dtype` (fp32 by
+default, FSDP2's name). A bf16 parameter's gradient is moved, as autograd finishes it, into `param.main_grad` in
+that dtype (Megatron's name; a bf16 parameter cannot hold an fp32 `.grad`), which is what is reduced and what the
+fp32 master weights take (`lab.precision.master`). Parameters already in `reduce_dtype` keep theirs in `.grad`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lab.precision.master import reduced_gradient
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -56,8 +63,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 @torch.no_grad()
-def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Naive data parallelism: one all-reduce per parameter, after the whole backward pass.
+def all_reduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
+                         reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Naive data parallelism: one all-reduce per parameter, after the whole backward pass, of its gradient as
+    the engines keep it (`.grad`, or `main_grad` in `reduce_dtype` for a parameter of another dtype).
 
     A parameter that got no gradient on this rank (unused, or used only for some inputs) takes part with
     zeros: every rank must issue the same all-reduces in the same order, whatever its data did. One that no
@@ -66,23 +75,35 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = Non
     parameter, to leave those at None as a single process would.
     """
     world = dist.get_world_size(group)
-    for param in model.parameters():
-        if param.requires_grad:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
-            param.grad.div_(world)
+    for param in params:
+        grad = gradient_buffer(param, reduce_dtype)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        grad.div_(world)
+
+
+def gradient_buffer(param: nn.Parameter, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """The tensor holding `param`'s summed gradient (`reduced_gradient`), zeros when backward gave it none: every
+    rank must take part in every collective, whatever its data did."""
+    grad = reduced_gradient(param)
+    if grad is None:
+        grad = torch.zeros_like(param, dtype=reduce_dtype)
+        if param.dtype == reduce_dtype:
+            param.grad = grad
+        else:
+            param.main_grad = grad
+    return grad
 
 
 class DataParallel:
     """What every variant here and ZeRO (`lab.parallel.zero`) share: a rank group, and the `no_sync` switch.
 
-    The rest of the interface — `finish`, `parameters`, `after_step`, `zero_grad`, `resident_bytes` — is the
+    The rest of the interface — `finish`, `parameters`, `after_step`, `zero_grad`, `resident_tensors` — is the
     loop in this module's docstring; each subclass decides when to communicate.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
-        self.model, self.group = model, group
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
+        self.model, self.group, self.reduce_dtype = model, group, reduce_dtype
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.sync = True  # False inside no_sync(): accumulate locally, communicate nothing
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -100,6 +121,10 @@ class DataParallel:
         """`no_sync()` for every micro-batch but the last: the loop body is the same for all of them."""
         return nullcontext() if last_micro_batch else self.no_sync()
 
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of `resident_tensors`, each storage counted once."""
+        return {kind: storage_bytes(tensors) for kind, tensors in self.resident_tensors(optimizer).items()}
+
 
 class NaiveDP(DataParallel):
     """Compute, then communicate: one all-reduce per parameter after the whole backward pass.
@@ -108,10 +133,31 @@ class NaiveDP(DataParallel):
     `finish()` each holds the full average of the gradients.
     """
 
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(model, group, reduce_dtype)
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """A parameter of another dtype than `reduce_dtype` moves each gradient autograd finishes into its
+        `main_grad`, in `reduce_dtype`: the sum over micro-batches is then made in that dtype too."""
+        for param in self.params:
+            if param.dtype != self.reduce_dtype:
+                param.register_post_accumulate_grad_hook(self._to_main_grad)
+
+    @torch.no_grad()
+    def _to_main_grad(self, param: nn.Parameter) -> None:
+        if getattr(param, "main_grad", None) is None:
+            param.main_grad = param.grad.to(self.reduce_dtype)
+        else:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+
     def finish(self) -> None:
-        """Called once after the last backward of a step: afterwards `param.grad` is the average over ranks."""
+        """Called once after the last backward of a step: afterwards each parameter's gradient (`.grad`, or
+        `main_grad` in `reduce_dtype`) is the average over ranks."""
         if self.world > 1:
-            all_reduce_gradients(self.model, self.group)
+            all_reduce_gradients(self.params, self.group, self.reduce_dtype)
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer updates: every trainable parameter."""
@@ -123,18 +169,20 @@ class NaiveDP(DataParallel):
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
+            if param.dtype != self.reduce_dtype:
+                param.main_grad = None
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """A copy of every parameter by name (`Zero.full_parameters` gathers the shards to give the same)."""
         return {name: param.detach().clone() for name, param in self.model.named_parameters()}
 
-    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes held right now by parameters, gradients and `optimizer`'s states (AdamW's m, v and step)."""
+    def resident_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor | None]]:
+        """The tensors held right now as parameters, gradients and `optimizer`'s states (AdamW's m, v and step)."""
         grads = [p.grad for p in self.params] + [getattr(p, "main_grad", None) for p in self.params]
         states = [t for state in optimizer.state.values() for t in state.values()]
-        return {"params": storage_bytes(self.params), "grads": storage_bytes(grads),
-                "optimizer": storage_bytes(states)}
+        return {"params": list(self.params), "grads": grads, "optimizer": states}
+
 
 
 class OverlappedDP(NaiveDP):
@@ -147,17 +195,22 @@ class OverlappedDP(NaiveDP):
     lifts the restriction.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
-        super().__init__(model, group)
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.handles: list[dist.Work] = []
+        super().__init__(model, group, reduce_dtype)
+
+    def _register_hooks(self) -> None:
+        super()._register_hooks()  # first: a bf16 gradient is in main_grad by the time ours runs
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self.sync and self.world > 1:
-            param.grad.div_(self.world)  # average = sum of (grad / world): divide first, as DDP does
-            self.handles.append(dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            grad = reduced_gradient(param)
+            grad.div_(self.world)  # average = sum of (grad / world): divide first, as DDP does
+            self.handles.append(dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
 
     def finish(self) -> None:
         launched = len(self.handles)
@@ -170,15 +223,16 @@ class OverlappedDP(NaiveDP):
 
 
 class Bucket:
-    """A few parameters whose gradients live side by side in one flat fp32 buffer (`param.main_grad` views).
+    """A few parameters whose gradients live side by side in one flat buffer (`param.main_grad` views).
 
-    fp32 so that gradients accumulated over micro-batches keep their precision even when the model computes
-    in bf16 (what Megatron and picotron do); contiguous so that one collective sends them all.
+    In `reduce_dtype`, fp32 by default, so that gradients accumulated over micro-batches keep their precision
+    even when the model computes in bf16 (what Megatron and picotron do); contiguous so that one collective
+    sends them all.
     """
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype = torch.float32) -> None:
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
         offset = 0
         for param in params:
             param.main_grad = self.buffer[offset:offset + param.numel()].view_as(param)
@@ -198,7 +252,8 @@ class BucketedDP(NaiveDP):
     a bucket closing once it holds at least `bucket_mb` MiB (torch DDP's rule for `bucket_cap_mb`). A hook
     adds each new gradient into its `main_grad` view and frees it; when a bucket's last gradient is in, the
     whole bucket is all-reduced asynchronously. `finish()` waits, then points each `param.grad` at its
-    averaged `main_grad` for the optimizer (no copy for fp32 parameters).
+    averaged `main_grad` for the optimizer (no copy); a parameter of another dtype than the buckets' (a bf16
+    one, fp32 buckets) leaves it in `main_grad`, for its fp32 master weight.
 
     Buckets go out strictly in index order on every rank, as in torch DDP's reducer: a rank whose data left
     a parameter without a gradient (an unused or conditionally used layer) holds back its bucket and every
@@ -207,22 +262,27 @@ class BucketedDP(NaiveDP):
     `all_reduce_gradients`, a parameter no rank used ends with a zero gradient, not None.)
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, bucket_mb: float = 25.0) -> None:
-        super().__init__(model, group)
-        cap = int(bucket_mb * 2**20) // 4  # fp32 elements
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, bucket_mb: float = 25.0,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(model, group, reduce_dtype)
+        cap = int(bucket_mb * 2**20) // reduce_dtype.itemsize  # elements
         self.buckets: list[Bucket] = []
         pending: list[nn.Parameter] = []
         for param in reversed(self.params):
             pending.append(param)
             if sum(p.numel() for p in pending) >= cap:
-                self.buckets.append(Bucket(pending))
+                self.buckets.append(Bucket(pending, reduce_dtype))
                 pending = []
         if pending:
-            self.buckets.append(Bucket(pending))
+            self.buckets.append(Bucket(pending, reduce_dtype))
         for bucket in self.buckets:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, bucket))
         self.next_bucket = 0  # the first bucket not yet all-reduced this step
+
+    def _register_hooks(self) -> None:
+        """None here: the buckets' hooks (registered once the buckets exist) add every gradient into its
+        `main_grad` view, in the buckets' dtype."""
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -257,10 +317,12 @@ class BucketedDP(NaiveDP):
             bucket.ready, bucket.handle = 0, None
         self.next_bucket = 0
         for param in self.params:
-            param.grad = param.main_grad.to(param.dtype)
+            if param.dtype == param.main_grad.dtype:
+                param.grad = param.main_grad
 
     def zero_grad(self) -> None:
-        super().zero_grad()
+        for param in self.params:
+            param.grad = None
         for bucket in self.buckets:
             bucket.buffer.zero_()
 

@@ -29,7 +29,7 @@ from torch import nn
 from lab.collectives.p2p import group_info
 from lab.model import MoE, Transformer
 from lab.parallel.a2a import all_to_all
-from lab.parallel.dp import NaiveDP
+from lab.parallel.dp import NaiveDP, gradient_buffer
 from lab.parallel.placement import place, placement_of
 
 
@@ -81,19 +81,18 @@ class ExpertDataParallel(NaiveDP):
     expert (`expert_dp_group`: one per EP group) and divided by the dp ranks — the global batch's mean loss."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
-                 expert_dp_group: dist.ProcessGroup | None) -> None:
-        super().__init__(model, group)
+                 expert_dp_group: dist.ProcessGroup | None, reduce_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(model, group, reduce_dtype)
         self.expert_dp_group = expert_dp_group
 
     @torch.no_grad()
     def finish(self) -> None:
         for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)  # every rank takes part in every all-reduce
+            grad = gradient_buffer(param, self.reduce_dtype)  # zeros if unused here: every rank takes part
             if placement_of(param).expert:
                 if dist.get_world_size(self.expert_dp_group) > 1:
-                    dist.all_reduce(param.grad, group=self.expert_dp_group)
-                param.grad.div_(self.world)
+                    dist.all_reduce(grad, group=self.expert_dp_group)
+                grad.div_(self.world)
             elif self.world > 1:
-                dist.all_reduce(param.grad, group=self.group)
-                param.grad.div_(self.world)
+                dist.all_reduce(grad, group=self.group)
+                grad.div_(self.world)

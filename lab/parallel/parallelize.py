@@ -8,17 +8,22 @@ TorchTitan's order, applied to each pipeline stage (one stage when pp = 1), on t
   4. EP              keep this rank's experts, route through the all-to-all (`lab.parallel.ep`)
   5. recompute       activation checkpointing (`lab.model.set_recompute`)
   6. materialise     allocate only what is left and fill it with its slice of the single-process values
-  7. DP / ZeRO       the engine that averages gradients over dp x cp (experts over ep_dp), or shards them
+  7. precision       cast to the compute dtype; FP8 GEMMs into the blocks' linears (`lab.precision.scheme`)
+  8. DP / ZeRO       the engine that averages gradients over dp x cp (experts over ep_dp), or shards them, summing
+                     in `reduce_dtype`; fp32 master weights of what this rank updates (`lab.precision.master`)
 
 Each step that shards a parameter records its `Placement`; once the layout is known, `replicas` says how many
 ranks hold each value, so that gradient reduction, clipping (and checkpoints) read one description. The model
 itself (`lab.model`) knows nothing of any of it.
 
-    par = parallelize(config.model, mesh, config.parallel, device, seed, seq_len)
-    optimizer = adamw(par.parameters(), lr, weight_decay)
+    par = parallelize(config.model, mesh, config.parallel, device, seed, seq_len, precision=scheme)
+    optimizer = adamw(par.parameters(), lr, weight_decay)   # the fp32 masters under bf16/fp16
     inputs, targets = par.batch(*data.next_batch())
     ... forward/backward: par.pipeline.step(...) or par.model(...) with par.loss_fn ...
     par.finish_gradients()
+    ... clip, optimizer.step() ...
+    par.after_step()
+    par.zero_grad()
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from lab.data import shard_rows
 from lab.distributed import Mesh
 from lab.model import Transformer, build_model, init_tensor, set_recompute
 from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
-from lab.parallel.dp import DataParallel, NaiveDP
+from lab.parallel.dp import DataParallel, NaiveDP, storage_bytes
 from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
 from lab.parallel.placement import placement_of, set_replicas, sum_partial_gradients
 from lab.parallel.pp import Boundary, LossFn, Pipeline, cross_entropy, cut_to_stage
 from lab.parallel.tp import apply_tensor_parallel, vocab_parallel_cross_entropy
 from lab.parallel.zero import make_data_parallel
+from lab.precision.master import MasterWeights
+from lab.precision.scheme import PrecisionScheme, cast_model, convert_to_fp8, precision_scheme
 
 
 @torch.no_grad()
@@ -87,7 +94,7 @@ class LocalBatch:
 @dataclass
 class Parallelized:
     """What `parallelize` gives a rank: its part of the model, the pipeline driving it (None when pp = 1), the
-    data-parallel engine, the loss function, and how to cut its batch."""
+    data-parallel engine, the master weights the optimizer updates, the loss function, and how to cut its batch."""
 
     model: nn.Module
     pipeline: Pipeline | None
@@ -95,17 +102,42 @@ class Parallelized:
     loss_fn: LossFn
     batch: LocalBatch
     mesh: Mesh | None
+    masters: MasterWeights
+    precision: PrecisionScheme
 
     def parameters(self) -> list[torch.Tensor]:
-        """The tensors this rank's optimizer updates (whole parameters, TP shards or ZeRO pieces)."""
-        return self.engine.parameters()
+        """The tensors this rank's optimizer updates: its whole parameters, TP shards or ZeRO pieces — or, under
+        bf16/fp16, their fp32 master copies."""
+        return self.masters.master_params
 
     def finish_gradients(self) -> None:
-        """After the step's last backward: average over the data-parallel ranks, then sum what is partial over
-        TP (norms under SP, copied KV heads). Every rank then holds the single-process gradient of its values."""
+        """After the step's last backward: average over the data-parallel ranks (in `reduce_dtype`), hand the
+        sums to the fp32 masters, then sum what is partial over TP (norms under SP, copied KV heads). Every rank
+        then holds the single-process gradient of the values it updates."""
         self.engine.finish()
+        self.masters.grads_to_master()
         if self.mesh is not None and self.mesh.tp > 1:
             sum_partial_gradients(self.parameters(), self.mesh.tp_group)
+
+    def after_step(self) -> None:
+        """After the optimizer step: round the masters into the model's weights, then let the engine spread the
+        update (ZeRO-1/2 all-gather the shards)."""
+        self.masters.master_to_model()
+        self.engine.after_step()
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+        self.masters.zero_grad()
+
+    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds right now as parameters, gradients and optimizer states, measured on the live
+        tensors; fp32 master weights count with the optimizer's states (ZeRO's K = 12: master, m, v), their
+        gradients with the gradients (no bytes when they are the engine's fp32 sums themselves)."""
+        tensors = self.engine.resident_tensors(optimizer)
+        if self.precision.policy.needs_master_weights:
+            tensors["optimizer"] += self.masters.master_params
+            tensors["grads"] += [master.grad for master in self.masters.master_params]
+        return {kind: storage_bytes(group) for kind, group in tensors.items()}
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The batch's loss on every rank: from the last pipeline stage, averaged over dp x cp."""
@@ -152,23 +184,28 @@ def _record_replicas(model: nn.Module, parallel: ParallelConfig) -> None:
         set_replicas([param], tp_copies * data_copies)
 
 
-def _engine(model: nn.Module, mesh: Mesh | None, parallel: ParallelConfig) -> DataParallel:
+def _engine(model: nn.Module, mesh: Mesh | None, parallel: ParallelConfig, reduce_dtype: torch.dtype
+            ) -> DataParallel:
     if mesh is None:
-        return NaiveDP(model, None)
+        return NaiveDP(model, None, reduce_dtype)
     if parallel.ep > 1:
-        return ExpertDataParallel(model, mesh.dp_cp_group, mesh.ep_dp_group)
+        return ExpertDataParallel(model, mesh.dp_cp_group, mesh.ep_dp_group, reduce_dtype)
     if parallel.pp > 1 and not parallel.zero:
         # A pipeline's backwards are spread over its schedule: gradients are averaged once it is done.
-        return NaiveDP(model, mesh.dp_cp_group)
+        return NaiveDP(model, mesh.dp_cp_group, reduce_dtype)
     return make_data_parallel(model, mesh.dp_cp_group, zero=parallel.zero, dp_mode=parallel.dp_mode,
-                              bucket_mb=parallel.bucket_mb)
+                              bucket_mb=parallel.bucket_mb, reduce_dtype=reduce_dtype)
 
 
 def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, device: torch.device,
-                seed: int, seq_len: int, loss: LossFn = cross_entropy) -> Parallelized:
+                seed: int, seq_len: int, loss: LossFn = cross_entropy,
+                precision: PrecisionScheme | None = None) -> Parallelized:
     """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process).
     `loss` is the loss on whole logits (a fused kernel may replace torch's); tensor parallelism, whose logits
-    are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead."""
+    are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead. `precision` (default
+    fp32) says what the model computes in; the values start from the fp32 single-process ones, rounded."""
+    precision = precision or precision_scheme("fp32")
+    policy = precision.policy
     schedule = None
     if parallel.pp > 1:
         schedule = make_schedule(parallel.pp_schedule, parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages)
@@ -177,18 +214,25 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
     else:
         stages = [build_stage(cfg, mesh, parallel, 0, 1)]
     for stage in stages:
-        materialize_local(stage, device, seed)
+        cast_model(materialize_local(stage, device, seed), policy)
+        if precision.fp8 is not None:
+            convert_to_fp8(stage, precision.fp8)
     model = nn.ModuleList(stages) if schedule is not None else stages[0]
     _record_replicas(model, parallel)
-    loss_fn = loss
+    loss_on_whole_logits = loss
     if parallel.tp > 1:
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def loss_on_whole_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, targets, mesh.tp_group)
+    loss_fn = loss_on_whole_logits
+    if policy.output_dtype is not None:  # the log-sum-exp over the vocabulary, in fp32
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return loss_on_whole_logits(logits.to(policy.output_dtype), targets)
     pipeline = None
     if schedule is not None:
         boundary = Boundary(cfg.d_model, parallel.tp if parallel.sp else 1, next(model.parameters()).dtype)
         pipeline = Pipeline(stages, schedule, mesh.pp_group, loss_fn, boundary=boundary)
-    engine = _engine(model, mesh, parallel)  # after the pipeline: ZeRO's hooks see the pipeline's calls
+    engine = _engine(model, mesh, parallel, policy.reduce_dtype)  # after the pipeline: ZeRO's hooks see its calls
+    masters = MasterWeights(engine.parameters(), policy)
     coords = (mesh.dp_rank, mesh.dp, mesh.cp_rank, mesh.cp) if mesh is not None else (0, 1, 0, 1)
     batch = LocalBatch(*coords, layout_of(parallel.cp_impl), device, seq_len)
-    return Parallelized(model, pipeline, engine, loss_fn, batch, mesh)
+    return Parallelized(model, pipeline, engine, loss_fn, batch, mesh, masters, precision)

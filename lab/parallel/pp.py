@@ -160,6 +160,7 @@ class Pipeline:
         self.op_delay = op_delay or {}  # seconds of extra work per op kind, to make stages visible on a CPU
         self.boundary = boundary or Boundary(chunks[0].cfg.d_model, dtype=next(chunks[0].parameters()).dtype)
         self.extra_loss = extra_loss  # called after each chunk's forward: loss terms of its own (or None)
+        self.grad_scale = 1.0  # what backward starts from, d(scaled loss)/d(loss): fp16's loss scale, set per step
         self.timings: list[OpTiming] = []
         self.peak_in_flight = 0
         self._recording: list | None = None
@@ -253,11 +254,14 @@ class Pipeline:
     def _backward(self, op: Op) -> None:
         stage, last = self._stage(op.chunk), self.schedule.virtual_stages - 1
         stash = self._stash[(op.microbatch, op.chunk)]
-        grad = None if stage == last else self._receive(op.microbatch, stage, backward=True)
+        def scaled(loss: torch.Tensor) -> torch.Tensor | None:
+            return None if self.grad_scale == 1.0 else torch.full_like(loss, self.grad_scale)
+
+        grad = scaled(stash.output) if stage == last else self._receive(op.microbatch, stage, backward=True)
         roots, root_grads = [stash.output], [grad]  # the loss (last stage) or the output and its gradient
         if stash.extra is not None:
             roots.append(stash.extra)
-            root_grads.append(None)
+            root_grads.append(scaled(stash.extra))
         wants_input = stage > 0
         if self.schedule.split_backward:
             # Only the gradients other stages wait for, and those at the output of every weighted module;

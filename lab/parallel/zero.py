@@ -48,7 +48,8 @@ DP_MODES = {"naive": NaiveDP, "overlapped": OverlappedDP, "bucketed": BucketedDP
 class Unit:
     """The parameters of one block (or of the root) in one flat buffer that the dp ranks shard."""
 
-    def __init__(self, params: list[nn.Parameter], rank: int, world: int, stage: int) -> None:
+    def __init__(self, params: list[nn.Parameter], rank: int, world: int, stage: int,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.params = params
         self.shard_numel = -(-sum(p.numel() for p in params) // world)  # ceil: the last shard ends in padding
         self.full = torch.zeros(self.shard_numel * world, dtype=params[0].dtype, device=params[0].device)
@@ -63,8 +64,10 @@ class Unit:
         self.start = rank * self.shard_numel  # this rank's shard is full[start:start + shard_numel]
         shard = self.full[self.start:self.start + self.shard_numel]
         self.shard = shard.clone() if stage == 3 else shard  # ZeRO-3 frees `full`: the shard needs its own memory
-        self.shard_grad = torch.zeros_like(self.shard)
-        self.grad: torch.Tensor | None = torch.zeros_like(self.full) if stage == 1 else None  # full flat gradient
+        # Gradients in reduce_dtype: summed over micro-batches and reduce-scattered in it (fp32 under bf16 weights)
+        self.reduce_dtype = reduce_dtype
+        self.shard_grad = torch.zeros_like(self.shard, dtype=reduce_dtype)
+        self.grad: torch.Tensor | None = torch.zeros_like(self.full, dtype=reduce_dtype) if stage == 1 else None
         self.ready = 0  # parameters whose gradient of this backward pass is in `grad`
         self.reduced = False  # reduce-scatter launched this step
         self.gathered, self.in_backward = stage < 3, False
@@ -93,17 +96,18 @@ class Zero(DataParallel):
     a gradient in every backward pass: a unit is complete when all of its parameters have one.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, stage: int, prefetch: bool = True) -> None:
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, stage: int, prefetch: bool = True,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage!r} must be 1, 2 or 3 (stage 0 is plain data parallelism)")
-        super().__init__(model, group)
+        super().__init__(model, group, reduce_dtype)
         self.stage, self.prefetch = stage, prefetch
         blocks = [m for m in model.modules() if isinstance(m, Block)]  # also in a pipeline rank's chunks
         in_blocks = {p for block in blocks for p in block.parameters()}
         owners = [(model, [p for p in self.params if p not in in_blocks])]  # the root: all outside the blocks
         owners += [(block, [p for p in block.parameters() if p.requires_grad]) for block in blocks]
         owners = [(module, params) for module, params in owners if params]
-        self.units = [Unit(params, dist.get_rank(group), self.world, stage) for _, params in owners]
+        self.units = [Unit(params, dist.get_rank(group), self.world, stage, reduce_dtype) for _, params in owners]
         self._in_flight: tuple[Unit, dist.Work] | None = None  # the reduce-scatter still running
         for unit in self.units:
             for param in unit.params:
@@ -175,7 +179,7 @@ class Zero(DataParallel):
     @torch.no_grad()
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
         if unit.grad is None:
-            unit.grad = torch.zeros(unit.full.shape, dtype=unit.full.dtype, device=unit.full.device)
+            unit.grad = torch.zeros(unit.full.shape, dtype=unit.reduce_dtype, device=unit.full.device)
         offset = unit.offsets[param]
         unit.grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
@@ -216,8 +220,11 @@ class Zero(DataParallel):
         self._wait_reduce_scatter()
         for unit in self.units:
             unit.reduced = False
-        for piece, grad in self.pieces:
-            piece.grad = grad
+        for piece, grad in self.pieces:  # a bf16 piece cannot hold an fp32 .grad: main_grad, as in lab.parallel.dp
+            if piece.dtype == grad.dtype:
+                piece.grad = grad
+            else:
+                piece.main_grad = grad
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer updates: the pieces of its shards (views: the update lands in the shard)."""
@@ -239,13 +246,13 @@ class Zero(DataParallel):
             for unit in self.units:
                 unit.grad.zero_()
 
-    def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes held right now by parameters (full buffers while gathered, shards), gradients (full flat
-        buffers while they exist, shards) and `optimizer`'s states, measured on the live tensors."""
+    def resident_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor | None]]:
+        """The tensors held right now as parameters (full buffers while gathered, shards), gradients (full flat
+        buffers while they exist, shards) and `optimizer`'s states; `resident_bytes` measures them."""
         params = [p for unit in self.units for p in unit.params] + [unit.shard for unit in self.units]
         grads = [unit.grad for unit in self.units] + [unit.shard_grad for unit in self.units]
         states = [t for state in optimizer.state.values() for t in state.values()]
-        return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
+        return {"params": params, "grads": grads, "optimizer": states}
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -299,8 +306,10 @@ class TorchFSDP2(NaiveDP):
 
 
 def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zero: int = 0,
-                       dp_mode: str = "bucketed", bucket_mb: float = 25.0) -> NaiveDP | Zero:
-    """Plain data parallelism (`dp_mode`) for zero=0, else ZeRO-`zero`, over `group`.
+                       dp_mode: str = "bucketed", bucket_mb: float = 25.0,
+                       reduce_dtype: torch.dtype = torch.float32) -> NaiveDP | Zero:
+    """Plain data parallelism (`dp_mode`) for zero=0, else ZeRO-`zero`, over `group`, summing gradients in
+    `reduce_dtype`.
 
     Works for a single process too (zero=0, no process group): nothing is communicated. ZeRO needs an
     initialised process group.
@@ -308,8 +317,8 @@ def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zer
     if zero:
         if not dist.is_initialized():
             raise ValueError(f"zero={zero} needs a process group: start ranks with lab.distributed.run or torchrun")
-        return Zero(model, group, zero)
+        return Zero(model, group, zero, reduce_dtype=reduce_dtype)
     if dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode={dp_mode!r} must be one of {', '.join(map(repr, DP_MODES))}")
     options = {"bucket_mb": bucket_mb} if dp_mode == "bucketed" else {}
-    return DP_MODES[dp_mode](model, group, **options)
+    return DP_MODES[dp_mode](model, group, reduce_dtype=reduce_dtype, **options)

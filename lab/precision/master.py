@@ -78,6 +78,13 @@ PRESETS = {"fp32": MixedPrecisionPolicy(),
            "fp16": MixedPrecisionPolicy(torch.float16, torch.float32, torch.float32)}
 
 
+def reduced_gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """Where a parameter's summed gradient is: its `.grad`, or, when it was summed in another dtype than the
+    parameter's (fp32 sums of a bf16 model: a bf16 parameter cannot hold an fp32 `.grad`), `param.main_grad` —
+    Megatron's name for that buffer, which the data-parallel engines of `lab.parallel` use too."""
+    return param.grad if param.grad is not None else getattr(param, "main_grad", None)
+
+
 class MasterWeights:
     """fp32 master copies of a model's low-precision parameters, for the optimizer to update.
 
@@ -95,6 +102,12 @@ class MasterWeights:
             raise ValueError(f"parameters in {', '.join(wrong)} given for param_dtype={policy.param_dtype}: cast "
                              "the model to param_dtype first")
         self.master_params = [self._master(p) for p in self.model_params]
+        self._masters = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
+
+    def master(self, param: torch.Tensor) -> torch.Tensor:
+        """The master copy of one of the tensors given (that tensor itself under fp32): what the optimizer updates
+        and keeps state for, and what a checkpoint saves as the weight."""
+        return self._masters[id(param)]
 
     def _master(self, param: torch.Tensor) -> torch.Tensor:
         if not self.policy.needs_master_weights:
@@ -106,19 +119,25 @@ class MasterWeights:
 
     @torch.no_grad()
     def grads_to_master(self) -> None:
-        """Add the model's gradients into the master gradients, summed in `reduce_dtype`, and zero the model's.
+        """Give the master gradients the model's gradients, in fp32.
 
-        Called once per step, the sum over micro-batches is the one backward made in `param_dtype`; called after
-        every micro-batch's backward, it is made in `reduce_dtype` instead (fp32: exact to 24 bits). A parameter
-        without a gradient (unused this micro-batch) is skipped, so its master gradient stays None until one
-        arrives, as autograd's would. The model's gradient is zeroed in place rather than freed: the engines keep
-        views into it (gradient buckets, ZeRO's flat buffers). A `reduce_dtype` narrower than fp32 is emulated:
-        the sum is rounded to it after each addition and kept in the fp32 tensor the optimizer needs.
+        Where a data-parallel engine summed a gradient in another dtype than the parameter's (`main_grad`, see
+        `reduced_gradient`), the master's gradient is that sum: the same buffer when it is fp32, no copy. Otherwise
+        the model's `.grad` is added into the master gradient, summed in `reduce_dtype`, and zeroed. Called once per
+        step, the sum over micro-batches is the one backward made in `param_dtype`; called after every
+        micro-batch's backward, it is made in `reduce_dtype` instead (fp32: exact to 24 bits). A parameter without
+        a gradient (unused this micro-batch) is skipped, so its master gradient stays None until one arrives, as
+        autograd's would. The model's gradient is zeroed in place rather than freed: the engines keep views into
+        it (gradient buckets, ZeRO's flat buffers). A `reduce_dtype` narrower than fp32 is emulated: the sum is
+        rounded to it after each addition and kept in the fp32 tensor the optimizer needs.
         """
         if not self.policy.needs_master_weights:
             return
         for param, master in zip(self.model_params, self.master_params, strict=True):
             if param.grad is None:
+                summed = reduced_gradient(param)
+                if summed is not None:
+                    master.grad = summed.float()
                 continue
             if master.grad is None:
                 master.grad = param.grad.float()
@@ -127,6 +146,12 @@ class MasterWeights:
             if self.policy.reduce_dtype != torch.float32:
                 master.grad.copy_(master.grad.to(self.policy.reduce_dtype))
             param.grad.zero_()
+
+    def zero_grad(self) -> None:
+        """Drop the master gradients (the model's are the engine's to clear)."""
+        if self.policy.needs_master_weights:
+            for master in self.master_params:
+                master.grad = None
 
     @torch.no_grad()
     def master_to_model(self) -> None:

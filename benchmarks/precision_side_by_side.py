@@ -2,8 +2,7 @@
 
     python benchmarks/precision_side_by_side.py                      # tiny model, 2 layers, 2 gloo ranks, 10 steps
     python benchmarks/precision_side_by_side.py --steps 20 --set model.n_layers=4 --json out.json
-    pip install --target /tmp/torchao-site torchao==0.18.0 --no-deps  # torchao without touching the venv's torch
-    PYTHONPATH=/tmp/torchao-site python benchmarks/precision_side_by_side.py
+    pip install -e ".[torchao]"      # torchao 0.18.0 (in make's ".[all]"); its wheel brings no torch of its own
 
 One run — the config's model, `lab.data.SyntheticTokens` batches cut by rows over the dp ranks, the weights
 `lab.model` draws by name from the seed, lab.train's AdamW (`lab.parallel.optim.adamw`), its warm-up plus cosine
@@ -76,7 +75,7 @@ REFERENCES = {"bf16": "torch FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32)
               "fp8-tensorwise": "torchao Float8Linear (tensorwise) on that FSDP2 run",
               "fp8-tilewise": "torchao.prototype.blockwise_fp8_training (1x128, 128x128)"}
 MASTERS = {"lab": "fp32 masters from the bf16 weights, as lab's", "fsdp2": "fp32 masters = the fp32 init, FSDP2's own"}
-TORCHAO_HINT = "pip install --target DIR torchao==0.18.0 --no-deps, then PYTHONPATH=DIR"
+TORCHAO_HINT = "pip install -e \".[torchao]\" (torchao==0.18.0)"
 
 
 def build_config(config_path: str | Path = DEFAULT_CONFIG, sets: Sequence[str] = DEFAULT_SETS,

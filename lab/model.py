@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +72,13 @@ class Linear(nn.Linear):
 
 
 def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, shape (T, dim/2): pair i of position p turns by p·theta^(-2i/dim)."""
+    """cos and sin of the rotation angles, shape (T, dim/2) for positions (T,) shared by the batch, (B, 1, T, dim/2)
+    for positions (B, T) of each sequence (inference: each at its own offset): pair i of position p turns by
+    p·theta^(-2i/dim)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
+    if positions.dim() == 2:
+        angles = angles[:, None]  # broadcast over the heads of (B, H, T, D)
     return angles.cos(), angles.sin()
 
 
@@ -84,13 +89,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+class LayerCache(Protocol):
+    """One layer's KV cache as attention sees it (`lab.inference` has a contiguous and a paged one)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Store the new tokens' k, v (B, n_kv_heads, T, hd) and return the attention (B, n_heads, T, hd) of q over
+        every cached key of its sequence, causally by absolute position."""
+
+
+class KVCacheLike(Protocol):
+    def layer(self, index: int) -> LayerCache: ...
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale + causal mask) v, with fewer KV heads than query heads allowed (GQA)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads.
+
+    With a `cache` (inference, `lab.inference`), the new tokens' keys and values go into it and the queries attend
+    over everything it holds, causally by absolute position: `cache.attend(q, k, v)` replaces the causal core,
+    whose `is_causal=True` is only right when the queries and keys are the same tokens. Training passes none."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -102,13 +123,16 @@ class Attention(nn.Module):
         self.recompute_core = False
         self.core = causal_attention  # softmax(qkᵀ)v; context parallelism swaps in a distributed version
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+                ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.recompute_core:  # selective recompute: keep q, k, v; redo softmax(qkᵀ)v in backward
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        elif self.recompute_core:  # selective recompute: keep q, k, v; redo softmax(qkᵀ)v in backward
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             out = self.core(q, k, v)
@@ -140,7 +164,8 @@ class LatentAttention(nn.Module):
         self.recompute_core = False
         self.core = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+                ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
         q = q.view(B, T, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
@@ -152,7 +177,9 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, k_rope), dim=-1)
         scale = 1.0 / math.sqrt(self.nope_dim + self.rope_dim)
-        if self.recompute_core:
+        if cache is not None:  # keys and values as rebuilt from the latent (a latent cache would store less)
+            out = cache.attend(q, k, v, scale)
+        elif self.recompute_core:
             out = checkpoint(self.core, q, k, v, scale, use_reentrant=False)
         else:
             out = self.core(q, k, v, scale)
@@ -192,10 +219,11 @@ class MoE(nn.Module):
     layout expert parallelism sends over all-to-all, which is why `compute` is a swappable step
     (`lab.parallel.ep` replaces it).
 
-    Every forward leaves, for the trainer and the logs, `aux_loss` (Switch/GShard: n_experts·Σ_e f_e·P_e,
-    f_e the share of assignments and P_e the mean score of expert e; 1 when perfectly balanced), `z_loss`
-    (ST-MoE: the mean squared log-sum-exp of the router logits), `load` (assignments per expert, after
-    drops) and `dropped` (assignments dropped).
+    Every forward in training mode leaves, for the trainer and the logs, `aux_loss` (Switch/GShard:
+    n_experts·Σ_e f_e·P_e, f_e the share of assignments and P_e the mean score of expert e; 1 when perfectly
+    balanced), `z_loss` (ST-MoE: the mean squared log-sum-exp of the router logits), `load` (assignments per
+    expert, after drops) and `dropped` (assignments dropped). In eval mode (inference) there are no balancing
+    losses and no capacity limit: a token's output must not depend on which other tokens share its batch.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -217,18 +245,22 @@ class MoE(nn.Module):
         logits = self.router(tokens).float()
         scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
         weights, chosen = scores.topk(self.top_k, dim=-1)
-        share = torch.zeros(self.n_experts, device=tokens.device).index_add_(
-            0, chosen.flatten(), torch.ones(chosen.numel(), device=tokens.device)) / chosen.numel()
-        probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
-        self.aux_loss = self.n_experts * (share * probability).sum()
-        self.z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if self.training:
+            share = torch.zeros(self.n_experts, device=tokens.device).index_add_(
+                0, chosen.flatten(), torch.ones(chosen.numel(), device=tokens.device)) / chosen.numel()
+            probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
+            self.aux_loss = self.n_experts * (share * probability).sum()
+            self.z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        else:
+            self.aux_loss = self.z_loss = None
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights * self.route_scale).type_as(tokens), chosen
 
     def capacity_mask(self, chosen: torch.Tensor) -> torch.Tensor:
-        """(n_tokens, top_k) bool: which assignments fit their expert's capacity (all, without a factor)."""
-        if not self.capacity_factor:
+        """(n_tokens, top_k) bool: which assignments fit their expert's capacity (all, without a factor or when
+        not training)."""
+        if not self.capacity_factor or not self.training:
             return torch.ones_like(chosen, dtype=torch.bool)
         capacity = math.ceil(self.capacity_factor * chosen.numel() / self.n_experts)
         flat = F.one_hot(chosen.flatten(), self.n_experts)  # assignments in token order, then slot order
@@ -271,8 +303,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
+                ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -292,17 +325,22 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCacheLike | None = None
+                ) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage without the embedding gets hidden
         states (B, T, d_model) instead and, without the output layer, returns hidden states.
-        `positions` (T,) defaults to 0..T-1; context parallelism passes the positions of its chunks."""
+        `positions` (T,) defaults to 0..T-1; context parallelism passes the positions of its chunks; inference
+        passes (B, T), each sequence's own, with a `cache` (`lab.inference`) whose `layer(i)` each block's
+        attention stores its keys and values in and attends over."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:  # from the input, not h: sequence parallelism hands the blocks a shard of h
             positions = torch.arange(tokens.shape[1], device=h.device)
         rope_dim = self.cfg.qk_rope_head_dim if self.cfg.attention == "mla" else self.cfg.head_dim
         cos, sin = rope_angles(positions, rope_dim, self.cfg.rope_theta)
-        for block in self.layers.values():
-            if self.recompute == "full":  # keep only each block's input; redo the block in backward
+        for name, block in self.layers.items():
+            if cache is not None:
+                h = block(h, cos, sin, cache.layer(int(name)))
+            elif self.recompute == "full":  # keep only each block's input; redo the block in backward
                 h = checkpoint(block, h, cos, sin, use_reentrant=False)
             else:
                 h = block(h, cos, sin)

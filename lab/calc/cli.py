@@ -6,6 +6,7 @@
     python -m lab calc comms --op all_reduce --ranks 16 --hardware h100 --bytes 256MiB
     python -m lab calc bubble --pp-schedule interleaved --pp 8 --grad-accum 32 --pp-chunks 2 --tf 1 --tb 2
     python -m lab calc search --model llama3-70b --gpus 256 --gpus-per-node 8 --hardware h100 --seq 8192 --gbs-tokens 4M
+    python -m lab calc inference --model llama3-70b --hardware h100 --tp 8 --seq 8192 --batch 32 --kv-dtype int8
 
 One vocabulary with `python -m lab train`: a concept has one flag name in every command (`VOCABULARY`).
 Invalid values print one line naming the field, the value and what is allowed, and exit with status 2.
@@ -19,7 +20,7 @@ import math
 import re
 import sys
 
-from lab.calc import roofline
+from lab.calc import inference, roofline
 from lab.calc.bubble import Simulation, closed_form, explore
 from lab.calc.comms import ALGORITHMS as COMM_ALGORITHMS
 from lab.calc.comms import OPS as COMM_OPS
@@ -36,18 +37,18 @@ from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, Para
 # The flags that name the same concept in `lab train` and the `lab calc` subcommands, and the commands that take
 # each: one spelling everywhere (tests/test_calc_cli.py checks every parser accepts them).
 VOCABULARY = {
-    "--model": ("train", "params", "memory", "flops", "search"),
-    "--seq": ("train", "memory", "flops", "search"),
+    "--model": ("train", "params", "memory", "flops", "search", "inference"),
+    "--seq": ("train", "memory", "flops", "search", "inference"),
     "--mbs": ("train", "memory", "flops", "search"),
-    "--dp": ("train", "memory", "flops", "search"), "--tp": ("train", "memory", "flops", "search"),
+    "--dp": ("train", "memory", "flops", "search"), "--tp": ("train", "memory", "flops", "search", "inference"),
     "--cp": ("train", "memory", "flops", "search"), "--pp": ("train", "memory", "flops", "bubble", "search"),
     "--ep": ("train", "memory", "search"), "--zero": ("train", "memory", "search"), "--sp": ("train", "memory"),
     "--grad-accum": ("train", "memory", "flops", "bubble", "search"),
     "--pp-schedule": ("train", "memory", "bubble", "search"),
     "--pp-chunks": ("train", "memory", "bubble", "search"),
     "--recompute": ("train", "memory", "flops", "search"),
-    "--precision": ("memory", "flops"),
-    "--hardware": ("memory", "flops", "comms", "search"),
+    "--precision": ("memory", "flops", "inference"),
+    "--hardware": ("memory", "flops", "comms", "search", "inference"),
     "--gpus-per-node": ("comms", "search"),
 }
 SEARCH_HARDWARE = tuple(h for h in HARDWARE if h in SYSTEMS)  # an accelerator and a cluster design of that name
@@ -237,6 +238,28 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None, help="pin it (default: searched)")
     search.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     search.add_argument("--json", action="store_true")
+
+    serve = sub.add_parser(
+        "inference", help="serving on paper: KV cache, sequences that fit, decode step bound, prefill, critical batch",
+        description="How to Scale Your Model ch. 7-8 for a preset on --tp chips (lab.calc.inference): the KV cache "
+                    "per token and sequence, the weights per chip, how many sequences of --seq tokens fit, the "
+                    "decode step at --batch sequences (weights + KV read once from HBM; the weight matmuls "
+                    "compute-bound past the critical batch), its tokens/s, and one prompt's prefill at --mfu.")
+    serve.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
+    serve.add_argument("--hardware", choices=tuple(HARDWARE), default="h100", help="the accelerator (default h100)")
+    serve.add_argument("--tp", type=int, default=1, help="tensor-parallel chips serving one replica (default 1)")
+    serve.add_argument("--seq", type=int, default=4096, help="context length of each sequence (default 4096)")
+    serve.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    serve.add_argument("--kv-dtype", choices=tuple(inference.STORAGE_BYTES), default="bf16",
+                       help="number format of the KV cache (default bf16)")
+    serve.add_argument("--weight-dtype", choices=tuple(inference.STORAGE_BYTES), default="bf16",
+                       help="number format the weights are stored in (default bf16)")
+    serve.add_argument("--precision", choices=("bf16", "fp8", "int8"), default="bf16",
+                       help="number format of the matmuls, for the peak (default bf16)")
+    serve.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak prefill reaches (default 0.4)")
+    serve.add_argument("--comms", action="store_true",
+                       help="add TP's all-reduces (2 per layer, alpha-beta over NVLink) to the decode step")
+    serve.add_argument("--json", action="store_true")
     return parser
 
 
@@ -451,6 +474,34 @@ def _search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inference(cfg: ModelConfig, args: argparse.Namespace) -> int:
+    plan = inference.serving_plan(cfg, args.hardware, args.tp, args.seq, args.batch,
+                                  inference.STORAGE_BYTES[args.kv_dtype], inference.STORAGE_BYTES[args.weight_dtype],
+                                  args.precision, args.mfu, comms=args.comms)
+    if args.json:
+        print(json.dumps(plan))
+        return 0
+    step = plan["step"]
+    print(f"{cfg.name} on {args.tp} x {args.hardware} (tensor parallel); context {args.seq:,} tokens, batch "
+          f"{args.batch}; weights {args.weight_dtype}, KV cache {args.kv_dtype}, matmuls {args.precision}")
+    rows = [("KV cache per token", f"{plan['kv_bytes_per_token']:,.0f} B"),
+            ("KV cache per sequence", f"{plan['kv_bytes_per_sequence'] / 1e9:,.3f} GB (10^9 B)"),
+            ("weights per chip", f"{plan['weight_bytes_per_chip'] / 1e9:,.2f} GB of {plan['weight_bytes'] / 1e9:,.2f} "
+                                 f"GB ({plan['min_chips_for_weights']:.2f} chips' memory)"),
+            ("sequences that fit", f"{plan['max_sequences']:,} ({'fits' if plan['fits'] else 'does NOT fit'} at "
+                                   f"batch {args.batch})"),
+            ("decode step bound", f"{step['latency_bound_s'] * 1e3:,.2f} ms reading weights + KV "
+                                  f"({step['weights_s'] * 1e3:,.2f} + {step['kv_s'] * 1e3:,.2f} ms)"),
+            ("decode step", f"{step['time_s'] * 1e3:,.2f} ms; weight matmuls {step['bound']}-bound"
+                            + (f"; TP all-reduces {step['comms_s'] * 1e3:,.2f} ms" if args.comms else "")),
+            ("critical batch", f"{plan['critical_batch']:,.0f} sequences (compute-bound above)"),
+            ("tokens/s", f"{plan['tokens_per_s']:,.0f} ({plan['tokens_per_s_per_chip']:,.0f} per chip)"),
+            ("prefill of one sequence", f"{plan['prefill_s'] * 1e3:,.1f} ms at {args.mfu:.0%} MFU")]
+    for name, value in rows:
+        print(f"  {name:<24} {value}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -462,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "search":
             return _search(args)
         cfg = ModelConfig.from_preset(args.model)
-        return {"params": _params, "memory": _memory, "flops": _flops, "roofline": _roofline}[args.what](cfg, args)
+        return {"params": _params, "memory": _memory, "flops": _flops, "roofline": _roofline,
+                "inference": _inference}[args.what](cfg, args)
     except ValueError as err:
         print(f"{parser.prog} {args.what}: error: {err}", file=sys.stderr)
         return 2

@@ -266,8 +266,8 @@ def critical_batch(hardware: str | Accelerator, weight_bytes: float = 2, precisi
                    model: ModelConfig | str | None = None) -> float:
     """The decode batch (tokens in flight) above which the weight matmuls are compute-bound: 2·B FLOPs per
     weight against `weight_bytes` per weight read, so B > ridge x weight_bytes / 2 (ch. 7: 240 on a TPU v5e in
-    bf16, 120 for int8 weights with bf16 compute); an MoE model's tokens share each expert k/E as often, so
-    B > ridge x weight_bytes / 2 x E/k (ch. 4 Q8)."""
+    bf16, 120 for int8 weights with bf16 compute). In an MoE layer each expert sees only k/E of the tokens while
+    all E are read, so B > ridge x weight_bytes / 2 x E/k (ch. 4 Q8)."""
     _positive("weight_bytes", weight_bytes)
     batch = ridge_point(_chip(hardware), precision) * weight_bytes / 2
     cfg = None if model is None else _model(model)

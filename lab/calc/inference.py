@@ -25,7 +25,8 @@ shared by all heads of a token and splits over the batch only.
 
 Counting conventions: a step reads the stored weights once (MoE: the experts some token of the batch routes to,
 `weight_bytes_read`); FLOPs are lab.calc.flops' "6N" forward — 2 per active parameter and 4·d_model·context per
-layer for q·kᵀ and p·v (the full matrix, causal or not). Bytes everywhere; `kv_bytes` / `weight_bytes` are bytes
+layer for q·kᵀ and p·v (the full matrix, causal or not; MLA's absorbed attention does more per cached byte, a
+kernel detail this leaves out). Bytes everywhere; `kv_bytes` / `weight_bytes` are bytes
 per element (2 bf16, 1 int8/fp8, 0.5 int4: `STORAGE_BYTES`).
 
 The chapter's widget calls
@@ -34,8 +35,9 @@ The chapter's widget calls
 
 with `intensity` (FLOPs per HBM byte of the step) and `ridge` (the chip's), `latency_bound_s` (the bytes over
 bandwidth), `compute_s` (the FLOPs at peak), `step_s` (the general step), `bound` ("memory" or "compute": which
-one the weight matmuls sit on), `tokens_per_s` and `tokens_per_s_per_chip`. `throughput_latency` gives the
-book's curves as rows (one per batch) and `serving_plan` the ch. 8 reasoning ("serve LLaMA-3 70B") in numbers.
+one the weight matmuls sit on), `tokens_per_s`, `tokens_per_s_per_chip` and `critical_batch`.
+`throughput_latency` gives the book's curves as rows (one per batch) and `serving_plan` the ch. 8 reasoning
+("serve LLaMA-3 70B") in numbers.
 """
 
 from __future__ import annotations

@@ -62,6 +62,12 @@ class SyntheticTokens:
         p = successor_probs(self.branching)
         return float(-(p * p.log()).sum())
 
+    def successors(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The `branching` possible next tokens of each of `tokens`, (..., branching), the most likely first: what
+        a model that learnt the stream should predict (a greedy continuation follows successor 0 every time)."""
+        offsets = torch.arange(self.branching, device=tokens.device) * self._stride
+        return (_mix(tokens, self.seed)[..., None] + offsets) % self.vocab_size
+
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch number `index`, independent of any state."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
@@ -71,8 +77,7 @@ class SyntheticTokens:
         choices = torch.searchsorted(self._cumulative, torch.rand(n, total, generator=generator, dtype=torch.float64))
         choices.clamp_(max=self.branching - 1)
         for t in range(1, total):
-            base = _mix(tokens[:, t - 1], self.seed)
-            tokens[:, t] = (base + choices[:, t] * self._stride) % self.vocab_size
+            tokens[:, t] = self.successors(tokens[:, t - 1]).gather(1, choices[:, t:t + 1]).squeeze(1)
         return tokens[:, :-1].clone(), tokens[:, 1:].clone()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

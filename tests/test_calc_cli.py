@@ -194,7 +194,7 @@ EXAMPLES = {"--model": "tiny", "--seq": "64", "--mbs": "2", "--dp": "2", "--tp":
             "--gpus-per-node": "4"}
 REQUIRED = {"params": ["--model", "tiny"], "memory": ["--model", "tiny"], "flops": ["--model", "tiny"],
             "comms": ["--bytes", "1e6", "--ranks", "8"], "bubble": [], "train": [],
-            "search": ["--model", "tiny", "--gpus", "8", "--gbs-tokens", "1M"]}
+            "search": ["--model", "tiny", "--gpus", "8", "--gbs-tokens", "1M"], "inference": ["--model", "tiny"]}
 
 
 def _parse(command: str, argv: list[str]):

@@ -18,7 +18,7 @@ LAB = Path(__file__).resolve().parents[1] / "lab"
 RULE_SOURCE = "DESIGN.md, 'Which way imports run'"
 
 IMPLEMENTATION = ("lab.parallel", "lab.distributed", "lab.model", "lab.calc", "lab.collectives", "lab.config",
-                  "lab.data", "lab.kernels", "lab.precision")
+                  "lab.data", "lab.kernels", "lab.precision", "lab.inference")
 TORCH_FREE = ("lab.calc", "lab.config")  # they run in a browser kernel and make widgets instant
 WIDGET_MODULE_LEVEL = ("lab.calc", "lab.config", "lab.widgets")  # widgets ─► calc: instant to import
 # The exception, each entry for a demonstration that runs the real code: ranks started through lab.distributed
@@ -29,7 +29,7 @@ WIDGET_DEFERRED = ("lab.distributed", "lab.collectives", "lab.model")
 FORBIDDEN = [
     (("lab.model",), ("lab.parallel", "lab.distributed", "lab.kernels"),
      "model imports nothing from parallel or dist (nor kernels: they are swapped into its seams)"),
-    (("lab.kernels", "lab.precision"), ("lab.parallel", "lab.distributed"),
+    (("lab.kernels", "lab.precision", "lab.inference"), ("lab.parallel", "lab.distributed", "lab.checkpoint"),
      "inference, precision, kernels ─► model, never the techniques above it"),
     (("lab.distributed",), ("lab.parallel",), "dist knows nothing of the techniques above it"),
     (("lab.parallel",), ("lab.train", "lab.widgets", "lab.grading"), "parallel imports no train, widgets or grading"),

@@ -248,22 +248,43 @@ def test_preempted_sequence_is_reprefilled_with_its_generated_tokens_and_continu
     bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     sched, runner = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=16), FakeRunner(bm)
     a, b = make_seq(0, [1, 2, 3, 4], max_tokens=6), make_seq(1, [5, 6, 7, 8], max_tokens=6)
-    sched.add(a)
-    sched.add(b)
+    c = make_seq(2, [9, 10, 11, 12], max_tokens=1)  # arrives last, waits for a free place (max_num_seqs=2)
+    for seq in (a, b, c):
+        sched.add(seq)
     assert step(sched, runner)[0] == [(a, 4), (b, 4)]
-    # Both now need a second block and one is left: a (admitted first) gets it, b (the newest) is preempted.
+    # Both now need a second block and one is left: a (admitted first) gets it, b (the newest) is preempted,
+    # and goes back in line ahead of c, which arrived after it.
     scheduled, _ = step(sched, runner)
-    assert scheduled == [(a, 1)]
+    assert scheduled == [(a, 1)] and list(sched.waiting) == [b, c]
     assert b.status is SequenceStatus.WAITING and b.preemptions == 1 and b.block_table == []
     assert b.num_computed_tokens == 0 and b.generated == [next_token([5, 6, 7, 8])]
-    chunks_b = []
+    chunks = []
     while sched.has_unfinished():
         scheduled, _ = step(sched, runner)
+        chunks.append({seq.seq_id: n for seq, n in scheduled})
+    chunks_b = [step[1] for step in chunks if 1 in step]
+    assert chunks_b == [5, 1, 1, 1, 1]  # prompt + its one generated token computed again, then decodes
+    assert min(i for i, step in enumerate(chunks) if 2 in step) == min(i for i, step in enumerate(chunks) if 1 in step)
+    for seq in (a, b, c):
+        assert seq.generated == reference(seq.token_ids[:4], seq.params)
+
+
+def test_without_chunked_prefill_a_recompute_longer_than_the_budget_is_still_split():
+    # b is preempted with 9 tokens (4 prompt + 5 generated) and the budget is 8: a new prompt that long is refused
+    # by add(), but a recompute has to be split, or b would wait forever.
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    sched, runner = Scheduler(bm, 2, 8, chunked_prefill=False), FakeRunner(bm)
+    a, b = make_seq(0, [1, 2, 3, 4], max_tokens=9), make_seq(1, [5, 6, 7, 8], max_tokens=9)
+    sched.add(a)
+    sched.add(b)
+    chunks_b = []
+    while sched.has_unfinished():
+        scheduled = sched.schedule()
+        assert scheduled, "nothing scheduled"
+        sched.update(scheduled, runner.run(scheduled))
         chunks_b += [n for seq, n in scheduled if seq is b]
-    assert chunks_b[0] == 5  # prompt + its one generated token, computed again
-    assert chunks_b[1:] == [1] * 4
-    assert a.generated == reference(a.token_ids[:4], a.params)
-    assert b.generated == reference(b.token_ids[:4], b.params)
+    assert b.preemptions == 1 and chunks_b[5:7] == [8, 1]
+    assert b.generated == reference([5, 6, 7, 8], b.params)
 
 
 def test_preempted_sequence_with_prefix_caching_reuses_its_own_blocks():
@@ -427,7 +448,7 @@ def test_simulated_run_gives_the_reference_tokens_in_every_configuration_and_ord
             assert bm.prefix_hits > 0
 
 
-def test_stop_tokens_end_requests_early_and_are_kept():
+def test_the_workload_really_exercises_stop_tokens():  # so that the simulated runs test stopping
     expected = expected_outputs()
     stopped = [i for i, (_, params) in enumerate(workload()) if params.stop_token_ids]
     assert stopped and all(

@@ -13,9 +13,8 @@ sequences in flight), as in vLLM V1, which has no separate prefill and decode ph
    FRONT of the waiting queue. Its generated tokens are kept: when it is admitted again, prompt and generated
    tokens are prefilled together (preemption by recompute; with prefix caching, its own committed blocks are
    likely still cached, so the recompute is cheap).
-2. Then, if nobody was preempted this step, waiting sequences in arrival order (FCFS), while the budget,
-   `max_num_seqs` and the free blocks allow. The head of the queue is never skipped for a smaller request behind
-   it: that would starve long prompts.
+2. Then waiting sequences in arrival order (FCFS), while the budget, `max_num_seqs` and the free blocks allow.
+   The head of the queue is never skipped for a smaller request behind it: that would starve long prompts.
 
 Chunked prefill (Sarathi, Agrawal et al. 2023) cuts a long prompt into budget-sized pieces over several steps,
 so a 10,000-token prompt does not stall every running decode for one long step: decodes are scheduled first and
@@ -112,7 +111,6 @@ class Scheduler:
         """The sequences that run this step and how many new tokens each, in batch order."""
         scheduled: list[tuple[Sequence, int]] = []
         budget = self.max_num_batched_tokens
-        num_running = len(self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -123,10 +121,11 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
             i += 1
-        preempted = len(self.running) < num_running  # only preemption takes sequences out of `running` here
 
-        # Admit only when nobody was preempted: memory is short, and the preempted are first in line anyway.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A sequence preempted just now is at the head of the queue and needs at least the blocks it gave up, one
+        # of which went to the sequence that preempted it: it cannot come straight back in this step, and FCFS
+        # keeps everyone behind it waiting too, so a preemption is never undone within a step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.num_cached_tokens(seq)
             n = self._chunk(seq, seq.num_tokens - cached, budget)

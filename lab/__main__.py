@@ -3,6 +3,7 @@
     python -m lab doctor                      what this machine can run
     python -m lab train --config configs/tiny.toml --nproc 2
     python -m lab calc params --model llama3-8b
+    python -m lab serve --config configs/tiny.toml --requests 32
     python -m lab calc bubble --pp-schedule zb-h1 --pp 8 --grad-accum 32
     python -m lab checkpoint inspect ckpt/step-00000020
     python -m lab launch slurm --config configs/llama3-8b.toml --nodes 2 --gpus-per-node 8 --set parallel.dp=16
@@ -19,6 +20,7 @@ COMMANDS = {
     "release": ("lab.grading.release", "write exercises/ (or one assignment's hand-out) from solutions/"),
     "grade": ("lab.grading.grade", "grade notebooks in sandboxes: CSV, Gradescope results.json, feedback"),
     "check": ("lab.grading.learner", "check a saved exercise notebook, as lab.check() does in JupyterLab"),
+    "serve": ("lab.serve", "an offline batch of requests through lab.inference's engine: throughput, latency"),
     "checkpoint": ("lab.checkpoint", "inspect a DCP checkpoint, or convert it to one plain state_dict file"),
     "launch": ("lab.distributed.slurm", "write the sbatch script that runs lab.train on N nodes of G GPUs (Slurm)"),
 }

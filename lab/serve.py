@@ -1,0 +1,255 @@
+"""`python -m lab serve`: a batch of requests through `lab.inference`'s engine, offline, with the serving numbers.
+
+    python -m lab serve --config configs/tiny.toml --requests 32
+    python -m lab train --config configs/tiny.toml --steps 200 --checkpoint-dir ckpt
+    python -m lab serve --checkpoint ckpt --requests 32 --max-tokens 64 --json serve.json
+    python -m lab serve --checkpoint ckpt --requests 8 --tp 2        # tensor-parallel decode on 2 local ranks
+
+The prompts are drawn from the training stream (`lab.data.SyntheticTokens` of the config), so a model trained
+by `python -m lab train` continues them the way the stream does, and the report says how often: the share of
+generated tokens that are one of the stream's possible successors of the token before (1 for a model that learnt
+the stream, about branching/vocab for noise). Every request arrives at time 0; the report gives throughput,
+time to first token and request latency percentiles, the steps' composition, the prefix-cache hits, and — for
+the decode steps — the fraction of the memory roofline reached (bytes of weights and KV cache read per step over
+the step time and the device's bandwidth: `lab.calc.hardware` on a GPU, a measured copy bandwidth on a CPU).
+
+The engine sees the model through the cache seam only. Tensor parallelism is applied here, from outside: the
+blocks split by `lab.parallel.tp` exactly as in training, the vocabulary-parallel logits gathered before
+sampling; every rank runs the same engine on the same requests and samples the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lab import distributed as lab_dist
+from lab.calc.hardware import device_accelerator
+from lab.checkpoint import to_single_file
+from lab.config import Config, load_config
+from lab.data import SyntheticTokens
+from lab.inference.engine import EngineConfig, LLMEngine
+from lab.inference.sampling import SamplingParams
+from lab.model import Transformer, build_model, materialize
+
+
+@dataclass
+class ServeReport:
+    requests: int
+    generated_tokens: int
+    seconds: float
+    tokens_per_s: float
+    ttft_ms: dict[str, float]  # time to first token: p50, p90, p99
+    latency_ms: dict[str, float]  # request latency (arrival at 0 to its last token)
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    follows_stream: float  # share of generated tokens that are a possible successor of the token before
+    decode_roofline_fraction: float | None  # median over pure decode steps
+    bandwidth_bytes_per_s: float | None
+
+    def text(self) -> str:
+        pct = " / ".join(f"{v:.1f}" for v in self.ttft_ms.values())
+        lat = " / ".join(f"{v:.1f}" for v in self.latency_ms.values())
+        roof = ("-" if self.decode_roofline_fraction is None else
+                f"{100 * self.decode_roofline_fraction:.1f}% of {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+        return "\n".join([
+            f"served {self.requests} requests, {self.generated_tokens} tokens in {self.seconds:.2f} s: "
+            f"{self.tokens_per_s:,.0f} tokens/s",
+            f"  time to first token p50 / p90 / p99: {pct} ms;  latency p50 / p90 / p99: {lat} ms",
+            f"  {self.steps} steps: {self.prefill_tokens} prefill tokens ({self.prefix_hit_tokens} more from the "
+            f"prefix cache), {self.decode_tokens} decode tokens, {self.preemptions} preemptions",
+            f"  decode steps at {roof} (memory roofline: weights + KV read once a step)",
+            f"  generated tokens that follow the training stream: {100 * self.follows_stream:.1f}%"])
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {f"p{q}": 1e3 * ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)}
+
+
+def copy_bandwidth(nbytes: int = 1 << 27) -> float:
+    """Bytes per second this CPU moves in a large copy (read + write), the best of 5: its memory roofline."""
+    src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def load_model(config: Config, checkpoint: str | None, device: torch.device) -> tuple[Transformer, Config]:
+    """The model to serve: the weights of a `lab.train` checkpoint (and the config it was trained with), or the
+    config's initial weights."""
+    if checkpoint is not None:
+        from lab.checkpoint import newest
+
+        path = newest(checkpoint)[0] or checkpoint
+        state, config = to_single_file(path)
+        model = build_model(config.model).to_empty(device=device)
+        model.tie_weights()
+        model.load_state_dict(state)
+        return model, config
+    return materialize(build_model(config.model), seed=config.train.seed).to(device), config
+
+
+def make_prompts(config: Config, requests: int, prompt_len: tuple[int, int], seed: int) -> list[list[int]]:
+    """`requests` prompts of lengths drawn in [lo, hi], each a stretch of the training stream."""
+    lo, hi = prompt_len
+    data = SyntheticTokens(config.model.vocab_size, hi, requests, seed=config.train.seed,
+                           branching=config.train.data_branching)
+    rows = data.batch(10_000 + seed)[0]
+    lengths = torch.randint(lo, hi + 1, (requests,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [rows[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+class GatheredLogits(nn.Module):
+    """A tensor-parallel model whose vocabulary-parallel logits are all-gathered: what sampling needs."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.model, self.group = model, group
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        local = self.model(tokens, positions, cache).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def tensor_parallel(model: Transformer, group: dist.ProcessGroup | None) -> nn.Module:
+    """This rank's TP shard of a materialised model (chapter 04's layers), logits gathered."""
+    from lab.parallel.tp import apply_tensor_parallel
+
+    return GatheredLogits(apply_tensor_parallel(model, group), group)
+
+
+def serve(config: Config, engine_config: EngineConfig, params: SamplingParams, requests: int,
+          prompt_len: tuple[int, int], checkpoint: str | None = None, tp: int = 1) -> tuple[ServeReport, list]:
+    """Serve `requests` prompts (on `tp` local ranks when tp > 1); the report and each request's tokens."""
+    if tp > 1:
+        results = lab_dist.run(_serve_rank, tp, config, engine_config, params, requests, prompt_len, checkpoint)
+        return results[0]
+    return _serve_rank(config, engine_config, params, requests, prompt_len, checkpoint)
+
+
+def _serve_rank(config: Config, engine_config: EngineConfig, params: SamplingParams, requests: int,
+                prompt_len: tuple[int, int], checkpoint: str | None) -> tuple[ServeReport, list]:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and config.train.device != "cpu" else \
+        torch.device("cpu")
+    model, config = load_model(config, checkpoint, device)
+    served = tensor_parallel(model, None) if dist.is_initialized() else model
+    weight_bytes = sum(p.numel() * p.element_size() for p in served.parameters())  # this rank's shard under TP
+    engine = LLMEngine(served, engine_config)
+    prompts = make_prompts(config, requests, prompt_len, seed=params.seed or 0)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    first, done = {}, {}
+    while engine.has_unfinished():
+        finished = engine.step()
+        now = time.perf_counter() - start
+        for sid in ids:
+            if sid not in first and engine.sequences[sid].num_generated:
+                first[sid] = now
+        done.update({seq.seq_id: now for seq in finished})
+    seconds = time.perf_counter() - start
+    outputs = [engine.sequences[i].generated for i in ids]
+    data = SyntheticTokens(config.model.vocab_size, 2, 1, seed=config.train.seed, branching=config.train.data_branching)
+    follows = [follows_stream(data, engine.sequences[i].token_ids, engine.sequences[i].num_prompt_tokens) for i in ids]
+    bandwidth = _bandwidth(device)
+    kv_per_token = sum(t[0, 0].numel() * t.element_size() for t in (*engine.runner.cache.keys.values(),
+                                                                       *engine.runner.cache.values.values()))
+    fractions = []
+    for record in engine.timeline:
+        if record.ran and all(n == 1 for _, n in record.ran) and bandwidth:
+            context = sum(len(engine.sequences[sid].token_ids) for sid, _ in record.ran)  # an upper bound
+            fractions.append((weight_bytes + kv_per_token * context) / record.seconds / bandwidth)
+    tokens = sum(len(o) for o in outputs)
+    prefill = sum(n for r in engine.timeline for _, n in r.ran if n > 1)
+    report = ServeReport(
+        requests, tokens, seconds, tokens / seconds, _percentiles(list(first.values())),
+        _percentiles(list(done.values())), len(engine.timeline), prefill,
+        sum(r.tokens for r in engine.timeline) - prefill, engine.block_manager.prefix_hits,
+        sum(engine.sequences[i].preemptions for i in ids), statistics.fmean(follows),
+        statistics.median(fractions) if fractions else None, bandwidth)
+    return report, outputs
+
+
+def follows_stream(data: SyntheticTokens, token_ids: list[int], num_prompt_tokens: int) -> float:
+    """The share of a sequence's generated tokens that the stream allows after the token before them."""
+    tokens = torch.tensor(token_ids)
+    before, after = tokens[num_prompt_tokens - 1:-1], tokens[num_prompt_tokens:]
+    return (data.successors(before) == after[:, None]).any(dim=1).double().mean().item()
+
+
+def _bandwidth(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        chip = device_accelerator(torch.cuda.get_device_name(device))
+        return chip.hbm_bandwidth if chip is not None else None
+    return copy_bandwidth()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lab serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=None, help="TOML run config (default: the tiny model)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--checkpoint", help="serve the weights of a lab.train checkpoint (DIR or DIR/step-N)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"))
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, default=256)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention", choices=("torch", "triton"), default="torch",
+                   help="paged attention of decode steps: torch's gather, or chapter 09's Triton kernel")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (local gloo ranks on a CPU)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+        if args.requests < 1:
+            raise ValueError(f"--requests={args.requests} must be >= 1")
+        lo, hi = args.prompt_len
+        if not 1 <= lo <= hi:
+            raise ValueError(f"--prompt-len {lo} {hi}: need 1 <= MIN <= MAX")
+        if args.tp < 1:
+            raise ValueError(f"--tp={args.tp} must be >= 1")
+        engine_config = EngineConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_batched_tokens,
+                                     not args.no_chunked_prefill, not args.no_prefix_caching, args.attention)
+        params = SamplingParams(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        report, _ = serve(config, engine_config, params, args.requests, (lo, hi), args.checkpoint, args.tp)
+    except ValueError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    print(report.text())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(asdict(report), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,7 @@ import sys
 COMMANDS = {
     "doctor": ("lab.doctor", "report versions, devices, backends and extras, with fixes"),
     "train": ("lab.train", "train a model with the parallelisms a config asks for"),
-    "calc": ("lab.calc.cli", "cost models: params, memory, flops, comms (collectives), bubble (pipelines)"),
+    "calc": ("lab.calc.cli", "cost models: params, memory, flops, comms (collectives), bubble (pipelines), inference"),
     "release": ("lab.grading.release", "write exercises/ (or one assignment's hand-out) from solutions/"),
     "grade": ("lab.grading.grade", "grade notebooks in sandboxes: CSV, Gradescope results.json, feedback"),
     "check": ("lab.grading.learner", "check a saved exercise notebook, as lab.check() does in JupyterLab"),

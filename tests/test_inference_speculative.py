@@ -71,12 +71,14 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(models, draft, k
 
 
 def test_a_stop_token_ends_the_output(models):
+    """The stop token is kept, and the tokens its round accepted after it are dropped."""
     params = SamplingParams(max_tokens=MAX_TOKENS)
     reference = generate(models["target"], _prompt(7), params)[0].tolist()
-    stop = reference[5]
+    stop = reference[3]
     result = speculative_generate(models["target"], models["shallow"], _prompt(7),
                                   dataclasses.replace(params, stop_token_ids=(stop,)), 3)
     assert result.tokens == reference[:reference.index(stop) + 1]
+    assert sum(n + 1 for n in result.accepted) > len(result.tokens)  # the stop came mid-round: the rest is cut
 
 
 def _one_hot(tokens: list[int], vocab: int = 6) -> torch.Tensor:

@@ -126,3 +126,29 @@ def test_expect_distribution_passes_sampling_noise_and_fails_a_bias():
         ch11.expect_distribution(biased, p, "first")
     with pytest.raises(ch11.CheckFailed, match="expected 4 counts"):
         ch11.expect_distribution(counts[:3], p, "first")
+
+
+def test_lab_rejection_sampler_passes_the_distribution_check():
+    """The distribution check's closed forms (p for the first and the bonus token, Σ min(p, q) per position for the
+    count accepted) hold for lab.inference.speculative.rejection_sample, driven the way the notebook's driver does."""
+    import random
+
+    import torch
+
+    from lab.inference.speculative import rejection_sample
+
+    class Lab:
+        @staticmethod
+        def run_speculative(draft_probs, target_probs, rounds, seed):
+            g = torch.Generator().manual_seed(seed)
+            q, p = torch.tensor(draft_probs), torch.tensor(target_probs)
+            k, vocab = q.shape
+            counts = {"first": [0] * vocab, "accepted": [0] * (k + 1), "bonus": [0] * vocab}
+            for _ in range(rounds):
+                tokens, accepted = rejection_sample(torch.multinomial(q, 1, generator=g).flatten().tolist(), q, p, g)
+                counts["first"][tokens[0]] += 1
+                counts["accepted"][accepted] += 1
+                counts["bonus"][tokens[-1]] += accepted == k
+            return counts
+
+    ch11.speculative_distribution(Lab(), random.Random(0))

@@ -74,7 +74,7 @@ def _expect_kv_cache(student, rng: random.Random, chunks: list[int], heads: int,
     for i, (q, k, v) in enumerate(steps):
         keys, values = cache.store(0, k, v)
         out = attend_with_offset(q, keys, values, cache.length)
-        at = f"{what}: chunk {i} ({chunks[i]} tokens at length {cache.length})"
+        at = f"{what}: chunk {i} ({chunks[i]} token{'s' if chunks[i] > 1 else ''} at length {cache.length})"
         for name, expected in (("keys", keys), ("values", values), ("out", out)):
             answers = got.get(name)
             answer = answers[i] if isinstance(answers, list) and len(answers) == len(steps) else None

@@ -76,7 +76,7 @@ GROWING_MIN = 2.0  # without it: the same ratio
 PREFIX_SKIP_MIN = 0.90  # share of prefill tokens the prefix cache skips
 WASTE_MAX_BLOCKS = 1.0  # paged KV waste per sequence, in blocks
 HBM_FRACTION_MIN = 0.70  # batch-1 decode: bytes read per step / step time / HBM bandwidth
-SHORT, LONG, LONG_SHARE = (4, 16), (48, 64), 0.25  # the mixed workload's output lengths (see the docstring)
+SHORT, LONG, LONG_SHARE = (4, 16), (48, 64), 0.15  # the mixed workload's output lengths (see the docstring)
 WINDOW = 8  # decode steps whose least time is the time per token at a length
 # CPU lane clocks: this process's CPU time (with one intra-op thread, the work done, whatever else shares the
 # cores: other processes stretch wall time, not this) or wall time
@@ -198,22 +198,25 @@ def step_times(model: nn.Module, prompt: torch.Tensor, tokens: int, use_cache: b
     return [b - a for a, b in zip(starts, starts[1:], strict=False)]
 
 
-def decode_scaling(model: nn.Module, lengths: list[int], prompt_len: int, seed: int = 0,
+def decode_scaling(model: nn.Module, lengths: list[int], prompt_len: int, repeats: int = 1, seed: int = 0,
                    clock: Callable[[], float] = time.perf_counter) -> dict:
     """Milliseconds per generated token at each of `lengths`, with the cache and without: the least time of the
-    WINDOW decode steps ending at that token, out of one generation of max(lengths) tokens per mode (neighbouring
-    steps cost the same, give or take one token of context, so the least of them is the one a busy machine
-    disturbed least). The ratio longest / shortest for each mode."""
+    WINDOW decode steps ending at that token, over `repeats` generations of max(lengths) tokens per mode, the
+    modes taking turns (neighbouring steps cost the same, give or take one token of context, and a repeat comes
+    seconds later: the least of them is the one a busy machine disturbed least). The ratio longest / shortest
+    for each mode."""
     if lengths[0] < WINDOW + 1:
         raise ValueError(f"lengths {lengths}: the first must be >= {WINDOW + 1} (a window of {WINDOW} decode "
                          "steps after the prefill's token)")
     prompt = torch.tensor(random_prompts(1, (prompt_len, prompt_len), model.cfg.vocab_size, seed))
-    times = {key: step_times(model, prompt, lengths[-1], use_cache, clock) for key, use_cache in
-             (("cache", True), ("no_cache", False))}
-    rows = [{"tokens": n, **{f"{key}_ms_per_token": 1e3 * min(t[n - WINDOW:n])
-                             for key, t in times.items()}} for n in lengths]
+    times: dict[str, list[list[float]]] = {"cache": [], "no_cache": []}
+    for _ in range(repeats):
+        for key in times:
+            times[key].append(step_times(model, prompt, lengths[-1], key == "cache", clock))
+    rows = [{"tokens": n, **{f"{key}_ms_per_token": 1e3 * min(min(t[n - WINDOW:n]) for t in runs)
+                             for key, runs in times.items()}} for n in lengths]
     first, last = rows[0], rows[-1]
-    return {"prompt_len": prompt_len, "window": WINDOW, "rows": rows,
+    return {"prompt_len": prompt_len, "window": WINDOW, "repeats": repeats, "rows": rows,
             "cache_ratio": last["cache_ms_per_token"] / first["cache_ms_per_token"],
             "no_cache_ratio": last["no_cache_ms_per_token"] / first["no_cache_ms_per_token"]}
 
@@ -310,15 +313,15 @@ def random_model(preset: str, device: str, dtype: torch.dtype = torch.bfloat16) 
 
 
 def gpu_decode(preset: str, prompt_len: int = 128, tokens: tuple[int, int] = (32, 160), repeats: int = 3,
-               device: str = "cuda") -> dict:
+               device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     """Batch-1 decode of `preset` with the contiguous cache: ms per token from two generation lengths (their
     difference cancels the prefill), against the bytes a step reads (lab.calc.inference.decode_step at the mean
-    context) over the device's HBM bandwidth. `device` lets a test walk it on the CPU."""
+    context) over the device's HBM bandwidth. `device` and `dtype` let a test walk it on the CPU."""
     cuda = torch.device(device).type == "cuda"
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     chip = device_accelerator(device_name) if cuda else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model = random_model(preset, device)
+    model = random_model(preset, device, dtype)
     prompt = torch.randint(model.cfg.vocab_size, (1, prompt_len), device=device)
     generate(model, prompt, SamplingParams(max_tokens=8))  # warm-up: allocator, kernels
     times = {}
@@ -472,13 +475,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lane", choices=("auto", "gpu", "cpu"), default="auto")
     parser.add_argument("--requests", type=int, default=64, help="CPU: requests of the batching workload")
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="CPU: the max batch of both batchings")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="CPU: the max batch of both batchings")
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 240],
                         help="CPU: generated lengths of the decode measurement (prompt + length <= 256 keeps "
                              "the tiny model within its max_seq_len)")
     parser.add_argument("--prompt-len", type=int, default=16, help="CPU: the decode measurement's prompt")
     parser.add_argument("--prefix-requests", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="timed passes, the best kept")
+    parser.add_argument("--batching-repeats", type=int, default=None,
+                        help="CPU: timed passes of each batching (default: --repeats)")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="process",
                         help="CPU: the seconds measured, this process's CPU time (steady when other processes share "
                              "the cores) or wall time")
@@ -487,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU: lab.config presets to decode")
     parser.add_argument("--json", type=Path, default=None, help="write the records and verdicts here")
     args = parser.parse_args(argv)
-    for name in ("requests", "max_num_seqs", "prefix_requests", "repeats", "prompt_len"):
-        if getattr(args, name) < 1:
+    for name in ("requests", "max_num_seqs", "prefix_requests", "repeats", "prompt_len", "batching_repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if len(args.lengths) < 2 or sorted(set(args.lengths)) != args.lengths or args.lengths[0] <= WINDOW:
         parser.error(f"--lengths {args.lengths}: at least two, increasing, the first > {WINDOW} (a window of "
@@ -504,9 +509,10 @@ def main(argv: list[str] | None = None) -> int:
             model, clock = tiny_model(), CLOCKS[args.clock]
             record["clock"] = args.clock
             print(f"seconds are {args.clock} time, {torch.get_num_threads()} intra-op thread(s)")
-            record["batching"] = batching(model, args.requests, args.max_num_seqs, args.repeats, clock=clock)
+            record["batching"] = batching(model, args.requests, args.max_num_seqs,
+                                          args.batching_repeats or args.repeats, clock=clock)
             print_batching(record["batching"])
-            record["decode"] = decode_scaling(model, args.lengths, args.prompt_len, clock=clock)
+            record["decode"] = decode_scaling(model, args.lengths, args.prompt_len, args.repeats, clock=clock)
             print_decode(record["decode"])
             record["prefix"] = prefix_caching(model, args.prefix_requests, clock=clock)
             print_prefix(record["prefix"])

@@ -1,0 +1,129 @@
+"""benchmarks/serving.py's CPU lane, run once in-process at its default sizes (the tiny model): each of issue 20's
+CPU targets met (or, for one, missed for a reason named below), the --json record's shape, the verdict logic, and
+the GPU lane's row logic walked on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "benchmarks" / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def record(bench, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serving") / "serving.json"
+    status = bench.main(["--lane", "cpu", "--repeats", "2", "--batching-repeats", "1", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert status == (0 if all(t["verdict"] == "PASS" for t in record["targets"]) else 1)
+    return record
+
+
+def verdict(record: dict, prefix: str) -> dict:
+    (found,) = [t for t in record["targets"] if t["target"].startswith(prefix)]
+    return found
+
+
+def test_json_record_shape(record):
+    assert record["lane"] == "cpu" and record["device"].startswith("CPU") and record["clock"] == "process"
+    assert {"torch", "python", "threads", "batching", "decode", "prefix", "kv_waste", "targets"} <= set(record)
+    assert len(record["targets"]) == 5
+    for t in record["targets"]:
+        assert set(t) == {"target", "value", "goal", "unit", "verdict"} and t["verdict"] in ("PASS", "MISS"), t
+    b = record["batching"]
+    for mode in ("static", "continuous"):
+        assert set(b[mode]) == {"tokens", "seconds", "tokens_per_s", "steps", "mean_batch"}
+    assert [r["tokens"] for r in record["decode"]["rows"]] == [16, 64, 240]
+
+
+def test_schedule_saves_over_2x_steps(record):
+    """The schedule's half of target 1, no clock involved: static waves of 16 (each as long as its longest member)
+    take over twice the steps of continuous batching on the same requests, which generate the same tokens (the
+    benchmark checks the outputs are equal)."""
+    b = record["batching"]
+    assert b["static"]["tokens"] == b["continuous"]["tokens"]
+    assert b["continuous"]["mean_batch"] > 2 * b["static"]["mean_batch"]
+    assert 2 <= b["step_ratio"] <= b["output_lengths"]["ideal_step_ratio"]
+
+
+@pytest.mark.xfail(strict=True, reason="lab.inference.model_runner attends one sequence at a time in every layer "
+                   "(a gather and an SDPA call per sequence), so a CPU step costs in proportion to its batch and "
+                   "the 2.65x fewer steps give ~1.5x tokens/s; one batched gather + SDPA per layer gives 2.1x")
+def test_continuous_batching_doubles_tokens_per_s(record):
+    assert verdict(record, "continuous / static")["verdict"] == "PASS"
+
+
+def test_decode_per_token_flat_with_cache_growing_without(record):
+    d = record["decode"]
+    assert verdict(record, "decode per token with the cache")["verdict"] == "PASS", d
+    assert verdict(record, "decode per token without the cache")["verdict"] == "PASS", d
+    last = d["rows"][-1]
+    assert last["no_cache_ms_per_token"] > 2 * last["cache_ms_per_token"], d
+
+
+def test_prefix_cache_skips_over_90_percent(record):
+    """8 requests of a 512-token prefix + 16 own tokens, blocks of 16: warm, each prefills only its own block
+    (32 of its 33 blocks hit); cold, the first computes the prefix in one 512-token step and the other 7 find it
+    cached the step after."""
+    p = record["prefix"]
+    assert p["without_prefill_tokens"] == p["prompt_tokens"] == 8 * 528
+    assert p["warm_prefill_tokens"] == 8 * 16 and p["warm_prefix_hits"] == 8 * 512
+    assert p["cold_prefill_tokens"] == 528 + 7 * 16 and p["cold_prefix_hits"] == 7 * 512
+    assert p["warm_skipped"] == pytest.approx(512 / 528) == pytest.approx(p["warm_bound"])
+    assert verdict(record, "prefill tokens skipped")["verdict"] == "PASS"
+
+
+def test_paged_kv_waste_under_one_block(record):
+    w = record["kv_waste"]
+    assert w["samples"] > 100
+    assert 0 < w["paged_max_tokens"] < w["block_size"]
+    assert w["contiguous_mean_tokens"] > 4 * w["paged_mean_tokens"]
+    assert verdict(record, "paged KV waste")["verdict"] == "PASS"
+
+
+def test_workload_and_ideal_ratio(bench):
+    lengths = bench.mixed_lengths(1000, seed=1)
+    long = [n for n in lengths if n >= bench.LONG[0]]
+    assert all(bench.SHORT[0] <= n <= bench.SHORT[1] or bench.LONG[0] <= n <= bench.LONG[1] for n in lengths)
+    assert len(long) / len(lengths) == pytest.approx(bench.LONG_SHARE, abs=0.03)
+    assert bench.mixed_lengths(50, seed=3) == bench.mixed_lengths(50, seed=3)
+    # two waves of 4: [64, 4, 4, 4] waits 64 steps, [8, 8, 8, 8] 8; every slot busy: 108 / 4 = 27 steps
+    assert bench.ideal_step_ratio([64, 4, 4, 4, 8, 8, 8, 8], 4) == pytest.approx(72 / 27)
+
+
+def test_verdicts_at_the_boundaries(bench):
+    record = {"batching": {"speedup": 2.0}, "decode": {"cache_ratio": 1.5, "no_cache_ratio": 1.99},
+              "prefix": {"prefix_len": 512, "warm_skipped": 0.8999},
+              "kv_waste": {"paged_max_blocks": 1.0},
+              "gpu": [{"preset": "llama3-1b", "status": "ok", "hbm_fraction": 0.7},
+                      {"preset": "llama3-8b", "status": "ok", "hbm_fraction": 0.69},
+                      {"preset": "x", "status": "no HBM bandwidth for 'cpu' in lab.calc.hardware"}]}
+    got = [(t["target"].split(",")[0], t["verdict"]) for t in bench.targets(record)]
+    assert got == [("continuous / static batching", "PASS"), ("decode per token with the cache", "PASS"),
+                   ("decode per token without the cache", "MISS"), ("prefill tokens skipped", "MISS"),
+                   ("paged KV waste per sequence", "MISS"), ("llama3-1b batch-1 decode", "PASS"),
+                   ("llama3-8b batch-1 decode", "MISS")]
+
+
+def test_gpu_lane_walked_on_the_cpu(bench, monkeypatch):
+    """The GPU row on CPU tensors (the tiny preset): no HBM bandwidth to compare with, so a status row and no
+    verdict; the reference-engine row says vLLM is absent when it is."""
+    row = bench.gpu_decode("tiny", prompt_len=4, tokens=(2, 4), repeats=1, device="cpu", dtype=torch.float32)
+    assert row["context"] == 4 + 3 and row["status"].startswith("no HBM bandwidth") and "hbm_fraction" not in row
+    assert bench.targets({"gpu": [row]}) == []
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    assert bench.reference_engine()["status"].startswith("not installed")

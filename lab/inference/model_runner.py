@@ -9,7 +9,10 @@ cache seam (`lab.model.LayerCache`):
 1. write: the new tokens' keys and values go to their *slots* — slot = block_table[p // block_size] · block_size
    + p % block_size for position p (the `BlockManager` owns the block tables and the slot mapping);
 2. read: each sequence's queries attend over the keys of positions 0 .. its context length, gathered block by
-   block through its block table, with the mask by absolute position of `kv_cache.attend_with_offset`.
+   block through its block table, masked by absolute position. All sequences at once: queries, keys and values
+   are padded to the longest segment and context of the step, and the mask also hides the padding — one
+   attention call per layer whatever the batch, so a step's cost grows little with the sequences it holds
+   (`attend_each` is the same, one sequence at a time with `kv_cache.attend_with_offset`: the reference).
 
 The K/V cache of each layer is (num_blocks, block_size, kv_heads, head_dim): the layout of the Triton paged
 decode kernel of chapter 09 (`lab.kernels.paged_attention`), which a pure decode step can use instead of the
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lab.inference.block_manager import BlockManager
@@ -74,6 +78,44 @@ def gather_blocks(cache: torch.Tensor, block_table: tuple[int, ...], length: int
     return blocks.flatten(0, 1)[:length].transpose(0, 1)
 
 
+def attend_each(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[Segment],
+                scale: float | None = None) -> torch.Tensor:
+    """The step's attention one sequence at a time: q (1, H, N, hd) -> (1, H, N, hd)."""
+    outputs, start = [], 0
+    for segment in segments:
+        keys = gather_blocks(k_cache, segment.block_table, segment.context)[None]
+        values = gather_blocks(v_cache, segment.block_table, segment.context)[None]
+        queries = q[:, :, start:start + segment.n]
+        outputs.append(attend_with_offset(queries, keys, values, segment.context - segment.n, scale))
+        start += segment.n
+    return torch.cat(outputs, dim=2)
+
+
+def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[Segment],
+                  scale: float | None = None) -> torch.Tensor:
+    """The same as `attend_each` in one attention call: each sequence's queries padded to the step's longest
+    segment (S, H, T, hd), its blocks gathered and padded to the longest table (S, kv_heads, C, hd), and a mask
+    that lets query t of a sequence see key j only if j <= its absolute position."""
+    device, block_size = q.device, k_cache.shape[1]
+    width = max(len(s.block_table) for s in segments)
+    table = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in segments], device=device)
+    keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # (S, width, block_size, kv_heads, hd) -> (S, kv, C, hd)
+    values = v_cache[table].flatten(1, 2).transpose(1, 2)
+    n = torch.tensor([s.n for s in segments], device=device)
+    context = torch.tensor([s.context for s in segments], device=device)
+    steps = torch.arange(int(n.max()), device=device)
+    valid = steps[None, :] < n[:, None]  # (S, T): real queries, not padding
+    token = (n.cumsum(0) - n)[:, None] + steps[None, :]  # each query's index among the step's N tokens
+    queries = q[0][:, token.clamp(max=q.shape[2] - 1)].transpose(0, 1)  # (H, S, T, hd) -> (S, H, T, hd)
+    query_pos = (context - n)[:, None] + steps[None, :]
+    key_pos = torch.arange(width * block_size, device=device)
+    mask = key_pos <= query_pos[..., None]  # also hides the padded keys: a query's position is below its context
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=keys.shape[1] != queries.shape[1])
+    # the real queries, in the step's token order (a padding query's row, all masked, may be NaN: it is dropped)
+    return out.transpose(0, 1)[:, valid][None]  # (1, H, N, hd)
+
+
 class _PagedLayer:
     def __init__(self, cache: PagedKVCache, index: int) -> None:
         self.cache, self.index = cache, index
@@ -86,14 +128,7 @@ class _PagedLayer:
         v_cache.view(-1, *v_cache.shape[2:])[cache.slots] = v[0].transpose(0, 1)
         if cache.attention == "triton" and all(s.n == 1 for s in cache.segments):
             return self._decode_with_triton(q, k_cache, v_cache, scale)
-        outputs, start = [], 0
-        for segment in cache.segments:
-            keys = gather_blocks(k_cache, segment.block_table, segment.context)[None]
-            values = gather_blocks(v_cache, segment.block_table, segment.context)[None]
-            queries = q[:, :, start:start + segment.n]
-            outputs.append(attend_with_offset(queries, keys, values, segment.context - segment.n, scale))
-            start += segment.n
-        return torch.cat(outputs, dim=2)
+        return attend_padded(q, k_cache, v_cache, cache.segments, scale)
 
     def _decode_with_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             scale: float | None) -> torch.Tensor:

@@ -51,9 +51,9 @@ steps (the model runner's per-sequence attention makes a step's cost grow with i
 1.0x (cache) against 2.8x (no cache) from 16 to 240 tokens, 97.0% of prefill skipped warm (84.8% cold), paged
 waste at most 0.94 block (0.45 on average) against the contiguous rows' 2.8 blocks on average. On an H200
 (torch 2.11): 4.3% of HBM bandwidth for llama3-1b (12.1 ms per token) and 13.7% for llama3-8b (24.5 ms): eager
-decode is bound by the host launching some 40 small kernels per layer (a third of them float32 casts around the
-norms and RoPE; a CUDA-graph replay of one token's forward takes 2.3 and 7.1 ms, 22% and 47%), and cuBLAS's
-M=1 GEMMs reach about half the bandwidth.
+decode is bound by the host launching about 50 small kernels per layer (807 per token for llama3-1b, many of
+them float32 casts around the norms and RoPE; a CUDA-graph replay of one token's forward takes 2.3 and 7.1 ms,
+22% and 47%), and cuBLAS's M=1 GEMMs reach about half the bandwidth.
 
 With --json the records, the verdicts and the environment go to a file. The exit status is 1 when a target is
 missed.

@@ -12,8 +12,8 @@ the weight matmuls (`decode_step`'s terms, dashed) cross at the critical batch; 
 sequence adds to the bytes and no batching amortises, keeps the whole step memory-bound at long contexts.
 The right chart is what that buys: decode tokens/s grow with the batch until the weight matmuls turn
 compute-bound, and only there approach the rate of prefill, which is compute-bound from the start. An input the
-calculator refuses (a context longer than the model's, a tp that does not divide its KV heads' layout) shows
-the calculator's one line instead of the charts.
+calculator refuses (a context longer than the model's, a tp that does not divide the model's heads) shows the
+calculator's one line instead of the charts.
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from lab.calc.hardware import HARDWARE
-from lab.calc.inference import STORAGE_BYTES, DecodeStep, decode_step, inference_roofline, max_sequences, prefill_time
+from lab.calc.inference import (
+    STORAGE_BYTES,
+    DecodeStep,
+    Prefill,
+    decode_step,
+    inference_roofline,
+    max_sequences,
+    prefill_time,
+)
 from lab.config import PRESETS
 from lab.widgets.base import Explorer, show_figure
 
@@ -60,7 +68,7 @@ class InferenceExplorer(Explorer):
         self.step: dict | None = None
         self.sweep: list[dict] | None = None
         self.parts: list[DecodeStep] | None = None
-        self.prefill = None
+        self.prefill: Prefill | None = None
         self.fit: int | None = None
         self.children = self.beside(list(self.controls.values()), width="330px")
         self.update()

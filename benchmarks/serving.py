@@ -46,8 +46,9 @@ HBM bandwidth (`lab.calc.hardware`); the target is >= 70%. A row says whether a 
 installed to compare throughput with; none is in this project's environment (vLLM pins its own torch build,
 and the lent GPU machines have no network).
 
-Seen on the shared 2-core CPU machine (torch 2.13): continuous batching 1.5x static's tokens/s on 2.65x fewer
-steps (the model runner's per-sequence attention makes a step's cost grow with its batch), decode per token
+Seen on the shared 2-core CPU machine (torch 2.13): continuous batching 2.2x static's tokens/s on 2.65x fewer
+steps (one attention call per layer for the whole step; 1.5x when the runner attended one sequence at a time, a
+step's cost then growing with its batch), decode per token
 1.0x (cache) against 2.8x (no cache) from 16 to 240 tokens, 97.0% of prefill skipped warm (84.8% cold), paged
 waste at most 0.94 block (0.45 on average) against the contiguous rows' 2.8 blocks on average. On an H200
 (torch 2.11): 4.3% of HBM bandwidth for llama3-1b (12.1 ms per token) and 13.7% for llama3-8b (24.5 ms): eager

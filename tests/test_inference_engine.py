@@ -156,13 +156,17 @@ def test_serve_cli_prints_the_report_and_bad_input_is_one_line(capsys):
     assert "--prompt-len 9 4: need 1 <= MIN <= MAX" in capsys.readouterr().err
 
 
-def test_one_padded_attention_call_equals_one_call_per_sequence():
-    """The model runner's batched attention (queries, keys and values padded, padding masked) against the plain
-    loop over sequences, on a step mixing a decode, a prefill chunk at an offset and a whole prompt."""
-    from lab.inference.model_runner import Segment, attend_each, attend_padded
+def test_one_attention_call_per_step_equals_one_call_per_sequence():
+    """The model runner's attention (every sequence's keys end to end, a block-diagonal causal mask) against the
+    plain loop over sequences, on a step mixing a decode, a prefill chunk at an offset and a whole prompt."""
+    from lab.inference.model_runner import Segment, StepLayout, attend_each, attend_step
 
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(10, 4, 2, 8, generator=g), torch.randn(10, 4, 2, 8, generator=g)
     segments = [Segment(1, 7, (3, 5)), Segment(5, 11, (0, 9, 2)), Segment(6, 6, (4, 8))]
+    key_slots = [b * 4 + p % 4 for s in segments for b, p in ((s.block_table[p // 4], p) for p in range(s.context))]
+    ends = torch.tensor([s.context for s in segments]).cumsum(0).tolist()
+    slots = [slot for s, end in zip(segments, ends, strict=True) for slot in key_slots[end - s.n:end]]
     q = torch.randn(1, 4, 12, 8, generator=g)
-    torch.testing.assert_close(attend_padded(q, k_cache, v_cache, segments), attend_each(q, k_cache, v_cache, segments))
+    step = StepLayout.build(segments, slots, key_slots, torch.device("cpu"))
+    torch.testing.assert_close(attend_step(q, k_cache, v_cache, step), attend_each(q, k_cache, v_cache, segments))

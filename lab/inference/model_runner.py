@@ -8,11 +8,12 @@ cache seam (`lab.model.LayerCache`):
 
 1. write: the new tokens' keys and values go to their *slots* — slot = block_table[p // block_size] · block_size
    + p % block_size for position p (the `BlockManager` owns the block tables and the slot mapping);
-2. read: each sequence's queries attend over the keys of positions 0 .. its context length, gathered block by
-   block through its block table, masked by absolute position. All sequences at once: queries, keys and values
-   are padded to the longest segment and context of the step, and the mask also hides the padding — one
-   attention call per layer whatever the batch, so a step's cost grows little with the sequences it holds
-   (`attend_each` is the same, one sequence at a time with `kv_cache.attend_with_offset`: the reference).
+2. read: each sequence's queries attend over the keys of its positions 0 .. context - 1, found through its
+   block table, masked by absolute position. All sequences at once: the keys of every sequence are gathered end
+   to end by their slots, and one block-diagonal mask lets a query see only earlier keys of its own sequence —
+   one gather and one attention call per layer whatever the batch, so a step's cost grows little with the
+   sequences it holds (`attend_each`, one sequence at a time with `kv_cache.attend_with_offset`, is the
+   reference it is tested against).
 
 The K/V cache of each layer is (num_blocks, block_size, kv_heads, head_dim): the layout of the Triton paged
 decode kernel of chapter 09 (`lab.kernels.paged_attention`), which a pure decode step can use instead of the
@@ -44,9 +45,32 @@ class Segment:
     block_table: tuple[int, ...]
 
 
+@dataclass
+class StepLayout:
+    """Where a step's tokens go and what they read, computed once per step for every layer: the slot of each new
+    token (N,), the slots of every sequence's keys end to end (K,), and the (N, K) mask of which keys each query
+    sees (its own sequence's, up to its position)."""
+
+    segments: list[Segment]
+    slots: torch.Tensor
+    key_slots: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, segments: list[Segment], slots: list[int], key_slots: list[int],
+              device: torch.device) -> StepLayout:
+        query_seq = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor([s.n for s in segments]))
+        key_seq = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor([s.context for s in segments]))
+        query_pos = torch.cat([torch.arange(s.context - s.n, s.context) for s in segments])
+        key_pos = torch.cat([torch.arange(s.context) for s in segments])
+        mask = (query_seq[:, None] == key_seq[None, :]) & (key_pos[None, :] <= query_pos[:, None])
+        as_long = {"dtype": torch.long, "device": device}
+        return cls(segments, torch.tensor(slots, **as_long), torch.tensor(key_slots, **as_long), mask.to(device))
+
+
 class PagedKVCache:
-    """Keys and values in fixed-size blocks, per layer (allocated at the layer's first write), and what the step
-    being run needs to use them: where each new token goes (`slots`) and each sequence's segment."""
+    """Keys and values in fixed-size blocks, per layer (allocated at the layer's first write), and the layout of
+    the step being run."""
 
     def __init__(self, num_blocks: int, block_size: int, attention: str = "torch") -> None:
         if attention not in ATTENTION:
@@ -54,8 +78,7 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.attention = num_blocks, block_size, attention
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self.slots = torch.empty(0, dtype=torch.long)
-        self.segments: list[Segment] = []
+        self.step: StepLayout | None = None
 
     def layer(self, index: int) -> _PagedLayer:
         return _PagedLayer(self, index)
@@ -91,29 +114,14 @@ def attend_each(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     return torch.cat(outputs, dim=2)
 
 
-def attend_padded(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[Segment],
-                  scale: float | None = None) -> torch.Tensor:
-    """The same as `attend_each` in one attention call: each sequence's queries padded to the step's longest
-    segment (S, H, T, hd), its blocks gathered and padded to the longest table (S, kv_heads, C, hd), and a mask
-    that lets query t of a sequence see key j only if j <= its absolute position."""
-    device, block_size = q.device, k_cache.shape[1]
-    width = max(len(s.block_table) for s in segments)
-    table = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in segments], device=device)
-    keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # (S, width, block_size, kv_heads, hd) -> (S, kv, C, hd)
-    values = v_cache[table].flatten(1, 2).transpose(1, 2)
-    n = torch.tensor([s.n for s in segments], device=device)
-    context = torch.tensor([s.context for s in segments], device=device)
-    steps = torch.arange(int(n.max()), device=device)
-    valid = steps[None, :] < n[:, None]  # (S, T): real queries, not padding
-    token = (n.cumsum(0) - n)[:, None] + steps[None, :]  # each query's index among the step's N tokens
-    queries = q[0][:, token.clamp(max=q.shape[2] - 1)].transpose(0, 1)  # (H, S, T, hd) -> (S, H, T, hd)
-    query_pos = (context - n)[:, None] + steps[None, :]
-    key_pos = torch.arange(width * block_size, device=device)
-    mask = key_pos <= query_pos[..., None]  # also hides the padded keys: a query's position is below its context
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=keys.shape[1] != queries.shape[1])
-    # the real queries, in the step's token order (a padding query's row, all masked, may be NaN: it is dropped)
-    return out.transpose(0, 1)[:, valid][None]  # (1, H, N, hd)
+def attend_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepLayout,
+                scale: float | None = None) -> torch.Tensor:
+    """The same as `attend_each` in one attention call: q (1, H, N, hd) over the keys of every sequence of the
+    step, gathered end to end by their slots, under the step's block-diagonal causal mask."""
+    keys = k_cache.flatten(0, 1)[step.key_slots].transpose(0, 1)[None]  # (K, kv_heads, hd) -> (1, kv_heads, K, hd)
+    values = v_cache.flatten(0, 1)[step.key_slots].transpose(0, 1)[None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scale,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
 
 
 class _PagedLayer:
@@ -122,19 +130,19 @@ class _PagedLayer:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """q (1, H, N, hd), k and v (1, kv_heads, N, hd): the step's N tokens end to end."""
-        cache = self.cache
+        cache, step = self.cache, self.cache.step
         k_cache, v_cache = cache.storage(self.index, k, v)
-        k_cache.view(-1, *k_cache.shape[2:])[cache.slots] = k[0].transpose(0, 1)  # (N, kv_heads, hd) into slots
-        v_cache.view(-1, *v_cache.shape[2:])[cache.slots] = v[0].transpose(0, 1)
-        if cache.attention == "triton" and all(s.n == 1 for s in cache.segments):
+        k_cache.view(-1, *k_cache.shape[2:])[step.slots] = k[0].transpose(0, 1)  # (N, kv_heads, hd) into slots
+        v_cache.view(-1, *v_cache.shape[2:])[step.slots] = v[0].transpose(0, 1)
+        if cache.attention == "triton" and all(s.n == 1 for s in step.segments):
             return self._decode_with_triton(q, k_cache, v_cache, scale)
-        return attend_padded(q, k_cache, v_cache, cache.segments, scale)
+        return attend_step(q, k_cache, v_cache, step, scale)
 
     def _decode_with_triton(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             scale: float | None) -> torch.Tensor:
         from lab.kernels.paged_attention import paged_attention_decode
 
-        segments = self.cache.segments
+        segments = self.cache.step.segments
         width = max(len(s.block_table) for s in segments)
         table = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table)) for s in segments],
                              dtype=torch.int32, device=q.device)
@@ -158,7 +166,7 @@ class ModelRunner:
         reaches the end of its known tokens (those sample a token this step), by seq_id."""
         if not scheduled:
             return {}
-        tokens, positions, slots, segments = [], [], [], []
+        tokens, positions, key_slots, segments = [], [], [], []
         for seq, n in scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if n < 1 or end > len(seq.token_ids):
@@ -166,10 +174,11 @@ class ModelRunner:
                                  f"{len(seq.token_ids)} tokens")
             tokens += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += self.block_manager.slot_mapping(seq, start, end)
+            key_slots += self.block_manager.slot_mapping(seq, 0, end)
             segments.append(Segment(n, end, tuple(seq.block_table)))
-        self.cache.slots = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.cache.segments = segments
+        slots = [slot for seg, end in zip(segments, torch.tensor([s.context for s in segments]).cumsum(0).tolist(),
+                                          strict=True) for slot in key_slots[end - seg.n:end]]
+        self.cache.step = StepLayout.build(segments, slots, key_slots, self.device)
         as_tensor = {"dtype": torch.long, "device": self.device}
         logits = self.model(torch.tensor([tokens], **as_tensor), torch.tensor([positions], **as_tensor), self.cache)
         ends = torch.tensor([s.n for s in segments]).cumsum(0) - 1

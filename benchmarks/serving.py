@@ -83,6 +83,7 @@ from torch import nn  # noqa: E402
 from lab.calc.hardware import device_accelerator  # noqa: E402
 from lab.calc.inference import decode_step  # noqa: E402
 from lab.config import ModelConfig, load_config  # noqa: E402
+from lab.inference.cuda_graph import GraphedDecoder  # noqa: E402
 from lab.inference.engine import EngineConfig, LLMEngine  # noqa: E402
 from lab.inference.kv_cache import generate  # noqa: E402
 from lab.inference.sampling import SamplingParams  # noqa: E402
@@ -333,35 +334,57 @@ def random_model(preset: str, device: str, dtype: torch.dtype = torch.bfloat16) 
     return model.eval()
 
 
-def gpu_decode(preset: str, prompt_len: int = 128, tokens: tuple[int, int] = (32, 160), repeats: int = 3,
-               device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Batch-1 decode of `preset` with the contiguous cache: ms per token from two generation lengths (their
-    difference cancels the prefill), against the bytes a step reads (lab.calc.inference.decode_step at the mean
-    context) over the device's HBM bandwidth. `device` and `dtype` let a test walk it on the CPU."""
-    cuda = torch.device(device).type == "cuda"
-    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    chip = device_accelerator(device_name) if cuda else None
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model = random_model(preset, device, dtype)
-    prompt = torch.randint(model.cfg.vocab_size, (1, prompt_len), device=device)
-    generate(model, prompt, SamplingParams(max_tokens=8))  # warm-up: allocator, kernels
+DECODERS = ("eager", "graph")
+WARM_UP = 8  # tokens generated once before timing
+
+
+def _decoding(model: nn.Module, prompt: torch.Tensor, decoder: str, max_len: int):
+    """A function generating n greedy tokens after `prompt` with `decoder`."""
+    if decoder == "graph":
+        graphed = GraphedDecoder(model, 1, max_len)
+        return lambda n: graphed.generate(prompt, n)
+    return lambda n: generate(model, prompt, SamplingParams(max_tokens=n))
+
+
+def _best_times(run, tokens: tuple[int, ...], repeats: int, sync) -> dict[int, float]:
+    """Seconds to generate each of `tokens` tokens, the least of `repeats`, after a warm-up run (allocator,
+    kernels, and a graph's capture)."""
+    run(WARM_UP)
     times = {}
     for n in tokens:
         best = math.inf
         for _ in range(repeats):
             sync()
             start = time.perf_counter()
-            generate(model, prompt, SamplingParams(max_tokens=n))
+            run(n)
             sync()
             best = min(best, time.perf_counter() - start)
         times[n] = best
+    return times
+
+
+def gpu_decode(preset: str, prompt_len: int = 128, tokens: tuple[int, int] = (32, 160), repeats: int = 3,
+               device: str = "cuda", dtype: torch.dtype = torch.bfloat16, decoder: str = "eager") -> dict:
+    """Batch-1 decode of `preset`: ms per token from two generation lengths (their difference cancels the
+    prefill), against the bytes a step reads (lab.calc.inference.decode_step at the mean context) over the
+    device's HBM bandwidth. `decoder`: "eager" (the contiguous cache, `kv_cache.generate`) or "graph" (the static
+    cache, each step one CUDA graph replay: `lab.inference.cuda_graph.GraphedDecoder`). `device` and `dtype` let
+    a test walk it on the CPU."""
+    cuda = torch.device(device).type == "cuda"
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    chip = device_accelerator(device_name) if cuda else None
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = random_model(preset, device, dtype)
+    prompt = torch.randint(model.cfg.vocab_size, (1, prompt_len), device=device)
+    times = _best_times(_decoding(model, prompt, decoder, prompt_len + max(*tokens, WARM_UP)), tokens, repeats, sync)
     del model
     if cuda:
         torch.cuda.empty_cache()
     short, long = tokens
     seconds = (times[long] - times[short]) / (long - short)
     context = prompt_len + (short + long) // 2
-    row = {"preset": preset, "device": device_name, "prompt_len": prompt_len, "tokens": list(tokens),
+    row = {"preset": preset, "decoder": decoder, "device": device_name, "prompt_len": prompt_len,
+           "tokens": list(tokens),
            "context": context, "ms_per_token": 1e3 * seconds, "tokens_per_s": 1 / seconds}
     if chip is None:
         return {**row, "status": f"no HBM bandwidth for {device_name!r} in lab.calc.hardware"}
@@ -411,7 +434,8 @@ def targets(record: dict) -> list[dict]:
                             f"< {WASTE_MAX_BLOCKS:g} block", w["paged_max_blocks"] < WASTE_MAX_BLOCKS, "blocks"))
     for row in record.get("gpu", []):
         if row.get("status") == "ok":
-            out.append(_verdict(f"{row['preset']} batch-1 decode, share of HBM bandwidth", 100 * row["hbm_fraction"],
+            out.append(_verdict(f"{row['preset']} batch-1 decode ({row['decoder']}), share of HBM bandwidth",
+                                100 * row["hbm_fraction"],
                                 f">= {100 * HBM_FRACTION_MIN:g}%", row["hbm_fraction"] >= HBM_FRACTION_MIN, "%"))
     return out
 
@@ -466,14 +490,15 @@ def print_waste(w: dict) -> None:
 
 
 def print_gpu(rows: list[dict], reference: dict) -> None:
-    print("\nbatch-1 decode, contiguous cache, bf16 (random weights)")
-    print(f"{'model':<12}{'context':>8}{'ms/token':>10}{'tokens/s':>10}{'bound ms':>10}{'GB/s':>8}{'of HBM':>8}")
+    print("\nbatch-1 decode, bf16 (random weights): eager (contiguous cache) and graph (static cache, CUDA graph)")
+    print(f"{'model':<12}{'decoder':>8}{'context':>8}{'ms/token':>10}{'tokens/s':>10}{'bound ms':>10}{'GB/s':>8}"
+          f"{'of HBM':>8}")
     for r in rows:
         if r["status"] != "ok":
-            print(f"{r['preset']:<12}{r['context']:>8}{r['ms_per_token']:>10.3f}{r['tokens_per_s']:>10.0f}  "
-                  f"{r['status']}")
+            print(f"{r['preset']:<12}{r['decoder']:>8}{r['context']:>8}{r['ms_per_token']:>10.3f}"
+                  f"{r['tokens_per_s']:>10.0f}  {r['status']}")
             continue
-        print(f"{r['preset']:<12}{r['context']:>8}{r['ms_per_token']:>10.3f}{r['tokens_per_s']:>10.0f}"
+        print(f"{r['preset']:<12}{r['decoder']:>8}{r['context']:>8}{r['ms_per_token']:>10.3f}{r['tokens_per_s']:>10.0f}"
               f"{r['bound_ms']:>10.3f}{r['achieved_gb_s']:>8.0f}{100 * r['hbm_fraction']:>7.1f}%")
     print(f"reference engine ({reference['engine']}): {reference['status']}")
 
@@ -540,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             record["kv_waste"] = kv_waste(model)
             print_waste(record["kv_waste"])
         else:
-            record["gpu"] = [gpu_decode(p, repeats=args.repeats) for p in args.presets]
+            record["gpu"] = [gpu_decode(p, repeats=args.repeats, decoder=d) for p in args.presets for d in DECODERS]
             record["reference"] = reference_engine()
             print_gpu(record["gpu"], record["reference"])
     record["targets"] = targets(record)

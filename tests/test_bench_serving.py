@@ -111,21 +111,23 @@ def test_verdicts_at_the_boundaries(bench):
     record = {"batching": {"speedup": 2.0}, "decode": {"cache_ratio": 1.5, "no_cache_ratio": 1.99},
               "prefix": {"prefix_len": 512, "warm_skipped": 0.8999},
               "kv_waste": {"paged_max_blocks": 1.0},
-              "gpu": [{"preset": "llama3-1b", "status": "ok", "hbm_fraction": 0.7},
-                      {"preset": "llama3-8b", "status": "ok", "hbm_fraction": 0.69},
+              "gpu": [{"preset": "llama3-1b", "decoder": "graph", "status": "ok", "hbm_fraction": 0.7},
+                      {"preset": "llama3-8b", "decoder": "graph", "status": "ok", "hbm_fraction": 0.69},
                       {"preset": "x", "status": "no HBM bandwidth for 'cpu' in lab.calc.hardware"}]}
     got = [(t["target"].split(",")[0], t["verdict"]) for t in bench.targets(record)]
     assert got == [("continuous / static batching", "PASS"), ("decode per token with the cache", "PASS"),
                    ("decode per token without the cache", "MISS"), ("prefill tokens skipped", "MISS"),
-                   ("paged KV waste per sequence", "MISS"), ("llama3-1b batch-1 decode", "PASS"),
-                   ("llama3-8b batch-1 decode", "MISS")]
+                   ("paged KV waste per sequence", "MISS"), ("llama3-1b batch-1 decode (graph)", "PASS"),
+                   ("llama3-8b batch-1 decode (graph)", "MISS")]
 
 
 def test_gpu_lane_walked_on_the_cpu(bench, monkeypatch):
     """The GPU row on CPU tensors (the tiny preset): no HBM bandwidth to compare with, so a status row and no
     verdict; the reference-engine row says vLLM is absent when it is."""
-    row = bench.gpu_decode("tiny", prompt_len=4, tokens=(2, 4), repeats=1, device="cpu", dtype=torch.float32)
-    assert row["context"] == 4 + 3 and row["status"].startswith("no HBM bandwidth") and "hbm_fraction" not in row
-    assert bench.targets({"gpu": [row]}) == []
+    for decoder in bench.DECODERS:  # the graph decoder runs its static cache eagerly on a CPU
+        row = bench.gpu_decode("tiny", prompt_len=4, tokens=(2, 4), repeats=1, device="cpu", dtype=torch.float32,
+                               decoder=decoder)
+        assert row["context"] == 4 + 3 and row["status"].startswith("no HBM bandwidth") and "hbm_fraction" not in row
+        assert row["decoder"] == decoder and bench.targets({"gpu": [row]}) == []
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
     assert bench.reference_engine()["status"].startswith("not installed")

@@ -129,3 +129,18 @@ def test_sampling_follows_the_filtered_distribution():
 def test_bad_sampling_params_are_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "tied", "mla-no-q-lora"])
+def test_the_static_cache_of_cuda_graph_decoding_gives_the_same_tokens(variant):
+    """GraphedDecoder's static cache (all max_len slots, a mask by position tensor) against the growing cache;
+    on a CPU it runs eagerly, on CUDA each decode step is a graph replay (benchmarks/serving.py's GPU lane)."""
+    from lab.inference.cuda_graph import GraphedDecoder
+
+    model, prompts = _model(variant), _prompts()
+    decoder = GraphedDecoder(model, prompts.shape[0], max_len=32)
+    assert torch.equal(decoder.generate(prompts, 10), generate(model, prompts, SamplingParams(max_tokens=10)))
+    with pytest.raises(ValueError, match="7 prompt \\+ 30 new tokens exceed the cache's max_len=32"):
+        decoder.generate(prompts, 30)
+    with pytest.raises(ValueError, match="dense models"):
+        GraphedDecoder(_model("moe+shared"), 1, 8)

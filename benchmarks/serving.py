@@ -51,10 +51,12 @@ steps (one attention call per layer for the whole step; 1.5x when the runner att
 step's cost then growing with its batch), decode per token
 1.0x (cache) against 2.8x (no cache) from 16 to 240 tokens, 97.0% of prefill skipped warm (84.8% cold), paged
 waste at most 0.94 block (0.45 on average) against the contiguous rows' 2.8 blocks on average. On an H200
-(torch 2.11): 4.3% of HBM bandwidth for llama3-1b (12.1 ms per token) and 13.7% for llama3-8b (24.5 ms): eager
-decode is bound by the host launching about 50 small kernels per layer (807 per token for llama3-1b, many of
-them float32 casts around the norms and RoPE; a CUDA-graph replay of one token's forward takes 2.3 and 7.1 ms,
-22% and 47%), and cuBLAS's M=1 GEMMs reach about half the bandwidth.
+(torch 2.11), eager decode reaches 2.5-4.3% of HBM bandwidth for llama3-1b (12-20 ms per token) and 14-15% for
+llama3-8b (23-25 ms): it is bound by the host launching about 50 small kernels per layer (807 per token for
+llama3-1b, many of them float32 casts around the norms and RoPE). The graph decoder (one replay per token) takes
+2.5 and 7.6 ms, 20.5% and 43.9%: the target is still missed, now by the kernels themselves (cuBLAS's M=1 GEMMs
+reach about half the bandwidth, and the fp32 casts remain) — gpt-fast's remaining step is torch.compile's fused,
+autotuned kernels.
 
 With --json the records, the verdicts and the environment go to a file. The exit status is 1 when a target is
 missed.

@@ -334,3 +334,22 @@ def test_bad_max_restarts_is_one_clear_line(value):
     with pytest.raises(ValueError) as err:
         run(all_reduce_rank, 2, 0.0, max_restarts=value)
     assert str(err.value) == f"max_restarts={value!r} must be an integer >= 0"
+
+
+def _gloo_refuses_rank_1_once(flag: str) -> int:
+    """Rank 1 of the first group fails as gloo does when a TCP connection of its mesh is refused."""
+    if dist.get_rank() == 1 and not os.path.exists(flag):
+        open(flag, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+    dist.all_reduce(torch.ones(1))
+    return dist.get_rank()
+
+
+def test_a_group_gloo_could_not_connect_starts_once_more(tmp_path, capfd, no_leftovers):
+    """A refused connection is the machine's, not the code's: the group starts again, once, whatever
+    max_restarts says; any other failure (and a second refusal) is raised."""
+    assert run(_gloo_refuses_rank_1_once, 2, str(tmp_path / "refused")) == [0, 1]
+    assert "gloo could not connect the ranks" in capfd.readouterr().err
+    with pytest.raises(RankError, match="rank 1 failed: RuntimeError: attempt 0 fails"):
+        run(_rank_1_fails_in_the_first_attempts, 2, 1)
+    assert "gloo could not connect" not in capfd.readouterr().err

@@ -92,6 +92,19 @@ def slider(kind: type, value: float, low: float, high: float, step: float, descr
                 layout=widgets.Layout(width=CONTROL_WIDTH), style={"description_width": "110px"})
 
 
+def check_choices(*choices: tuple[str, object, list]) -> None:
+    """One clear line for a constructor argument that is not among its control's options: (name, value, options)."""
+    for name, value, options in choices:
+        if value not in options:
+            raise ValueError(f"{name}={value!r} must be one of {', '.join(map(repr, options))}")
+
+
+def selection(options: list, value: object, description: str, layout: widgets.Layout) -> widgets.SelectionSlider:
+    """A slider over a list of values (batch sizes, sequence lengths) that reports on release, as `slider`."""
+    return widgets.SelectionSlider(options=options, value=value, description=description, continuous_update=False,
+                                   layout=layout)
+
+
 def note(text: str) -> widgets.HTML:
     """A small paragraph under the controls (`text` is HTML)."""
     return widgets.HTML(f'<p style="font-size:85%">{text}</p>', layout=widgets.Layout(width=CONTROL_WIDTH))

@@ -31,7 +31,7 @@ from lab.calc.inference import (
     prefill_time,
 )
 from lab.config import PRESETS
-from lab.widgets.base import Explorer, show_figure
+from lab.widgets.base import Explorer, check_choices, selection, show_figure
 
 KV_DTYPES = ("bf16", "fp8", "int4")
 BATCHES = [2**k for k in range(13)]  # 1 .. 4,096 sequences decoding together
@@ -48,22 +48,18 @@ class InferenceExplorer(Explorer):
 
     def __init__(self, model: str = "llama3-8b", hardware: str = "h100", batch: int = 1, context: int = 4096,
                  tp: int = 1, kv_dtype: str = "bf16") -> None:
-        for name, value, options in (("model", model, list(PRESETS)), ("hardware", hardware, list(HARDWARE)),
-                                     ("batch", batch, BATCHES), ("context", context, CONTEXTS), ("tp", tp, TPS),
-                                     ("kv_dtype", kv_dtype, KV_DTYPES)):
-            if value not in options:
-                raise ValueError(f"{name}={value!r} must be one of {', '.join(map(repr, options))}")
+        check_choices(("model", model, list(PRESETS)), ("hardware", hardware, list(HARDWARE)),
+                      ("batch", batch, BATCHES), ("context", context, CONTEXTS), ("tp", tp, TPS),
+                      ("kv_dtype", kv_dtype, KV_DTYPES))
         narrow = widgets.Layout(width="300px")
-        selection = lambda options, value, description: widgets.SelectionSlider(  # noqa: E731
-            options=options, value=value, description=description, continuous_update=False, layout=narrow)
         super().__init__({
             "model": widgets.Dropdown(options=list(PRESETS), value=model, description="model", layout=narrow),
             "hardware": widgets.Dropdown(options=list(HARDWARE), value=hardware, description="chip", layout=narrow),
             "tp": widgets.Dropdown(options=TPS, value=tp, description="tp (chips)", layout=narrow),
             "kv_dtype": widgets.ToggleButtons(options=list(KV_DTYPES), value=kv_dtype, description="KV dtype",
                                               style={"button_width": "60px"}),
-            "batch": selection(BATCHES, batch, "batch"),
-            "context": selection(CONTEXTS, context, "context"),
+            "batch": selection(BATCHES, batch, "batch", narrow),
+            "context": selection(CONTEXTS, context, "context", narrow),
         })
         self.step: dict | None = None
         self.sweep: list[dict] | None = None

@@ -17,7 +17,7 @@ import ipywidgets as widgets
 from lab.calc.hardware import HARDWARE
 from lab.calc.roofline import ATTENTION_CORES, Placement, llama_block_ops, peak_flops, place, ridge_point
 from lab.config import PRESETS
-from lab.widgets.base import Explorer, show_figure
+from lab.widgets.base import Explorer, check_choices, selection, show_figure
 
 MODELS = [name for name, cfg in PRESETS.items() if cfg.attention == "gqa" and not cfg.is_moe]  # Llama blocks
 DTYPES = ("bf16", "fp16", "fp8")
@@ -32,21 +32,17 @@ class RooflineExplorer(Explorer):
 
     def __init__(self, model: str = "llama3-8b", gpu: str = "h100", dtype: str = "bf16", batch: int = 1,
                  seq: int = 4096, attention: str = "naive") -> None:
-        for name, value, options in (("model", model, MODELS), ("gpu", gpu, list(HARDWARE)), ("dtype", dtype, DTYPES),
-                                     ("batch", batch, BATCHES), ("seq", seq, SEQS),
-                                     ("attention", attention, ATTENTION_CORES)):
-            if value not in options:
-                raise ValueError(f"{name}={value!r} must be one of {', '.join(map(repr, options))}")
+        check_choices(("model", model, MODELS), ("gpu", gpu, list(HARDWARE)), ("dtype", dtype, DTYPES),
+                      ("batch", batch, BATCHES), ("seq", seq, SEQS),
+                      ("attention", attention, ATTENTION_CORES))
         narrow = widgets.Layout(width="300px")
-        selection = lambda options, value, description: widgets.SelectionSlider(  # noqa: E731
-            options=options, value=value, description=description, continuous_update=False, layout=narrow)
         super().__init__({
             "model": widgets.Dropdown(options=MODELS, value=model, description="model", layout=narrow),
             "gpu": widgets.Dropdown(options=list(HARDWARE), value=gpu, description="device", layout=narrow),
             "dtype": widgets.ToggleButtons(options=list(DTYPES), value=dtype, description="dtype",
                                            style={"button_width": "60px"}),
-            "batch": selection(BATCHES, batch, "batch"),
-            "seq": selection(SEQS, seq, "seq (tokens)"),
+            "batch": selection(BATCHES, batch, "batch", narrow),
+            "seq": selection(SEQS, seq, "seq (tokens)", narrow),
             "attention": widgets.ToggleButtons(options=list(ATTENTION_CORES), value=attention,
                                                description="attention", style={"button_width": "80px"}),
         })

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from bench_support import load_benchmark
 
 from lab.config import load_config
 from lab.distributed import run
@@ -15,11 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _compose():
-    spec = importlib.util.spec_from_file_location("bench_compose", REPO / "benchmarks" / "compose.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compose")
 
 
 @pytest.mark.parametrize("overrides", [

@@ -3,27 +3,19 @@ row, the roofline's prediction against lab.calc, and the GPU lane's row logic wa
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_support import load_benchmark
 
 from lab.calc.hardware import HARDWARE
 from lab.calc.roofline import ridge_point
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_fp8_gemm", REPO / "benchmarks" / "fp8_gemm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("fp8_gemm")
 
 
 @pytest.fixture(scope="module")

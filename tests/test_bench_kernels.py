@@ -4,13 +4,13 @@ module not written yet is a "missing" row, and the GPU lane's verdicts follow th
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_support import load_benchmark
 
 from lab.calc.hardware import HARDWARE, device_accelerator
 
@@ -19,11 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", REPO / "benchmarks" / "kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kernels")
 
 
 def test_cpu_lane_writes_checked_records(bench, tmp_path):

@@ -4,15 +4,12 @@ float8 where torchao is installed, and the rows that say why a reference did not
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from bench_support import load_benchmark
 
 # Started from the same masters, lab and the reference do the same arithmetic: the same bf16 weights, the same bf16
 # forward and backward ops, per-rank bf16 gradients summed in fp32 (two bf16 values add exactly in fp32) and the same
@@ -30,11 +27,7 @@ MASTERS_TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_precision", REPO / "benchmarks" / "precision_side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("precision_side_by_side")
 
 
 @pytest.fixture(scope="module")

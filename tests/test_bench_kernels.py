@@ -6,15 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from bench_support import load_benchmark
 
 from lab.calc.hardware import HARDWARE, device_accelerator
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

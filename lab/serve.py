@@ -21,6 +21,7 @@ sampling; every rank runs the same engine on the same requests and samples the s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -33,7 +34,7 @@ from torch import nn
 
 from lab import distributed as lab_dist
 from lab.calc.hardware import device_accelerator
-from lab.checkpoint import to_single_file
+from lab.checkpoint import newest, to_single_file
 from lab.config import Config, load_config
 from lab.data import SyntheticTokens
 from lab.inference.engine import EngineConfig, LLMEngine
@@ -78,8 +79,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {f"p{q}": 1e3 * ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)}
 
 
+@functools.cache
 def copy_bandwidth(nbytes: int = 1 << 27) -> float:
-    """Bytes per second this CPU moves in a large copy (read + write), the best of 5: its memory roofline."""
+    """Bytes per second this CPU moves in a large copy (read + write), the best of 5: its memory roofline.
+    Measured once per process."""
     src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
     best = float("inf")
     for _ in range(5):
@@ -93,8 +96,6 @@ def load_model(config: Config, checkpoint: str | None, device: torch.device) -> 
     """The model to serve: the weights of a `lab.train` checkpoint (and the config it was trained with), or the
     config's initial weights."""
     if checkpoint is not None:
-        from lab.checkpoint import newest
-
         path = newest(checkpoint)[0] or checkpoint
         state, config = to_single_file(path)
         model = build_model(config.model).to_empty(device=device)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from lab.config import PRECISIONS
 from lab.model import Linear
 from lab.precision.fp8_linear import RECIPES, FP8Matmul, FP8Recipe
 from lab.precision.master import DTYPES, MixedPrecisionPolicy
 
-SCHEMES = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-tilewise")  # lab.config.PRECISIONS
 KEEP_IN_HIGH_PRECISION = ("router",)  # linears inside the blocks that FP8 leaves alone, by attribute name
 
 
@@ -40,8 +40,8 @@ class PrecisionScheme:
 
 def precision_scheme(name: str, reduce_dtype: str = "fp32") -> PrecisionScheme:
     """The scheme of a `--precision` name; `reduce_dtype` ("fp32", or the compute dtype) overrides the policy's."""
-    if name not in SCHEMES:
-        raise ValueError(f"precision={name!r} must be one of {', '.join(SCHEMES)}")
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={name!r} must be one of {', '.join(PRECISIONS)}")
     if reduce_dtype not in DTYPES:
         raise ValueError(f"reduce_dtype={reduce_dtype!r} must be one of {', '.join(DTYPES)}")
     compute = name if name in DTYPES else "bf16"  # FP8 recipes compute everything else in bf16

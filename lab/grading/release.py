@@ -8,6 +8,13 @@ Each `### BEGIN SOLUTION` ... `### END SOLUTION` region becomes a stub that rais
 `NotImplementedError("exercise 01.param_count")` (inside the function the learner completes, so the notebook
 still runs and `lab.check()` says "not attempted"); outputs are stripped; metadata is kept; locked cells get
 their checksum and are made read-only in JupyterLab. The same input always gives the same bytes.
+
+An exercise may span several answer cells (a chapter's worked problems are one exercise, a cell per problem):
+each cell's `points` are its own problems' points, and they add up to the exercise's. A *worked solution* —
+a markdown cell with `{"lab": {"exercise": ..., "worked": true}}` — is left out of the release until the
+instructor hands it out after the due date:
+
+    python -m lab release --with-worked-solutions --out DIR   the notebooks with the problems' worked solutions
 """
 
 from __future__ import annotations
@@ -48,25 +55,33 @@ def _stub(source: str, exercise_id: str, where: str) -> str:
 
 
 def release_notebook(nb: nbformat.NotebookNode, name: str = "notebook",
-                     only: tuple[str, ...] | None = None) -> nbformat.NotebookNode:
-    """The learners' version of a solutions notebook; `only` keeps just those exercises' cells."""
+                     only: tuple[str, ...] | None = None, worked: bool = False) -> nbformat.NotebookNode:
+    """The learners' version of a solutions notebook; `only` keeps just those exercises' cells, `worked` keeps
+    the worked solutions of the problems (after the due date)."""
     known = checks.load_all()
     out = copy.deepcopy(nb)
     out.metadata.pop("widgets", None)
-    cells = []
+    cells, points, where_first = [], {}, {}
     for index, cell in enumerate(out.cells):
         where, exercise_id = f"{name} cell {index}", meta(cell).get("exercise")
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
         if exercise_id is not None and only is not None and exercise_id not in only:
             continue
+        if meta(cell).get("worked"):
+            if cell.cell_type != "markdown" or exercise_id not in known:
+                raise ValueError(f"{where}: a worked solution is a markdown cell of a known exercise "
+                                 f"(metadata lab.exercise, worked), not a {cell.cell_type} cell of {exercise_id!r}")
+            if not worked:
+                continue
         if is_answer(cell):
             if exercise_id not in known:
                 raise ValueError(f"{where}: exercise {exercise_id!r} has no checks in lab/grading/checks/")
-            points = meta(cell).get("points")
-            if points != known[exercise_id].points:
-                raise ValueError(f"{where}: points={points!r} for {exercise_id} but its checks give "
-                                 f"{known[exercise_id].points:g}: make them agree")
+            cell_points = meta(cell).get("points")
+            if not isinstance(cell_points, (int, float)) or isinstance(cell_points, bool) or cell_points <= 0:
+                raise ValueError(f"{where}: points={cell_points!r} for {exercise_id} must be a number > 0")
+            points[exercise_id] = points.get(exercise_id, 0) + cell_points
+            where_first.setdefault(exercise_id, where)
             cell.source = _stub(cell.source, exercise_id, where)
             cell.metadata["deletable"] = False
         elif BEGIN in cell.get("source", "") or END in cell.get("source", ""):
@@ -75,13 +90,18 @@ def release_notebook(nb: nbformat.NotebookNode, name: str = "notebook",
             cell.metadata["lab"]["checksum"] = checksum(cell)
             cell.metadata["editable"], cell.metadata["deletable"] = False, False
         cells.append(cell)
+    for exercise_id, total in points.items():
+        if abs(total - known[exercise_id].points) > 1e-9:
+            raise ValueError(f"{where_first[exercise_id]}: points={total:g} for {exercise_id} but its checks give "
+                             f"{known[exercise_id].points:g}: make them agree (its answer cells' points add up)")
     out.cells = cells
     return out
 
 
 def release(solutions: Path, out: Path, assignment: course.Assignment | None = None,
-            check_only: bool = False) -> list[Path]:
-    """Release every notebook of `solutions` into `out`; return the paths that changed (or would)."""
+            check_only: bool = False, worked: bool = False) -> list[Path]:
+    """Release every notebook of `solutions` into `out` (with the worked solutions if `worked`); return the paths
+    that changed (or would)."""
     paths = sorted(solutions.glob("*.ipynb"))
     if not paths:
         raise ValueError(f"{solutions}: no notebooks to release (expected solutions/NN_slug.ipynb)")
@@ -91,7 +111,7 @@ def release(solutions: Path, out: Path, assignment: course.Assignment | None = N
         nb = read(path)
         if only is not None and not any(is_answer(c) and meta(c)["exercise"] in only for c in nb.cells):
             continue
-        released = release_notebook(nb, path.name, only)
+        released = release_notebook(nb, path.name, only, worked)
         if assignment:
             released.metadata.setdefault("lab", {})["assignment"] = assignment.name
         target = out / path.name
@@ -110,12 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assignment", help="release only this assignment's exercises")
     parser.add_argument("--assignments", type=Path, default=None, help="default course/assignments.toml")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if anything would change")
+    parser.add_argument("--with-worked-solutions", action="store_true",
+                        help="keep the problems' worked solutions (hand them out after the due date; needs --out)")
     args = parser.parse_args(argv)
     try:
         assignment = course.get(args.assignment, args.assignments) if args.assignment else None
         if assignment and args.out is None:
             raise ValueError(f"--assignment {assignment.name} needs --out DIR (exercises/ holds the whole course)")
-        changed = release(args.solutions, args.out or Path("exercises"), assignment, args.check)
+        if args.with_worked_solutions and args.out is None:
+            raise ValueError("--with-worked-solutions needs --out DIR: exercises/ is what learners get before the "
+                             "due date")
+        changed = release(args.solutions, args.out or Path("exercises"), assignment, args.check,
+                          args.with_worked_solutions)
     except ValueError as error:
         print(f"python -m lab release: error: {error}", file=sys.stderr)
         return 2

@@ -82,10 +82,13 @@ class Student:
             raise AttributeError(f"a check may call only the exercise's entry points {self._entry}, not {name!r}")
         return lambda *args, **kwargs: self._box.call(name, *args, **kwargs)
 
-    def ranks(self, name: str, world_size: int, *args: Any, **kwargs: Any) -> list:
+    def ranks(self, name: str, world_size: int, *args: Any, deadline_s: float | None = None, **kwargs: Any) -> list:
+        """`name(*args, **kwargs)` on each of `world_size` ranks. With `deadline_s`, ranks that wait longer (a
+        deadlock) are stopped then, and the CallError names them and the operation each waits in — without it
+        a hang costs the rest of the exercise's budget."""
         if name not in self._entry:
             raise AttributeError(f"a check may call only the exercise's entry points {self._entry}, not {name!r}")
-        return self._box.call(name, *args, world_size=world_size, **kwargs)
+        return self._box.call(name, *args, world_size=world_size, deadline_s=deadline_s, **kwargs)
 
 
 def not_graded(ex: Exercise, reason: str, hidden: bool = True, not_attempted: bool = False) -> ExerciseResult:

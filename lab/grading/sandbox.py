@@ -159,10 +159,14 @@ class Sandbox:
         if first.get("event") != "ready":
             raise ExerciseError("the sandbox's channel was tampered with (unexpected message)")
 
-    def call(self, fn: str, *args: Any, world_size: int | None = None, **kwargs: Any) -> Any:
-        """fn(*args, **kwargs) in the child (on `world_size` ranks through lab.distributed.run if given)."""
+    def call(self, fn: str, *args: Any, world_size: int | None = None, deadline_s: float | None = None,
+             **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) in the child (on `world_size` ranks through lab.distributed.run if given). Ranks
+        still running after `deadline_s` (default: what the sandbox's budget leaves) are stopped and reported."""
         request_id = next(self._ids)
         remaining = max(1.0, self.deadline - time.monotonic() - max(2.0, self.limits.wall_s / 5))  # to report
+        if deadline_s is not None:
+            remaining = min(remaining, deadline_s)
         self._send({"id": request_id, "fn": fn, "args": _encode(list(args)), "kwargs": _encode(kwargs),
                     "world_size": world_size, "timeout_s": remaining})
         answer = self._receive()

@@ -124,3 +124,48 @@ def test_entry_names_are_unique_across_exercises():
         for name in exercise.entry:
             assert name not in owners, f"entry {name!r} of {exercise.id} is also {owners[name]}'s"
             owners[name] = exercise.id
+
+
+def _problems_notebook(first_points: float, second_points: float) -> nbformat.NotebookNode:
+    """01.param_count (4 points) answered over two cells, each followed by its worked solution."""
+    cells = []
+    for name, points in (("a", first_points), ("b", second_points)):
+        source = f"def {name}():\n    {BEGIN}\n    return 1\n    {END}\n"
+        answer = nbformat.v4.new_code_cell(source, id=f"answer-{name}")
+        answer.metadata["lab"] = {"exercise": "01.param_count", "points": points}
+        worked = nbformat.v4.new_markdown_cell(f"{name}: one, because ...", id=f"worked-{name}")
+        worked.metadata["lab"] = {"exercise": "01.param_count", "worked": True}
+        cells += [answer, worked]
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def test_worked_solutions_are_released_only_when_asked():
+    nb = _problems_notebook(1, 3)
+    before = release.release_notebook(nb, "t.ipynb")
+    assert [c.cell_type for c in before.cells] == ["code", "code"]
+    assert all("NotImplementedError" in c.source for c in before.cells)
+    after = release.release_notebook(nb, "t.ipynb", worked=True)
+    assert [c.cell_type for c in after.cells] == ["code", "markdown", "code", "markdown"]
+    worked = [c.source for c in after.cells if c.cell_type == "markdown"]
+    assert worked == ["a: one, because ...", "b: one, because ..."]
+
+
+def test_points_of_an_exercise_over_several_cells_add_up():
+    with pytest.raises(ValueError, match=r"t.ipynb cell 0: points=5 for 01.param_count but its checks give 4"):
+        release.release_notebook(_problems_notebook(2, 3), "t.ipynb")
+    bad = _problems_notebook(1, 3)
+    bad.cells[1] = nbformat.v4.new_code_cell("x = 1", id="worked-code")
+    bad.cells[1].metadata["lab"] = {"exercise": "01.param_count", "worked": True}
+    with pytest.raises(ValueError, match="t.ipynb cell 1: a worked solution is a markdown cell"):
+        release.release_notebook(bad, "t.ipynb")
+
+
+def test_release_cli_with_worked_solutions(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert release.main(["--with-worked-solutions"]) == 2 and "needs --out DIR" in capsys.readouterr().err
+    assert release.main(["--with-worked-solutions", "--out", str(tmp_path)]) == 0
+    worked = [c for path in sorted((REPO / "solutions").glob("*.ipynb")) for c in read(path).cells
+              if meta(c).get("worked")]
+    released = [c for path in sorted(tmp_path.glob("*.ipynb")) for c in read(path).cells if meta(c).get("worked")]
+    assert [c.source for c in released] == [c.source for c in worked]
+    assert not [c for path in (REPO / "exercises").glob("*.ipynb") for c in read(path).cells if meta(c).get("worked")]

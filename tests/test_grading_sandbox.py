@@ -147,6 +147,28 @@ def test_a_hung_collective_names_the_rank_and_a_good_one_passes():
     assert hung.points == 0 and ("never joined" in message or "did not finish" in message) and "[1]" in message
 
 
+def test_a_deadlock_on_ranks_says_which_rank_waits_in_which_operation():
+    """The sandbox keeps an error's first line, plus the flight recorder's "collectives:" lines (bounded), so that
+    a check can say which rank hung in which send or receive (ch06's 1F1B deadlock) and not only that one timed out.
+    In process: `_failure` is what the sandbox child answers a failed call with."""
+    from lab.distributed import RankError, RankTimeout
+    from lab.grading import sandbox_child
+
+    gloo = "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for send operation"
+    diagnosis = ("collectives: rank 0 failed in send #2 to rank 1 on world; rank 1 failed in send #1 to rank 0 on "
+                 "world")
+    crash = RankError(f"rank 0 failed: {gloo}\n{diagnosis}", 0, "Traceback (most recent call last):\n  File ...\n"
+                      "rank 0's last collectives:\n  send #2 to rank 1 on world: failed float32 [2, 3]\n")
+    error = sandbox_child._failure(crash, "answer.py")["error"]
+    assert error == f"RankError: rank 0 failed: {gloo}\n{diagnosis}", error  # nothing of the traceback
+    stuck = RankTimeout("rank(s) [0, 1] did not finish within timeout_s=8 s\n" + "\n".join(
+        f"collectives: rank {r} is in send #{r + 1} to rank {1 - r} on world {'x' * 300}" for r in range(2)), [0, 1])
+    error = sandbox_child._failure(stuck, "answer.py")["error"]
+    first, rest = error.split("\n", 1)
+    assert first.endswith("timeout_s=8 s") and rest.startswith("collectives: rank 0 is in send #1") and len(rest) == 500
+    assert sandbox_child._failure(ValueError("bad\nsecond line"), "answer.py")["error"] == "ValueError: bad"
+
+
 def test_a_crash_on_a_rank_is_located_like_one_in_a_single_process():
     """A rank that raises names its cell and line, as a single-process exercise does; the check's fixed hint (written
     for a wrong answer) gives way to one about the crash."""

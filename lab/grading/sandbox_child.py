@@ -214,6 +214,14 @@ def _unattempted_on_ranks(error: BaseException) -> str | None:
     return None
 
 
+def _diagnosis(text: str, limit: int = 500) -> str:
+    """The flight recorder's lines of a failed multi-rank call ("collectives: rank 0 failed in send #1 to rank 1 on
+    world; ..."), at most `limit` characters: which rank was in which operation when the ranks hung, the one thing
+    the error's first line ("Timed out waiting 3000ms for send operation") cannot say."""
+    lines = [line for line in text.splitlines()[1:] if line.startswith("collectives: ")]
+    return "\n".join(lines)[:limit]
+
+
 def _failure(error: BaseException, answer: str) -> dict:
     text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     stub = _unattempted_on_ranks(error)
@@ -222,7 +230,8 @@ def _failure(error: BaseException, answer: str) -> dict:
         text += f" (graded code may import the standard library and {', '.join(_ALLOWED)})"
     if isinstance(error, SystemExit):
         text = f"SystemExit({error.code!r}): the exercise code called sys.exit()"
-    return {"error": text.splitlines()[0][:500] if text else "error", "where": _where(error, answer),
+    first, diagnosis = (text.splitlines()[0][:500], _diagnosis(text)) if text else ("error", "")
+    return {"error": first + (f"\n{diagnosis}" if diagnosis else ""), "where": _where(error, answer),
             "not_attempted": isinstance(error, NotImplementedError) or stub is not None}
 
 

@@ -1,12 +1,13 @@
 """Chapter 05's checks: the solutions pass with any secret, the released stubs score nothing, and every
 plausible-but-wrong answer (mutant) fails the checks named for it.
 
-The ring exercise runs the student's forward on real gloo ranks (2, 3 and 4) inside the sandbox, after the
-merge it builds on, and compares every rank's output with attention over the whole sequence. A mutant is the
-solution cell with one classic mistake — a merge that does not rescale the running output, a NaN for rows no
-key reached, a causal rule that computes later chunks or forgets the diagonal mask, a ring that turns the wrong
-way, zig-zag chunks in the wrong order or paired wrongly — and only the checks that must catch it are run, to
-keep this file fast.
+The ring exercises run the student's forward and backward on real gloo ranks (2, 3 and 4) inside the sandbox,
+after the answers they build on, and compare every rank's output (gradients) with attention over the whole
+sequence (autograd through it). A mutant is the solution cell with one classic mistake — a merge that does not
+rescale the running output, a NaN for rows no key reached, a causal rule that computes later chunks or forgets
+the diagonal mask, a ring that turns the wrong way, a backward that leaves dK/dV one hop short of home,
+renormalises each block instead of using the forward's lse or passes to the wrong neighbour, zig-zag chunks in
+the wrong order or paired wrongly — and only the checks that must catch it are run, to keep this file fast.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch05
 
-EXERCISES = ("05.lse_merge", "05.zigzag_assignment", "05.ring_forward", "05.causal_work")
+EXERCISES = ("05.lse_merge", "05.zigzag_assignment", "05.ring_forward", "05.ring_backward", "05.causal_work")
 
 MERGE_VALUES = "two blocks of keys, merged: the out and lse of attention over all of them"
 MERGE_LARGE = "scores in the hundreds: no overflow"
@@ -33,11 +34,23 @@ RING_CAUSAL = "causal, contiguous chunks: later chunks skipped, the diagonal mas
 RING_LAYOUTS = "causal, zig-zag and shuffled layouts: the block rule compares global chunk indices"
 RING_P2P = "only isend/irecv: cp−1 sends of the rank's K and V per rank"
 RING_ANY = "4 ranks, shuffled layouts of 1 to 3 chunks per rank, causal and not"
+RB_FULL = "no mask: every rank's dq, dk, dv equal autograd's over the whole sequence (2 and 3 ranks)"
+RB_CAUSAL = "causal, zig-zag chunks: dq, dk, dv equal autograd's (2 and 3 ranks)"
+RB_BYTES = "only isend/irecv: each rank sends its K/V block's size 2·cp−1 times (cp−1 K/V, cp dK/dV)"
+RB_ANY = "3 ranks, a shuffled layout of 1 to 3 chunks per rank, causal"
 WORK_CONTIGUOUS = "contiguous chunks: query-key pairs per rank, random cp and seq_len"
 WORK_ZIGZAG = "zig-zag: query-key pairs per rank, random cp and seq_len"
 WORK_IMBALANCE = "max/mean of the per-rank work, both layouts"
 WORK_LONG = "up to 64 ranks and a million tokens, both layouts"
 
+RB_DKV_SEND = ("        requests += [dist.isend(dkv, (rank + 1) % world), "
+               "dist.irecv(dkv_incoming, (rank - 1) % world)]\n")
+RB_DKV_STAYS = ("        if step < world - 1:  # (the mistake: no hop after the last step)\n"
+                "            requests += [dist.isend(dkv, (rank + 1) % world), "
+                "dist.irecv(dkv_incoming, (rank - 1) % world)]\n"
+                "        else:\n"
+                "            dkv_incoming = dkv\n")
+RB_KV_SEND = "dist.isend(kv, (rank + 1) % world), dist.irecv(incoming, (rank - 1) % world)"
 RING_SEND = "            requests = [dist.isend(kv, (rank + 1) % world), dist.irecv(incoming, (rank - 1) % world)]\n"
 RING_ALL_GATHER = ("            gathered = [torch.empty_like(kv) for _ in range(world)]\n"
                    "            dist.all_gather(gathered, kv)\n"
@@ -92,6 +105,18 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                              "        if True:\n            for request")],
         {RING_P2P}),
     "ring_by_all_gather": ("05.ring_forward", [(RING_SEND, RING_ALL_GATHER)], {RING_P2P}),
+    "ring_backward_dkv_left_on_the_wrong_rank": (  # the last hop forgotten: rank r keeps rank r+1's dK/dV
+        "05.ring_backward", [(RB_DKV_SEND, RB_DKV_STAYS)], {RB_FULL, RB_BYTES}),
+    "ring_backward_no_diagonal_mask": (
+        "05.ring_backward", [('if kind == "diagonal":', 'if False:')], {RB_CAUSAL, RB_ANY}),
+    "ring_backward_wrong_neighbour": (  # K/V passed to r − 1 while the source is still counted as r − step
+        "05.ring_backward", [(RB_KV_SEND, RB_KV_SEND.replace("rank + 1", "rank ± 1").replace("rank - 1", "rank + 1")
+                                                .replace("rank ± 1", "rank - 1"))],
+        {RB_FULL}),
+    "ring_backward_block_softmax_instead_of_lse": (  # each block renormalised on its own
+        "05.ring_backward", [("probs = torch.exp(scores - lse.unsqueeze(-1))",
+                              "probs = torch.softmax(scores, dim=-1)")],
+        {RB_CAUSAL}),
     "work_diagonal_block_counted_whole": (
         "05.causal_work", [("chunk * (chunk + 1) // 2", "chunk * chunk")], {WORK_CONTIGUOUS, WORK_ZIGZAG, WORK_LONG}),
     "work_skipped_blocks_counted": (
@@ -131,22 +156,25 @@ def test_the_merge_reference_is_online_softmax():
 
 
 def _lab_ring(shape, chunks, causal, seed):
-    """`lab.parallel.ring_attention` on this rank's chunks of the driver's q, k, v."""
+    """`lab.parallel.ring_attention` on this rank's chunks of the drivers' q, k, v (and dout): the output and, from
+    its backward, dq, dk, dv."""
     import torch
     import torch.distributed as dist
 
     from lab.parallel.ring_attention import ring_attention
 
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
-    q, k, v = (ch05.rank_part(x, chunks, dist.get_rank()) for x in (q, k, v))
-    return ring_attention(q, k, v, None, chunks, causal=causal)
+    q, k, v, dout = (ch05.rank_part(torch.randn(shape, generator=g), chunks, dist.get_rank()) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = ring_attention(q, k, v, None, chunks, causal=causal)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
 
 
 @pytest.mark.parametrize("kind, cp", [("zigzag", 2), ("shuffled", 3)])
 def test_the_ring_reference_agrees_with_lab_parallel(kind, cp):
-    """The check's expected outputs (full attention, cut by the layout) are what `lab.parallel`'s ring computes on
-    real ranks, and its rank parts are `lab.parallel.cp.shard_sequence`'s for the library's layouts."""
+    """The checks' expected outputs and gradients (full attention and autograd through it, cut by the layout) are
+    what `lab.parallel`'s ring computes on real ranks, forward and backward, and its rank parts are
+    `lab.parallel.cp.shard_sequence`'s for the library's layouts."""
     import torch
 
     from lab.distributed import run
@@ -156,11 +184,13 @@ def test_the_ring_reference_agrees_with_lab_parallel(kind, cp):
     chunks = ch05.random_layout(rng, cp, kind)
     shape = [2, 3, 4 * sum(map(len, chunks)), 8]
     for causal in (True, False):
-        reference = ch05.ring_reference(shape, causal, 5)
+        reference = [ch05.ring_reference(shape, causal, 5), *ch05.backward_reference(shape, causal, 5)]
         for rank, got in enumerate(run(_lab_ring, cp, shape, chunks, causal, 5)):
-            torch.testing.assert_close(got.double(), ch05.rank_part(reference, chunks, rank), rtol=1e-5, atol=1e-5)
+            for mine, expected in zip(got, reference, strict=True):
+                torch.testing.assert_close(mine.double(), ch05.rank_part(expected, chunks, rank), rtol=1e-5, atol=1e-5)
     x = torch.arange(2 * 24).view(2, 1, 24, 1)
     for layout in ("contiguous", "zigzag"):
         for rank in range(3):
             parts = ch05.random_layout(rng, 3, layout)
             assert torch.equal(ch05.rank_part(x, parts, rank), shard_sequence(x, rank, 3, layout, dim=2))
+

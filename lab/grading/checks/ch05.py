@@ -1,4 +1,5 @@
-"""Chapter 05, context parallelism. Merging partial attention, the zig-zag layout, ring attention on real ranks.
+"""Chapter 05, context parallelism. Merging partial attention, the zig-zag layout, ring attention on real ranks
+(forward and backward), the work per rank.
 
 The merge exercise's driver (`run_merge`) takes plain lists: the checks draw attention scores and values here,
 split the keys into two blocks, compute each block's (out, lse) in float64 — rows whose block holds no key
@@ -12,6 +13,11 @@ shuffled one, so that the causal rule must compare *global* chunk indices), runs
 `count_collectives`, and reports the output and the messages. The check draws the same tensors, computes full
 attention in one process in float64 with `lab.parallel.ring_attention.block_forward` (the whole sequence is one
 block: diagonal when causal) and compares every rank's output with its chunks of the result.
+
+The backward exercise's driver (`run_ring_backward`) draws q, k, v and the upstream gradient dout from a seed,
+computes the forward's out and lse in one process with the student's `block_attention`, keeps the rank's chunks
+and runs the student's backward inside `count_collectives`; the check compares every rank's dq, dk, dv with
+autograd through torch's attention over the whole sequence (float64), and counts the bytes the ring sends.
 
 The zig-zag and work exercises are compared with `lab.calc.cp` (`chunk_ids`, `attention_work`) and
 `lab.parallel.cp.sequence_positions` at random cp and sequence lengths.
@@ -164,7 +170,7 @@ def _seq_len(rng: random.Random, cp: int) -> int:
     return 2 * cp * rng.randrange(1, 12)
 
 
-@ZIGZAG.check(points=1, hint="2·cp chunks; rank r takes one from the front and its mirror from the back: "
+@ZIGZAG.check(points=0.5, hint="2·cp chunks; rank r takes one from the front and its mirror from the back: "
                              "[r, 2·cp − 1 − r], the early one first")
 def zigzag_chunk_ids(student, rng):
     """rank r holds chunks r and 2·cp−1−r, in that order (cp up to 16)"""
@@ -174,7 +180,7 @@ def zigzag_chunk_ids(student, rng):
                          f"zigzag_chunks(rank={rank}, cp={cp})")
 
 
-@ZIGZAG.check(points=2, hint="chunk c holds positions c·L ... (c+1)·L − 1 with L = seq_len / (2·cp); a rank's "
+@ZIGZAG.check(points=0.5, hint="chunk c holds positions c·L ... (c+1)·L − 1 with L = seq_len / (2·cp); a rank's "
                              "positions are its first chunk's then its second's — the global positions, which "
                              "RoPE must rotate by (not 0 ... seq_len/cp − 1)")
 def zigzag_rope_positions(student, rng):
@@ -189,7 +195,7 @@ def zigzag_rope_positions(student, rng):
                          f"zigzag_positions(rank={rank}, cp={cp}, seq_len={seq_len})")
 
 
-@ZIGZAG.check(points=1, hint="the token at local index i of rank r has position zigzag_positions(r, ...)[i]: "
+@ZIGZAG.check(points=0.5, hint="the token at local index i of rank r has position zigzag_positions(r, ...)[i]: "
                              "a rank's second chunk starts at local index L = seq_len / (2·cp), after its first")
 def zigzag_owner_of_position(student, rng):
     """where a global position lives: [rank, local index]"""
@@ -206,7 +212,7 @@ def zigzag_owner_of_position(student, rng):
                      f"zigzag_owner(position={position}, cp={cp}, seq_len={seq_len})")
 
 
-@ZIGZAG.check(points=1, hint="raise ValueError when seq_len % (2·cp) != 0, with a message naming seq_len and 2·cp; "
+@ZIGZAG.check(points=0.5, hint="raise ValueError when seq_len % (2·cp) != 0, with a message naming seq_len and 2·cp; "
                              "chunks of unequal length would give the ranks unequal work and shapes")
 def zigzag_rejects_bad_lengths(student, rng):
     """a seq_len that 2·cp does not divide: a ValueError"""
@@ -367,3 +373,81 @@ def work_long_sequences(student, rng):
     for layout in ("contiguous", "zigzag"):
         for cp, seq_len in _work_cases(rng, layout, 2, max_cp=64, max_chunk=8000):
             _expect_work(student, cp, seq_len, layout)
+
+
+# --- 05.ring_backward ------------------------------------------------------------------------------------
+
+BACKWARD = exercise("05.ring_backward", entry=("run_ring_backward",), requires=("05.lse_merge", "05.ring_forward"),
+                    **RANKS)
+
+
+def backward_reference(shape: list[int], causal: bool, seed: int) -> tuple:
+    """dq, dk, dv of attention over the whole sequence in one process (float64, autograd through torch's
+    attention) for the q, k, v and upstream gradient dout the driver `run_ring_backward` draws."""
+    import torch
+    import torch.nn.functional as F
+
+    g = generator(seed)
+    q, k, v, dout = (torch.randn(shape, generator=g).double().requires_grad_() for _ in range(4))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _ring_backward(student, rng: random.Random, world: int, kind: str, causal: bool) -> tuple[list, dict]:
+    chunks = random_layout(rng, world, kind)
+    n = sum(len(c) for c in chunks)
+    shape = [rng.randrange(1, 3), rng.randrange(1, 4), n * rng.randrange(2, 5), rng.randrange(2, 9)]
+    seed = rng.randrange(10**6)
+    call = f"run_ring_backward(shape={shape}, chunks={chunks}, causal={causal}, seed={seed}) on {world} ranks"
+    results = per_rank(student.ranks("run_ring_backward", world, shape, chunks, causal, seed), world, call)
+    return results, {"call": call, "shape": shape, "chunks": chunks, "world": world, "seed": seed}
+
+
+def _expect_ring_backward(student, rng: random.Random, world: int, kind: str, causal: bool) -> None:
+    results, run = _ring_backward(student, rng, world, kind, causal)
+    grads = backward_reference(run["shape"], causal, run["seed"])
+    for rank, got in enumerate(results):
+        for name, grad in zip(("dq", "dk", "dv"), grads, strict=True):
+            expected = rank_part(grad, run["chunks"], rank).flatten().tolist()
+            expect_allclose(got.get(name), expected, f"{run['call']}: rank {rank}'s {name} (chunks "
+                                                     f"{run['chunks'][rank]})")
+
+
+@BACKWARD.check(points=2, hint="every block's dq stays with the queries; its dk, dv belong to the K/V block you hold: "
+                               "add them into a buffer that travels with that block (cp hops: the last one brings "
+                               "it home to its owner), and receive from (r − 1) % cp what you pass to (r + 1) % cp")
+def ring_backward_not_causal(student, rng):
+    """no mask: every rank's dq, dk, dv equal autograd's over the whole sequence (2 and 3 ranks)"""
+    for world in (2, 3):
+        _expect_ring_backward(student, rng, world, "contiguous", causal=False)
+
+
+@BACKWARD.check(points=3, hint="a block's probabilities are exp(s − lse) with the forward's final lse — not the "
+                               "block's own softmax — and the diagonal block needs the causal mask in the backward "
+                               "too (key i ≤ query i); skip the later chunks")
+def ring_backward_causal(student, rng):
+    """causal, zig-zag chunks: dq, dk, dv equal autograd's (2 and 3 ranks)"""
+    for world in (2, 3):
+        _expect_ring_backward(student, rng, world, "zigzag", causal=True)
+
+
+@BACKWARD.check(points=1, hint="K and V go round as in the forward (cp − 1 sends), and their gradient follows "
+                               "them one hop behind, with one more hop at the end to bring it home (cp sends): "
+                               "isend/irecv only")
+def ring_backward_messages(student, rng):
+    """only isend/irecv: each rank sends its K/V block's size 2·cp−1 times (cp−1 K/V, cp dK/dV)"""
+    world = 3
+    results, run = _ring_backward(student, rng, world, "contiguous", causal=True)
+    batch, heads, seq, dim = run["shape"]
+    kv_bytes = 2 * batch * heads * (seq // world) * dim * 4
+    for rank, got in enumerate(results):
+        _, sent = point_to_point_sent(got, rank, run["call"])
+        expect_equal(sent, (2 * world - 1) * kv_bytes, f"{run['call']}: rank {rank}'s bytes sent (its K and V are "
+                                                        f"{kv_bytes} bytes)")
+
+
+@BACKWARD.check(points=2, hidden=True, hint="the block rule and the ring must not assume a layout: any chunks, any "
+                                            "number of them per rank")
+def ring_backward_any_layout(student, rng):
+    """3 ranks, a shuffled layout of 1 to 3 chunks per rank, causal"""
+    _expect_ring_backward(student, rng, 3, "shuffled", causal=True)

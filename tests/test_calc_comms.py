@@ -4,8 +4,15 @@ multi-rail across nodes against the playbook's measurements."""
 
 import pytest
 
-from lab.calc.comms import OPS, bus_factor, collective_time
-from lab.calc.network import LINKS, PLAYBOOK_BUSBW, SYSTEMS
+from lab.calc.comms import (
+    OPS,
+    bus_factor,
+    collective_time,
+    dp_critical_batch,
+    latency_bandwidth_crossover,
+    ring_tree_crossover,
+)
+from lab.calc.network import LINKS, PLAYBOOK_BUSBW, SYSTEMS, System
 
 
 def test_ring_all_reduce_sends_2_w_minus_1_over_w_of_the_tensor():
@@ -204,3 +211,40 @@ def test_cli_json_and_errors():
     bad = subprocess.run([*cmd[:-6], "--ranks", "12"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "ranks=12 must be a multiple of gpus_per_node=8" in bad.stderr
+
+
+def test_latency_and_bandwidth_terms_are_equal_at_the_crossover():
+    link = LINKS["ib-ndr400"]
+    for w in (2, 8, 64):
+        size = latency_bandwidth_crossover("all_reduce", w, link)
+        cost = collective_time("all_reduce", size, w, link)
+        assert cost.steps * link.latency == pytest.approx(cost.bytes_sent_per_rank / link.bandwidth)
+        assert size == pytest.approx(w * link.latency * link.bandwidth)  # the ring all-reduce's W·alpha·bandwidth
+    with pytest.raises(ValueError, match="ranks=1"):
+        latency_bandwidth_crossover("all_reduce", 1, link)
+
+
+def test_ring_and_tree_take_the_same_time_at_their_crossover():
+    link = LINKS["ib-ndr400"]
+    for w in (5, 16, 100):
+        size = ring_tree_crossover(w, link)
+        ring, tree = (collective_time("all_reduce", size, w, link, algorithm=a).time_s for a in ("ring", "tree"))
+        assert ring == pytest.approx(tree)
+        assert collective_time("all_reduce", 2 * size, w, link).time_s < collective_time(
+            "all_reduce", 2 * size, w, link, algorithm="tree").time_s
+    assert ring_tree_crossover(2, link) == ring_tree_crossover(3, link) == 0  # as few ring steps as tree steps
+
+
+def test_dp_critical_batch_is_the_scaling_books_2550_tokens_per_v5p_chip():
+    # How to Scale Your Model ch. 5 (Data parallelism): B/X > C/W_ici = 4.59e14 / 1.8e11 = 2550 on TPU v5p
+    assert dp_critical_batch(4.59e14, 1.8e11, 1) == pytest.approx(2550)
+    assert dp_critical_batch(4.59e14, 1.8e11, 8960) == pytest.approx(8960 * 2550)
+    with pytest.raises(ValueError, match="dp=0"):
+        dp_critical_batch(4.59e14, 1.8e11, 0)
+
+
+def test_a_system_of_ones_own_prices_like_a_named_one():
+    own = System("mine", LINKS["nvlink4"], LINKS["ib-ndr400"], 8, 8, "test")
+    for algorithm in ("ring", "hierarchical"):
+        assert collective_time("all_reduce", 1e9, 16, system=own, algorithm=algorithm) == collective_time(
+            "all_reduce", 1e9, 16, system="h100", algorithm=algorithm)

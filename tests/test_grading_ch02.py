@@ -6,19 +6,25 @@ JAX exercise runs on 8 simulated CPU devices there. A mutant is the solution cel
 ring that forgets to average, a ring that turns the wrong way, a chunk index off by one, a remainder that no
 chunk covers, a library collective instead of messages, an all-reduce where a reduce-scatter would do — and only
 the checks that must catch it are run, to keep this file fast.
+
+The worked problems (02.problems) are one exercise over nine answer cells: a mutant's (old, new) is applied in
+the one cell that holds `old`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from grading_support import Chapter, chapter_tests
 
 from lab.grading import checks
 from lab.grading.checks import ch02
+from lab.grading.notebook import answer_parts
 from lab.grading.runner import run_exercise, seed
 
-EXERCISES = ("02.ring_all_reduce", "02.reduce_scatter", "02.ring_bytes", "02.alpha_beta", "02.sharded_matmul")
+EXERCISES = ("02.ring_all_reduce", "02.reduce_scatter", "02.ring_bytes", "02.alpha_beta", "02.sharded_matmul",
+             "02.problems")
 
 RING_TWO = "2 ranks: every rank ends with the sum of every rank's tensor"
 RING_UNEVEN = "3 and 4 ranks, sizes the world size divides and sizes it does not"
@@ -94,8 +100,59 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                                                           (OUT_ROWS, 'out_specs=P(None, "x")')], {MM_ROWS}),
 }
 
+P1, P2, P3 = ("P1 — ring all-reduce time, bandwidth-bound: 2(W−1)/W·B/β",
+              "P2 — ZeRO-3's bytes per rank and step: 2 all-gathers + 1 reduce-scatter",
+              "P3 — the α–β crossover: the all-reduce size where latency and bandwidth cost the same")
+P4, P5, P6 = ("P4 — the all-reduce size above which the ring beats the tree",
+              "P5 — nccl-tests' bus bandwidth from a measured time",
+              "P6 — the DP condition B/X > C/W: the smallest compute-bound global batch")
+P7, P8, P9 = ("P7 — the bytes one rank sends in an MoE dispatch all-to-all",
+              "P8 — hierarchical all-reduce: NVLink inside the node, one NIC per GPU across",
+              "P9 — bf16 gradients of a model all-reduced over 2 nodes of 8 GPUs")
+MUTANTS |= {  # the problems: each mistake in every cell where a learner would make it
+    "problems_all_reduce_without_the_2": ("02.problems", [
+        ("return 2 * (world_size - 1) / world_size * nbytes", "return (world_size - 1) / world_size * nbytes"),
+        ("across = 2 * (nodes - 1)", "across = (nodes - 1)"),
+        ("return 2 * (world - 1) / world", "return (world - 1) / world")], {P1, P8, P9}),
+    "problems_fsdp_forgets_the_backward_gather": ("02.problems", [("return 3 * (world_size", "return 2 * (world_size")],
+                                                  {P2}),
+    "problems_whole_message_not_its_w_minus_1_over_w": ("02.problems", [
+        ("3 * (world_size - 1) / world_size * model", "3 * model"),
+        ("(world_size - 1) / world_size * copies", "copies")], {P2, P7}),
+    "problems_crossover_without_the_world_size": ("02.problems", [("return world_size * alpha * bandwidth",
+                                                                   "return alpha * bandwidth")], {P3}),
+    "problems_tree_depth_without_ceil": ("02.problems", [("depth = math.ceil(math.log2(world_size))",
+                                                          "depth = math.log2(world_size)")], {P4}),
+    "problems_busbw_is_algbw": ("02.problems", [("return nbytes / seconds * factor", "return nbytes / seconds")], {P5}),
+    "problems_dp_condition_per_chip": ("02.problems", [("return dp * peak_flops / bandwidth",
+                                                        "return peak_flops / bandwidth")], {P6}),
+    "problems_every_gpu_sends_the_whole_tensor_across": ("02.problems", [("(nbytes / g) / nic_bandwidth",
+                                                                          "nbytes / nic_bandwidth")], {P8}),
+    "problems_nic_bits_taken_as_bytes": ("02.problems", [("nic_gbits * 1e9 / 8", "nic_gbits * 1e9")], {P9}),
+    "problems_nvlink_in_gib": ("02.problems", [("min(nvlink_gbytes * 1e9", "min(nvlink_gbytes * 2**30")], {P9}),
+}
 
-CHAPTER = Chapter("02_collectives.ipynb", EXERCISES, MUTANTS)
+
+class Chapter02(Chapter):
+    """A chapter whose problems exercise spans several answer cells: each (old, new) of a mutant applies in the
+    one cell that holds `old`, and every cell is graded together."""
+
+    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
+        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
+        if len(parts) == 1:
+            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
+        ex = checks.get(exercise_id)
+        if only is not None:
+            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+        for old, new in replace:
+            hits = [i for i, (_, source) in enumerate(parts) if old in source]
+            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
+            label, source = parts[hits[0]]
+            parts[hits[0]] = (label, source.replace(old, new))
+        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
+
+
+CHAPTER = Chapter02("02_collectives.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

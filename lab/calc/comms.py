@@ -41,6 +41,9 @@ On 1 and 2 H100 nodes it lands within a few percent of the playbook's measured a
 
 `zero3_overlap_ratio` weighs a ZeRO-3 all-gather against the compute it must hide behind (playbook
 appendix A3): the measured timelines of `lab.parallel.overlap` are its executed counterpart.
+`latency_bandwidth_crossover`, `ring_tree_crossover` and `dp_critical_batch` are the model's thresholds, in
+closed form: where latency stops mattering, where the ring overtakes the tree, and how large a data-parallel
+batch must be for the gradient all-reduce to hide behind the backward (How to Scale Your Model, ch. 5).
 """
 
 from __future__ import annotations
@@ -132,13 +135,14 @@ def _all_to_all_across(nbytes: float, ranks: int, spec: System, g: int) -> CommC
 
 
 def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None, algorithm: str = "ring",
-                    system: str | None = None, gpus_per_node: int | None = None) -> CommCost:
-    """Cost of one collective. Give a `link` (one network for all ranks) or a `system` name ("h100", ...)
-    whose nodes of `gpus_per_node` GPUs use the fast link inside and their NICs, multi-rail, between."""
+                    system: str | System | None = None, gpus_per_node: int | None = None) -> CommCost:
+    """Cost of one collective. Give a `link` (one network for all ranks) or a `system` (a name, "h100", ...,
+    or a `System` of your own) whose nodes of `gpus_per_node` GPUs use the fast link inside and their NICs,
+    multi-rail, between."""
     _validate(op, nbytes, ranks, algorithm, link, system, gpus_per_node)
     if link is not None:
         return _flat(op, nbytes, ranks, link, algorithm)
-    spec = SYSTEMS[system]
+    spec = system if isinstance(system, System) else SYSTEMS[system]
     g = gpus_per_node or spec.gpus_per_node
     if ranks <= g:
         return _flat(op, nbytes, ranks, spec.intra, algorithm)
@@ -159,7 +163,7 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None
                     f"{spec.intra.name} inside, {spec.nic.name}: {own_rail.bandwidth / 1e9:g} GB/s per GPU across")
 
 
-def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | None, system: str | None,
+def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | None, system: str | System | None,
               gpus_per_node: int | None) -> None:
     if op not in OPS:
         raise ValueError(f"op={op!r} must be one of {', '.join(OPS)}")
@@ -171,7 +175,7 @@ def _validate(op: str, nbytes: float, ranks: int, algorithm: str, link: Link | N
         raise ValueError(f"algorithm={algorithm!r} must be one of {', '.join(ALGORITHMS)}")
     if (link is None) == (system is None):
         raise ValueError("give exactly one of link= or system=")
-    if system is not None and system not in SYSTEMS:
+    if system is not None and not isinstance(system, System) and system not in SYSTEMS:
         raise ValueError(f"system={system!r} must be one of {', '.join(SYSTEMS)}")
     if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
         raise ValueError(f"gpus_per_node={gpus_per_node!r} must be an integer >= 1")
@@ -212,3 +216,41 @@ def zero3_overlap_ratio(tokens: int, dp: int, peak_flops: float, bandwidth: floa
         if not value > 0:
             raise ValueError(f"{name}={value!r} must be > 0")
     return bytes_per_param * (dp - 1) / dp * peak_flops / (2 * tokens * bandwidth)
+
+
+def latency_bandwidth_crossover(op: str, ranks: int, link: Link, algorithm: str = "ring") -> float:
+    """The message size (bytes) at which a collective's latency term equals its bandwidth term.
+
+    Below it the collective is latency-bound (more, smaller messages cost the same: bucket them), above it
+    bandwidth-bound. steps·alpha = (sent/B)·B/bandwidth gives B* = steps·alpha·bandwidth / (sent/B); for a ring
+    all-reduce 2(W−1)·alpha = 2(W−1)/W·B/bandwidth, so B* = W·alpha·bandwidth: the crossover grows with W."""
+    unit = collective_time(op, 1.0, ranks, link, algorithm)
+    if unit.bytes_sent_per_rank == 0:
+        raise ValueError(f"ranks={ranks} sends nothing for {op}: the crossover needs ranks >= 2")
+    return unit.steps * link.latency * link.bandwidth / unit.bytes_sent_per_rank
+
+
+def ring_tree_crossover(ranks: int, link: Link) -> float:
+    """The all-reduce size (bytes) above which the ring beats the (binomial) tree; 0 when it always does.
+
+    Tree: 2L(alpha + B/bandwidth) with L = ceil(log2 W); ring: 2(W−1)·alpha + 2(W−1)/W·B/bandwidth. The tree
+    saves 2(W−1−L) latencies and pays 2(L − (W−1)/W)·B/bandwidth more, so they are equal at
+        B = alpha·bandwidth·(W − 1 − L) / (L − (W − 1)/W)."""
+    if not isinstance(ranks, int) or ranks < 2:
+        raise ValueError(f"ranks={ranks!r} must be an integer >= 2")
+    depth = math.ceil(math.log2(ranks))
+    saved_steps = ranks - 1 - depth
+    return max(0.0, link.latency * link.bandwidth * saved_steps / (depth - (ranks - 1) / ranks))
+
+
+def dp_critical_batch(peak_flops: float, bandwidth: float, dp: int) -> float:
+    """The smallest global batch (tokens) for which data parallelism is compute-bound: B > dp·C/W.
+
+    How to Scale Your Model ch. 5: per layer (an MLP of D×F and F×D weights), the backward computes
+    8·B·D·F/dp FLOPs on each of dp chips (T_math = 8BDF/(dp·C)) while all-reducing 2 bf16 gradients of D·F
+    (T_comm = 8DF/W, the all-reduce costing about twice its bytes): compute-bound iff B/dp > C/W. Parameters,
+    layers and precision cancel; on TPU v5p (C = 4.59e14 FLOP/s, W = 1.8e11 B/s) it is 2,550 tokens per chip."""
+    for name, value in (("peak_flops", peak_flops), ("bandwidth", bandwidth), ("dp", dp)):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r} must be > 0")
+    return dp * peak_flops / bandwidth

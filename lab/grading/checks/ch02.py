@@ -10,6 +10,9 @@ The cost-model exercises are compared with `lab.calc.comms` on random sizes, wor
 bandwidths. The JAX exercise's driver returns the product, where each device's shard sits, and the collectives
 of the program XLA compiled; the check multiplies the matrices here in float64.
 
+The worked problems (02.problems) are plain Python functions of random numbers, compared with `lab.calc.comms`
+to 1%: the sandbox does not see lab.calc, so the learner writes each formula.
+
 torch is imported inside the functions: `lab.check` of other chapters loads this module too.
 """
 
@@ -18,16 +21,24 @@ from __future__ import annotations
 import math
 import random
 
-from lab.calc.comms import collective_time
-from lab.calc.network import Link
+from lab.calc.comms import (
+    bus_factor,
+    collective_time,
+    dp_critical_batch,
+    latency_bandwidth_crossover,
+    ring_tree_crossover,
+)
+from lab.calc.network import Link, System
 from lab.grading.checks import (
     RANKS,
     CheckFailed,
+    Mistake,
     exercise,
     expect_allclose,
     expect_close,
     expect_dict,
     expect_equal,
+    expect_number,
     per_rank,
     point_to_point_sent,
 )
@@ -297,3 +308,130 @@ def matmul_one_reduce_scatter(student, rng):
     if collectives != {"reduce-scatter": 1}:
         raise CheckFailed(f"{run['call']}: the compiled program's collectives returned {collectives!r}, "
                           f"expected {{'reduce-scatter': 1}}")
+
+
+# --- 02.problems -----------------------------------------------------------------------------------------------
+# Back-of-envelope problems: plain Python in the sandbox (no lab.calc there), compared with lab.calc to 1%.
+
+PROBLEMS = exercise("02.problems", entry=(
+    "ring_all_reduce_time", "fsdp_bytes_per_rank", "alpha_beta_crossover", "ring_beats_tree_above", "bus_bandwidth",
+    "dp_min_batch", "moe_dispatch_bytes", "hierarchical_all_reduce_time", "two_node_all_reduce_time"))
+TOLERANCE = 0.01
+MISSING_TWO = Mistake(0.5, "a factor 2", "an all-reduce is a reduce-scatter and an all-gather: twice (W-1)/W")
+BITS = Mistake(1 / 8, "bits taken for bytes", "a NIC's 400 Gb/s is 400e9 bits: divide by 8 for bytes")
+
+
+def _bandwidth_only(bandwidth: float) -> Link:
+    return Link("problem", bandwidth, 0.0, "grader")
+
+
+def _node_pair(nvlink: float, nic: float, gpus_per_node: int, nics_per_node: int) -> System:
+    """A cluster of the problem's numbers, latency left out (the problems are bandwidth-bound)."""
+    return System("problem", _bandwidth_only(nvlink), _bandwidth_only(nic), gpus_per_node, nics_per_node, "grader")
+
+
+@PROBLEMS.check(points=1, hint="a ring all-reduce sends 2(W-1)/W of the tensor through each rank's link")
+def p1_ring_time(student, rng):
+    """P1 — ring all-reduce time, bandwidth-bound: 2(W−1)/W·B/β"""
+    for world in (rng.randrange(2, 9), rng.randrange(9, 4097)):
+        nbytes, bandwidth = rng.uniform(1e6, 2e11), rng.uniform(1e10, 1e12)
+        expect_close(student.ring_all_reduce_time(nbytes, world, bandwidth),
+                     cost("all_reduce", nbytes, world, bandwidth=bandwidth).time_s,
+                     f"ring_all_reduce_time({nbytes:.6g}, {world}, {bandwidth:.6g})", TOLERANCE, [MISSING_TWO])
+
+
+@PROBLEMS.check(points=1, hint="ZeRO-3 gathers each unit's parameters twice (forward, and again in the backward) "
+                               "and reduce-scatters its gradients once; each moves (W-1)/W of the unit's bytes")
+def p2_fsdp_bytes(student, rng):
+    """P2 — ZeRO-3's bytes per rank and step: 2 all-gathers + 1 reduce-scatter"""
+    for world in (rng.randrange(2, 9), rng.randrange(9, 1025)):
+        params, width = rng.randrange(10**6, 10**11), rng.choice([2, 4])
+        nbytes = params * width
+        expected = (2 * cost("all_gather", nbytes, world).bytes_sent_per_rank
+                    + cost("reduce_scatter", nbytes, world).bytes_sent_per_rank)
+        expect_close(student.fsdp_bytes_per_rank(params, world, width), expected,
+                     f"fsdp_bytes_per_rank({params}, {world}, {width})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="set the ring all-reduce's latency term 2(W-1)·alpha equal to its bandwidth term "
+                               "2(W-1)/W·B/bandwidth and solve for B")
+def p3_crossover(student, rng):
+    """P3 — the α–β crossover: the all-reduce size where latency and bandwidth cost the same"""
+    for world in (rng.randrange(2, 9), rng.randrange(9, 2049)):
+        alpha, bandwidth = rng.uniform(1e-6, 5e-5), rng.uniform(1e10, 1e12)
+        expect_close(student.alpha_beta_crossover(world, alpha, bandwidth),
+                     latency_bandwidth_crossover("all_reduce", world, Link("problem", bandwidth, alpha, "grader")),
+                     f"alpha_beta_crossover({world}, {alpha:.6g}, {bandwidth:.6g})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="tree: 2·ceil(log2 W) steps, each moving the whole B; ring: 2(W-1) steps moving "
+                               "2(W-1)/W·B in all; equate the two times (0 when the ring never loses)")
+def p4_ring_vs_tree(student, rng):
+    """P4 — the all-reduce size above which the ring beats the tree"""
+    for world in (rng.choice([3, 2]), _not_power_of_two(rng), 2 ** rng.randrange(3, 12)):
+        alpha, bandwidth = rng.uniform(1e-6, 5e-5), rng.uniform(1e10, 1e12)
+        expected = ring_tree_crossover(world, Link("problem", bandwidth, alpha, "grader"))
+        got = student.ring_beats_tree_above(world, alpha, bandwidth)
+        what = f"ring_beats_tree_above({world}, {alpha:.6g}, {bandwidth:.6g})"
+        if expected == 0:
+            expect_number(got, 0.0, what, tol=1e-9)
+        else:
+            expect_close(got, expected, what, TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="algbw = B / time; nccl-tests' busbw multiplies it by 2(W-1)/W for all-reduce, "
+                               "(W-1)/W for all-gather and reduce-scatter, 1 for broadcast")
+def p5_bus_bandwidth(student, rng):
+    """P5 — nccl-tests' bus bandwidth from a measured time"""
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        world, nbytes, seconds = rng.randrange(2, 65), rng.uniform(1e6, 1e10), rng.uniform(1e-4, 1.0)
+        expect_close(student.bus_bandwidth(op, nbytes, world, seconds), nbytes / seconds * bus_factor(op, world),
+                     f"bus_bandwidth({op!r}, {nbytes:.6g}, {world}, {seconds:.6g})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="per layer the backward's FLOPs 8·B·D·F/X over C must exceed the gradient "
+                               "all-reduce's 8·D·F/W: D and F cancel, B is the global batch over X chips")
+def p6_dp_condition(student, rng):
+    """P6 — the DP condition B/X > C/W: the smallest compute-bound global batch"""
+    for dp in (rng.randrange(2, 65), rng.randrange(65, 10001)):
+        flops, bandwidth = rng.uniform(1e14, 2e15), rng.uniform(2e10, 1e12)
+        expect_close(student.dp_min_batch(flops, bandwidth, dp), dp_critical_batch(flops, bandwidth, dp),
+                     f"dp_min_batch({flops:.6g}, {bandwidth:.6g}, {dp})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="each token goes to top_k experts; with uniform routing 1/W of them stay on the "
+                               "rank, the rest cross: (W-1)/W of tokens·top_k·hidden·bytes")
+def p7_all_to_all(student, rng):
+    """P7 — the bytes one rank sends in an MoE dispatch all-to-all"""
+    for world in (rng.randrange(2, 9), rng.randrange(9, 257)):
+        tokens, hidden, top_k, width = rng.randrange(512, 65537), rng.randrange(256, 8193), rng.randrange(1, 9), \
+            rng.choice([1, 2])
+        expected = cost("all_to_all", tokens * top_k * hidden * width, world).bytes_sent_per_rank
+        expect_close(student.moe_dispatch_bytes(tokens, hidden, top_k, world, width), expected,
+                     f"moe_dispatch_bytes({tokens}, {hidden}, {top_k}, {world}, {width})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="reduce-scatter inside the node, all-reduce the B/g slice across nodes (each GPU on "
+                               "its own NIC, all at once), all-gather inside: add the three times")
+def p8_hierarchical(student, rng):
+    """P8 — hierarchical all-reduce: NVLink inside the node, one NIC per GPU across"""
+    for nodes in (2, rng.randrange(3, 257)):
+        g, nbytes = rng.choice([4, 8]), rng.uniform(1e8, 1e11)
+        nvlink, nic = rng.uniform(2e11, 9e11), rng.uniform(1e10, 1e11)
+        expected = collective_time("all_reduce", nbytes, nodes * g, system=_node_pair(nvlink, nic, g, g),
+                                   algorithm="hierarchical").time_s
+        expect_close(student.hierarchical_all_reduce_time(nbytes, nodes, g, nvlink, nic), expected,
+                     f"hierarchical_all_reduce_time({nbytes:.6g}, {nodes}, {g}, {nvlink:.6g}, {nic:.6g})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="bf16 gradients are 2 bytes a parameter; a ring over 2 nodes of 8 runs on "
+                               "min(NVLink, NICs·NIC): every NIC carries a ring (multi-rail); Gb/s / 8 = GB/s")
+def p9_two_nodes(student, rng):
+    """P9 — bf16 gradients of a model all-reduced over 2 nodes of 8 GPUs"""
+    params = rng.randrange(10**9, 10**11)
+    for nics in (1, rng.randrange(2, 5), 8):  # NICs the bottleneck, then (8 fast NICs) NVLink
+        nvlink, nic_gbits = rng.uniform(150, 900), rng.choice([100, 200, 400, 800]) * (4 if nics == 8 else 1)
+        expected = collective_time("all_reduce", 2 * params, 16,
+                                   system=_node_pair(nvlink * 1e9, nic_gbits * 1e9 / 8, 8, nics)).time_s
+        expect_close(student.two_node_all_reduce_time(params, nvlink, nic_gbits, nics), expected,
+                     f"two_node_all_reduce_time({params}, {nvlink:.6g}, {nic_gbits}, {nics})", TOLERANCE, [BITS])

@@ -1,11 +1,11 @@
 """Chapter 04's checks: the solutions pass with any secret, the released stubs score nothing, and every
 plausible-but-wrong answer (mutant) fails the checks named for it.
 
-Three exercises run the student's layers on real gloo ranks (tp 2, 3 and 4) inside the sandbox and compare
+Four exercises run the student's layers on real gloo ranks (tp 2, 3 and 4) inside the sandbox and compare
 outputs and gradients with one process. A mutant is the solution cell with one classic mistake — f's backward
 without its all-reduce, a softmax over the local vocabulary shard only, a reduce-scatter along the batch instead
-of the sequence, a norm run after the all-gather — and only the checks that must catch it are run, to keep this
-file fast.
+of the sequence, a norm run after the all-gather, a copied KV head's gradient summed over the whole TP group
+instead of its replicas — and only the checks that must catch it are run, to keep this file fast.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch04
 
-EXERCISES = ("04.matmul_collective", "04.column_row_linear", "04.vocab_parallel_ce", "04.sequence_parallel")
+EXERCISES = ("04.matmul_collective", "04.column_row_linear", "04.vocab_parallel_ce", "04.sequence_parallel",
+             "04.tp_gqa_attention")
 
 CASE_THREE = ('''    if aj is not None and aj == bj:  # case 3: both contracting dims split over the same axis
         if reduce_scatter and bk is None:
@@ -31,6 +32,10 @@ LOCAL_SOFTMAX = ("        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, grou
 GATHERED_LOGITS = ("        shards = [torch.empty_like(exp) for _ in range(dist.get_world_size(group))]\n"
                    "        dist.all_gather(shards, exp.contiguous(), group=group)\n"
                    "        sum_exp = torch.cat(shards, -1).sum(-1)\n")
+
+GQA_OUTPUT = "forward: every rank's y equals one process's attention (tp 4, 2 KV heads)"
+GQA_GRADS = "backward: x.grad, and each rank's slices of the Wq and Wo gradients (tp 4, 2 KV heads)"
+GQA_KV = "backward: every rank's K and V gradients, summed over the replicas, are its KV head's (tp 2 and 4)"
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "plan_case_three_gathers_instead": (
@@ -99,6 +104,18 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                                   "        x = x.clone()\n        dist.all_reduce(x, group=group)\n"
                                   "        return x.chunk(dist.get_world_size(group), 1)[dist.get_rank(group)]\n")],
         {"one all-gather and one reduce-scatter forward, the same backward, no all-reduce"}),
+    "gqa_kv_grads_not_summed": (  # each copy of a KV head keeps the partial gradient of its rank's queries
+        "04.tp_gqa_attention", [("        dist.all_reduce(weight.grad, group=mine)\n", "        weight.grad\n")],
+        {GQA_KV}),
+    "gqa_kv_grads_summed_over_all_ranks": (  # right with one KV head, wrong with two: the heads' gradients mix
+        "04.tp_gqa_attention", [("weight.grad, group=mine)", "weight.grad, group=group)")],
+        {GQA_KV}),
+    "gqa_kv_head_interleaved": (  # the index off: rank r takes head r % n_kv, not the head its query heads read
+        "04.tp_gqa_attention", [("    return rank // copies\n", "    return rank % n_kv_heads\n")],
+        {GQA_OUTPUT, GQA_KV, GQA_GRADS}),
+    "gqa_output_not_all_reduced": (  # g forgotten: each rank returns its heads' partial sum
+        "04.tp_gqa_attention", [("    return ReduceFromTP.apply(partial, group)\n", "    return partial\n")],
+        {GQA_OUTPUT}),
 }
 
 
@@ -184,3 +201,57 @@ def test_gradients_tp_times_too_large_are_named():
     exercise_id, replace, must_fail = MUTANTS["g_backward_all_reduces_too"]
     check, = CHAPTER.grade(exercise_id, replace, only=must_fail).checks
     assert "times the expected values (tp = " in check.message and "g's backward is the identity" in check.hint, check
+
+
+def _lab_gqa(shape, n_heads, n_kv_heads, head_dim, d_model, seed):
+    """`run_gqa_attention`'s attention with `lab.parallel.tp`'s layers (wk, wv as `ReplicatedKVLinear`), the
+    model's causal core and `sync_tensor_parallel_grads`, on this rank."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lab.model import causal_attention
+    from lab.parallel.tp import ColumnParallelLinear, ReplicatedKVLinear, RowParallelLinear, sync_tensor_parallel_grads
+    from lab.parallel.tp_comms import copy_to_tp, reduce_from_tp
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, d_model, generator=g).requires_grad_()
+    full = {}
+    for name, rows in (("wq", n_heads), ("wk", n_kv_heads), ("wv", n_kv_heads)):
+        full[name] = nn.Linear(d_model, rows * head_dim, bias=False)
+        full[name].weight.data = torch.randn(rows * head_dim, d_model, generator=g) / d_model**0.5
+    full["wo"] = nn.Linear(n_heads * head_dim, d_model, bias=False)
+    full["wo"].weight.data = torch.randn(d_model, n_heads * head_dim, generator=g) / (n_heads * head_dim) ** 0.5
+    probe = torch.randn(*shape, d_model, generator=g)
+    layers = nn.ModuleDict({"wq": ColumnParallelLinear(full["wq"], group),
+                            **{n: ReplicatedKVLinear(full[n], group, n_kv_heads) for n in ("wk", "wv")},
+                            "wo": RowParallelLinear(full["wo"], group)})
+    B, T = shape
+    h = copy_to_tp(x, group)
+    q, k, v = (layers[n](h).view(B, T, -1, head_dim).transpose(1, 2) for n in ("wq", "wk", "wv"))
+    y = reduce_from_tp(layers["wo"](causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1)), group)
+    (y * probe).sum().backward()
+    sync_tensor_parallel_grads(layers, group)
+    return {"y": y.detach(), "x_grad": x.grad, **{f"{n}_grad": layers[n].weight.grad for n in layers}}
+
+
+@pytest.mark.parametrize(("tp", "n_kv"), [(4, 2)])
+def test_the_gqa_reference_agrees_with_lab_parallel(tp, n_kv):
+    """The check's one-process attention and its KV-head rule are what `lab.parallel.tp` computes on real ranks:
+    with 2 KV heads over 4 ranks, `ReplicatedKVLinear` holds head r // 2 and its synced gradient is that head's."""
+    import torch
+
+    from lab.distributed import run
+
+    shape, n_heads, head_dim, d_model, seed = [2, 5], 8, 3, 7, 5
+    ref = ch04.gqa_reference(shape, n_heads, n_kv, head_dim, d_model, seed)
+    close = {"rtol": 1e-5, "atol": 1e-6}
+    for rank, got in enumerate(run(_lab_gqa, tp, shape, n_heads, n_kv, head_dim, d_model, seed)):
+        head = ch04._kv_head(rank, tp, n_kv)
+        torch.testing.assert_close(got["y"].double(), ref["y"], **close)
+        torch.testing.assert_close(got["x_grad"].double(), ref["x_grad"], **close)
+        torch.testing.assert_close(got["wq_grad"].double(), ref["wq_grad"].chunk(tp, 0)[rank], **close)
+        torch.testing.assert_close(got["wo_grad"].double(), ref["wo_grad"].chunk(tp, 1)[rank], **close)
+        for name in ("wk", "wv"):
+            torch.testing.assert_close(got[f"{name}_grad"].double(), ref[f"{name}_grad"].chunk(n_kv, 0)[head], **close)

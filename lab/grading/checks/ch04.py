@@ -384,3 +384,90 @@ def sp_collectives(student, rng):
                 raise CheckFailed(f"{run['call']}: rank {rank}'s collectives in {phase} returned {counts!r}, "
                                   f"expected [all-gather calls, bytes, reduce-scatter calls, bytes] = {expected} "
                                   f"and nothing else")
+
+
+# --- 04.tp_gqa_attention -------------------------------------------------------------------------------------
+
+GQA = exercise("04.tp_gqa_attention", entry=("run_gqa_attention",), **RANKS)
+
+
+def gqa_reference(shape: list[int], n_heads: int, n_kv_heads: int, head_dim: int, d_model: int, seed: int) -> dict:
+    """Causal grouped-query attention y = softmax(q kᵀ/√d + mask) v · Woᵀ in one process (float64), its inputs
+    drawn as the driver `run_gqa_attention` draws them; query head h uses KV head h // (n_heads / n_kv_heads)."""
+    import torch
+
+    g = generator(seed)
+    x = torch.randn(*shape, d_model, generator=g)
+    wq = torch.randn(n_heads * head_dim, d_model, generator=g) / d_model**0.5
+    wk = torch.randn(n_kv_heads * head_dim, d_model, generator=g) / d_model**0.5
+    wv = torch.randn(n_kv_heads * head_dim, d_model, generator=g) / d_model**0.5
+    wo = torch.randn(d_model, n_heads * head_dim, generator=g) / (n_heads * head_dim) ** 0.5
+    probe = torch.randn(*shape, d_model, generator=g).double()
+    t = {k: v.double().requires_grad_() for k, v in {"x": x, "wq": wq, "wk": wk, "wv": wv, "wo": wo}.items()}
+    (batch, seq), group = shape, n_heads // n_kv_heads
+
+    def heads(w: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, heads, T, head_dim)
+        return (t["x"] @ w.T).view(batch, seq, -1, head_dim).transpose(1, 2)
+
+    q = heads(t["wq"])
+    k, v = (heads(t[name]).repeat_interleave(group, 1) for name in ("wk", "wv"))
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    weights = (q @ k.transpose(-1, -2) / head_dim**0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+    y = (weights @ v).transpose(1, 2).reshape(batch, seq, -1) @ t["wo"].T
+    (y * probe).sum().backward()
+    return {"y": y.detach(), **{f"{name}_grad": tensor.grad for name, tensor in t.items()}}
+
+
+def _gqa(student, rng: random.Random, tp: int, n_kv_heads: int) -> tuple[list, dict]:
+    shape = [rng.randrange(1, 3), rng.randrange(1, 6)]
+    n_heads, head_dim, d_model = tp * rng.randrange(1, 3), rng.randrange(2, 5), rng.randrange(3, 10)
+    seed = rng.randrange(10**6)
+    call = (f"run_gqa_attention(shape={shape}, n_heads={n_heads}, n_kv_heads={n_kv_heads}, head_dim={head_dim}, "
+            f"d_model={d_model}, seed={seed}) on {tp} ranks")
+    results = per_rank(student.ranks("run_gqa_attention", tp, shape, n_heads, n_kv_heads, head_dim, d_model, seed),
+                       tp, call)
+    return results, {"call": call, "tp": tp, "n_kv": n_kv_heads,
+                     "ref": gqa_reference(shape, n_heads, n_kv_heads, head_dim, d_model, seed)}
+
+
+def _kv_head(rank: int, tp: int, n_kv_heads: int) -> int:
+    """The KV head rank `rank` must hold: its query heads are the rank-th tp-th of them (`lab.parallel.tp`)."""
+    return rank // (tp // n_kv_heads)
+
+
+@GQA.check(points=2, hint="rank r's query heads are r·H/tp ... (r+1)·H/tp − 1 and head h reads KV head "
+                          "h // (H/n_kv): rank r needs KV head r // (tp/n_kv) — and the row layer's partial "
+                          "sums are all-reduced (g) as in exercise 2")
+def gqa_output(student, rng):
+    """forward: every rank's y equals one process's attention (tp 4, 2 KV heads)"""
+    results, run = _gqa(student, rng, 4, 2)
+    for rank, got in enumerate(results):
+        expect_allclose(got.get("y"), run["ref"]["y"].flatten().tolist(), f"{run['call']}: rank {rank}'s y")
+
+
+@GQA.check(points=3, hint="each copy of a KV head saw only its own rank's query heads: its gradient is a partial "
+                          "sum over the tp/n_kv ranks that hold the same head — all-reduce it over those ranks "
+                          "only (a group per KV head), not over the whole TP group")
+def gqa_kv_grads(student, rng):
+    """backward: every rank's K and V gradients, summed over the replicas, are its KV head's (tp 2 and 4)"""
+    for tp, n_kv in rng.sample([(4, 2), rng.choice([(2, 1), (4, 1)])], 2):  # with one KV head, any sum is right
+        results, run = _gqa(student, rng, tp, n_kv)
+        for rank, got in enumerate(results):
+            head = _kv_head(rank, tp, n_kv)
+            for name in ("wk", "wv"):
+                expect_allclose(got.get(f"{name}_grad"), _chunk(run["ref"][f"{name}_grad"], n_kv, 0, head),
+                                f"{run['call']}: rank {rank}'s gradient of its {name} (KV head {head}) after the sync")
+
+
+@GQA.check(points=2, hint="the query heads and Wo's columns are split as in exercise 2 (column, then row), and "
+                          "each rank's queries must meet the KV head they read: x's gradient is a partial sum on "
+                          "each rank until f's backward all-reduces it")
+def gqa_other_grads(student, rng):
+    """backward: x.grad, and each rank's slices of the Wq and Wo gradients (tp 4, 2 KV heads)"""
+    results, run = _gqa(student, rng, 4, 2)
+    ref = run["ref"]
+    for rank, got in enumerate(results):
+        where = f"{run['call']}: rank {rank}'s"
+        expect_allclose(got.get("x_grad"), ref["x_grad"].flatten().tolist(), f"{where} x.grad")
+        expect_allclose(got.get("wq_grad"), _chunk(ref["wq_grad"], 4, 0, rank), f"{where} gradient of its Wq rows")
+        expect_allclose(got.get("wo_grad"), _chunk(ref["wo_grad"], 4, 1, rank), f"{where} gradient of its Wo columns")

@@ -13,7 +13,8 @@ from lab.grading import checks
 from lab.grading.checks import ch01
 from lab.grading.runner import run_exercise, seed
 
-EXERCISES = ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu")
+EXERCISES = ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu",
+             "01.measured_activations", "01.activation_checkpoint")
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "gqa_kv_as_many_heads_as_q": ("01.param_count", [("2 * d * cfg.n_kv_heads * head_dim",
@@ -65,10 +66,51 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "n_gpus_ignored": ("01.mfu", [("(step_time_s * n_gpus * peak_flops)", "(step_time_s * peak_flops)")],
                        {"several GPUs"}),
     "hfu_8n_counts_recompute": ("01.mfu", [("6 * param_count(cfg)", "8 * param_count(cfg)")], {"one GPU"}),
+    # 01.measured_activations: the count (part 1), then the prediction (part 2)
+    "parameters_counted": ("01.measured_activations", [("if storage.data_ptr() not in params:", "if True:")],
+                           {"the GELU block's saved bytes, its weights left out"}),
+    "storage_counted_per_save": ("01.measured_activations",
+                                 [("storages[storage.data_ptr()] = storage.nbytes()",
+                                   "storages[len(storages)] = storage.nbytes()")],
+                                 {"one tensor saved by two ops is counted once"}),
+    "view_counted_at_its_size": ("01.measured_activations",
+                                 [("storages[storage.data_ptr()] = storage.nbytes()",
+                                   "storages.setdefault(storage.data_ptr(), t.numel() * t.element_size())")],
+                                 {"views of one storage count the whole storage"}),
+    "four_bytes_per_element": ("01.measured_activations",
+                               [("storages[storage.data_ptr()] = storage.nbytes()",
+                                 "storages[storage.data_ptr()] = 4 * storage.nbytes() // t.element_size()")],
+                               {"a bf16 block: 2 bytes per element"}),
+    "norm_statistics_forgotten": ("01.measured_activations", [("norm = d + 2 + d", "norm = d + d")],
+                                  {"the prediction for the GELU block equals the measurement",
+                                   "the prediction for the SwiGLU block equals the measurement",
+                                   "the prediction for the gated block equals the measurement"}),
+    "gelu_input_forgotten": ("01.measured_activations", [("per_token = norm + f + f", "per_token = norm + f")],
+                             {"the prediction for the GELU block equals the measurement"}),
+    "shared_input_counted_twice": ("01.measured_activations",
+                                   [("per_token = norm + 4 * f", "per_token = norm + d + 4 * f")],
+                                   {"the prediction for the SwiGLU block equals the measurement"}),
+    "only_the_views_kept": ("01.measured_activations", [("per_token = norm + 3 * f + 3 * f",
+                                                         "per_token = norm + 2 * f + 3 * f")],
+                            {"the prediction for the gated block equals the measurement"}),
+    # 01.activation_checkpoint
+    "keeps_everything": ("01.activation_checkpoint", [("return Recompute.apply(self.block, x, *weights)",
+                                                       "return self.block(x)")],
+                         {"only the block's input is kept for backward"}),
+    "input_gradient_dropped": ("01.activation_checkpoint", [("return (None, grad_x, *grads)",
+                                                             "return (None, None, *grads)")],
+                               {"the same output and gradients as the plain block"}),
+    "recomputed_without_grad": ("01.activation_checkpoint", [(", torch.enable_grad():", ":")],
+                                {"the same output and gradients as the plain block"}),
+    "dropout_mask_redrawn": ("01.activation_checkpoint", [("            torch.set_rng_state(ctx.rng_state)\n", "")],
+                             {"with dropout, the recomputation draws the forward's mask"}),
+    "weights_not_inputs": ("01.activation_checkpoint", [("return Recompute.apply(self.block, x, *weights)",
+                                                         "return Recompute.apply(self.block, x)")],
+                           {"an input that needs no gradient: the weights still get theirs"}),
 }
 
 
-CHAPTER = Chapter("01_memory_and_compute.ipynb", EXERCISES, MUTANTS, wall_s=30,
+CHAPTER = Chapter("01_memory_and_compute.ipynb", EXERCISES, MUTANTS, wall_s=30, said=("returned", "raised"),
                   released_stubs=False)  # tests/test_grading_cli.py grades the released chapter-01 notebook
 globals().update(chapter_tests(CHAPTER))
 
@@ -106,3 +148,35 @@ def test_an_answer_n_gpus_times_too_large_is_named():
     exercise_id, replace, must_fail = MUTANTS["n_gpus_ignored"]
     for check in CHAPTER.grade(exercise_id, replace, only=must_fail).checks:
         assert "times the expected values (n_gpus = " in check.message and "n_gpus · peak" in check.hint, check
+
+
+def test_the_blocks_reject_bad_input_in_one_line():
+    import pytest
+
+    from lab.recompute import Block
+
+    with pytest.raises(ValueError, match=r"kind='mlp' must be one of 'gelu', 'swiglu', 'gated'"):
+        Block("mlp", 8, 8)
+    with pytest.raises(ValueError, match=r"dropout=1.0 must be in \[0, 1\)"):
+        Block("gelu", 8, 8, dropout=1.0)
+
+
+def test_lab_counts_only_the_input_of_torch_checkpoint():
+    """The reference the checkpoint exercise is held to: torch's own checkpoint keeps exactly the block's input
+    (tests/test_measure.py shows the same for lab.model's blocks), the plain block more."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from lab.measure_saved import saved_bytes
+    from lab.recompute import Block, example_input
+
+    class TorchCheckpointed(nn.Module):
+        def __init__(self, block: nn.Module) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    block, x = Block("gated", 12, 20, seed=1), example_input(2, 5, 12, seed=1)
+    assert saved_bytes(TorchCheckpointed(block), x) == x.numel() * 4 < saved_bytes(block, x)

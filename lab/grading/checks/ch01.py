@@ -2,6 +2,11 @@
 
 Configs are random (from the check's seed) and deliberately awkward: head counts whose K/V groups differ,
 vocabularies and FFN widths that are not round, head_dim set apart from d_model / n_heads in a hidden check.
+
+The two torch exercises run small residual blocks from `lab.recompute` (drawn from the check's seed, so the
+learner's driver and the check build the same weights): `01.measured_activations` compares the learner's
+saved-tensor count and prediction with `lab.measure_saved.saved_bytes`, `01.activation_checkpoint` the wrapped
+block's output, gradients and saved bytes with the plain block's. torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -12,7 +17,17 @@ from lab.calc.flops import mfu, training_flops
 from lab.calc.memory import korthikanti_layer_bytes, static_bytes
 from lab.calc.params import count_params
 from lab.config import ModelConfig
-from lab.grading.checks import Mistake, describe, exercise, expect_close, expect_equal
+from lab.grading.checks import (
+    TORCH,
+    CheckFailed,
+    Mistake,
+    describe,
+    driver,
+    exercise,
+    expect_allclose,
+    expect_close,
+    expect_equal,
+)
 
 
 def random_config(rng: random.Random, *, gqa: bool, tied: bool, free_head_dim: bool = False) -> ModelConfig:
@@ -86,19 +101,19 @@ def _state_bytes(student, rng: random.Random, precision: str, fp32_grad_accum: b
                      f"model_state_bytes({n}, {precision!r}, fp32_grad_accum={fp32_grad_accum})")
 
 
-@STATE_BYTES.check(points=1, hint="fp32 weights and gradients, plus Adam's two fp32 moments")
+@STATE_BYTES.check(points=0.25, hint="fp32 weights and gradients, plus Adam's two fp32 moments")
 def fp32(student, rng):
     """fp32 training with Adam"""
     _state_bytes(student, rng, "fp32", False)
 
 
-@STATE_BYTES.check(points=1, hint="bf16 weights and gradients, an fp32 master copy, Adam's two fp32 moments")
+@STATE_BYTES.check(points=0.5, hint="bf16 weights and gradients, an fp32 master copy, Adam's two fp32 moments")
 def mixed(student, rng):
     """bf16 mixed precision with fp32 master weights"""
     _state_bytes(student, rng, "mixed", False)
 
 
-@STATE_BYTES.check(points=1, hint="an fp32 gradient buffer next to the bf16 one adds 4 bytes per parameter")
+@STATE_BYTES.check(points=0.25, hint="an fp32 gradient buffer next to the bf16 one adds 4 bytes per parameter")
 def mixed_fp32_grads(student, rng):
     """mixed precision with fp32 gradient accumulation"""
     _state_bytes(student, rng, "mixed", True)
@@ -210,3 +225,152 @@ def several_gpus(student, rng):
 def long_sequences(student, rng):
     """long sequences: the attention term"""
     _mfu(student, rng, rng.randrange(1, 65), (8192, 131_073))
+
+
+# --- 01.measured_activations and 01.activation_checkpoint: small blocks, really run -------------------------
+
+BLOCK_MODULES = ("lab.config", "lab.recompute")
+MEASURED = exercise("01.measured_activations", entry=("run_measured",), **{**TORCH, "modules": BLOCK_MODULES})
+CHECKPOINT = exercise("01.activation_checkpoint", entry=("run_checkpoint",),
+                      **{**TORCH, "modules": (*BLOCK_MODULES, "lab.measure_saved")})
+
+
+def block_case(rng: random.Random, kind: str | None = None) -> dict:
+    """A random block: kind, shape (nothing round) and seed — the arguments both drivers take."""
+    d_model = rng.randrange(3, 24)
+    return {"kind": kind or rng.choice(["gelu", "swiglu", "gated"]), "batch": rng.randrange(1, 4),
+            "seq": rng.randrange(1, 9), "d_model": d_model, "d_ff": rng.randrange(2, 3 * d_model),
+            "seed": rng.randrange(10**6)}
+
+
+def _call(case: dict, **extra) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in {**case, **extra}.items())
+    return f"{args}"
+
+
+def lab_saved_bytes(case: dict, dtype: str = "float32") -> int:
+    """What `lab.measure_saved` counts for the block of `case`."""
+    import torch
+
+    from lab.measure_saved import saved_bytes
+    from lab.recompute import Block, example_input
+
+    dt = getattr(torch, dtype)
+    block = Block(case["kind"], case["d_model"], case["d_ff"], seed=case["seed"], dtype=dt)
+    return saved_bytes(block, example_input(case["batch"], case["seq"], case["d_model"], case["seed"], dtype=dt))
+
+
+def _measured(student, rng: random.Random, kind: str | None, dtype: str, key: str) -> None:
+    for _ in range(3):
+        case = block_case(rng, kind)
+        what = f"run_measured({_call(case, dtype=dtype)})"
+        got = driver(what, "a dict with the measured and predicted bytes", student.run_measured, *case.values(),
+                     dtype)
+        expect_equal(got.get(key), lab_saved_bytes(case, dtype), f"{what}[{key!r}]")
+
+
+@MEASURED.check(points=1, hint="count every tensor the pack hook sees, except the module's parameters (a Linear "
+                               "saves its weight, but weights are not activations)")
+def measured_parameters_left_out(student, rng):
+    """the GELU block's saved bytes, its weights left out"""
+    _measured(student, rng, "gelu", "float32", "measured")
+
+
+@MEASURED.check(points=1, hint="W1 and W3 save the same input: count each storage once "
+                               "(key it by t.untyped_storage().data_ptr())")
+def measured_shared_storage(student, rng):
+    """one tensor saved by two ops is counted once"""
+    _measured(student, rng, "swiglu", "float32", "measured")
+
+
+@MEASURED.check(points=1, hint="q and v are views of the qkv matmul's output: autograd keeps the whole storage "
+                               "alive, so count t.untyped_storage().nbytes(), not the view's numel")
+def measured_views(student, rng):
+    """views of one storage count the whole storage"""
+    _measured(student, rng, "gated", "float32", "measured")
+
+
+@MEASURED.check(points=1, hint="bytes per element come from the tensor (bf16: 2), not a constant 4")
+def measured_bf16(student, rng):
+    """a bf16 block: 2 bytes per element"""
+    _measured(student, rng, None, "bfloat16", "measured")
+
+
+@MEASURED.check(points=1, hint="per token: x and LayerNorm's mean and 1/std, LayerNorm's output (W1's input), "
+                               "GELU's input, W2's input")
+def predicted_gelu(student, rng):
+    """the prediction for the GELU block equals the measurement"""
+    _measured(student, rng, "gelu", rng.choice(["float32", "bfloat16"]), "predicted")
+
+
+@MEASURED.check(points=1, hint="W1 and W3 share one saved input; silu keeps its input, the product both factors")
+def predicted_swiglu(student, rng):
+    """the prediction for the SwiGLU block equals the measurement"""
+    _measured(student, rng, "swiglu", rng.choice(["float32", "bfloat16"]), "predicted")
+
+
+@MEASURED.check(points=1, hint="the whole qkv output (3·d_ff per token) stays alive: q and v are views of it; "
+                               "sigmoid keeps its output")
+def predicted_gated(student, rng):
+    """the prediction for the gated block equals the measurement"""
+    _measured(student, rng, "gated", rng.choice(["float32", "bfloat16"]), "predicted")
+
+
+def _checkpoint(student, case: dict, dropout: float = 0.0, input_grad: bool = True) -> tuple[dict, dict, str]:
+    """(the learner's driver's dict, the plain block's gradients, the call) for `case`."""
+    from lab.recompute import Block, example_input, gradients
+
+    what = f"run_checkpoint({_call(case, dropout=dropout, input_requires_grad=input_grad)})"
+    got = driver(what, "the wrapped block's output, gradients and saved bytes", student.run_checkpoint,
+                 *case.values(), dropout, input_grad)
+    block = Block(case["kind"], case["d_model"], case["d_ff"], dropout=dropout, seed=case["seed"])
+    x = example_input(case["batch"], case["seq"], case["d_model"], case["seed"], requires_grad=input_grad)
+    return got, gradients(block, block, x, case["seed"]), what
+
+
+def _expect_gradients(got: dict, expected: dict, what: str) -> None:
+    for name, values in expected.items():
+        if values is None:
+            if got.get(name) is not None:
+                raise CheckFailed(f"{what}[{name!r}] returned a gradient, expected None (the input needs none)")
+            continue
+        label = "the output" if name == "output" else f"the gradient of {name}"
+        expect_allclose(got.get(name), values, f"{what}: {label}", tol=1e-5)
+
+
+@CHECKPOINT.check(points=2, hint="recompute the block in backward with grad enabled on a detached copy of the "
+                                 "input that requires grad, then return the input's gradient and the weights'")
+def checkpoint_gradients(student, rng):
+    """the same output and gradients as the plain block"""
+    for kind in ("gelu", "swiglu", "gated"):
+        _expect_gradients(*_checkpoint(student, block_case(rng, kind)))
+
+
+@CHECKPOINT.check(points=2, hint="run the block in forward without building a graph (inside an autograd.Function "
+                                 "forward, or under torch.no_grad()) and save only its input")
+def checkpoint_keeps_input_only(student, rng):
+    """only the block's input is kept for backward"""
+    for _ in range(3):
+        case = block_case(rng)
+        got, _, what = _checkpoint(student, case)
+        expected = 4 * case["batch"] * case["seq"] * case["d_model"]
+        expect_equal(got.get("saved_bytes"), expected, f"{what}['saved_bytes'] (the plain block keeps "
+                                                       f"{lab_saved_bytes(case)})")
+
+
+@CHECKPOINT.check(points=2, hint="dropout draws a new mask on every call: save the RNG state in forward "
+                                 "(torch.get_rng_state()) and restore it around the recomputation "
+                                 "(torch.random.fork_rng), so backward sees the forward's mask")
+def checkpoint_dropout(student, rng):
+    """with dropout, the recomputation draws the forward's mask"""
+    for _ in range(2):
+        _expect_gradients(*_checkpoint(student, block_case(rng, "gelu"), dropout=rng.uniform(0.2, 0.6)))
+
+
+@CHECKPOINT.check(points=2, hint="when the input needs no gradient, the output must still need one: pass the "
+                                 "weights to the autograd.Function too (apply(block, x, *weights)) and return "
+                                 "their gradients")
+def checkpoint_frozen_input(student, rng):
+    """an input that needs no gradient: the weights still get theirs"""
+    for _ in range(2):
+        _expect_gradients(*_checkpoint(student, block_case(rng), input_grad=False))

@@ -233,3 +233,15 @@ def swiglu_fusion(tokens: int, d_ff: int, dtype: str = "bf16") -> Fusion:
     _check_count("d_ff", d_ff)
     b, n = dtype_bytes(dtype), tokens * d_ff
     return Fusion("swiglu", (("silu", b * n, b * n), ("mul", 2 * b * n, b * n)), 2 * b * n, b * n)
+
+
+def tp_mlp_matmuls(tokens: int, d_model: int, d_ff: int, tp: int, dtype: str = "bf16") -> tuple[Op, Op]:
+    """The two matmuls one GPU runs for an MLP under tensor parallelism: x[T, D] · W1[D, F/tp] (column) and
+    h[T, F/tp] · W2[F/tp, D] (row). TP divides the FLOPs by tp but not the T·D activation each reads or writes, so
+    the per-GPU matmuls get thinner and their arithmetic intensity falls: at large tp they slide down the roofline
+    as well as waiting on the all-reduce."""
+    _check_count("tp", tp)
+    if d_ff % tp:
+        raise ValueError(f"tp={tp} must divide d_ff={d_ff}")
+    local = d_ff // tp
+    return matmul("column", tokens, d_model, local, dtype), matmul("row", tokens, local, d_model, dtype)

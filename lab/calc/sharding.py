@@ -122,3 +122,94 @@ def matmul_plan(a: Spec, b: Spec, mesh: dict[str, int] | None = None, reduce_sca
         ai = None
         case = 4 if case == 1 else case
     return MatmulPlan(case, tuple(before), (), (ai, aj), (bj, bk), (ai, bk))
+
+
+# --- tensor parallelism's arithmetic ---------------------------------------------------------------------------
+# Back-of-envelope numbers for Megatron-style TP (column- then row-parallel), used by the chapter and by the
+# checks of its worked problems (`04.problems`). Bandwidths are bytes/s one way per GPU, FLOP/s dense peaks.
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name}={value!r} must be > 0")
+
+
+def _degree(tp: int) -> None:
+    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
+        raise ValueError(f"tp={tp!r} must be an integer >= 1")
+
+
+def tp_max_degree(d_ff: float, peak_flops: float, bandwidth: float, n_axes: int = 1) -> float:
+    """The largest TP degree Y that stays compute-bound: Y < n_axes · F / (C/W).
+
+    How to Scale Your Model ch. 5: per MLP, each chip computes 4·B·D·F/Y FLOPs (T_math = 4BDF/(Y·C)) and moves
+    the activations, 4·B·D bytes in bf16 (T_comm = 4BD/W); compute-bound iff F/(Y·C) > 1/W. The batch cancels:
+    more tokens mean more FLOPs and more bytes alike. On TPU v5p (C/W = 2,550), F = 28,672 gives ~11."""
+    _positive(d_ff=d_ff, peak_flops=peak_flops, bandwidth=bandwidth, n_axes=n_axes)
+    return n_axes * d_ff * bandwidth / peak_flops
+
+
+def tp_comm_to_compute(d_ff: float, tp: int, peak_flops: float, bandwidth: float) -> float:
+    """T_comm / T_math of one TP MLP's forward with bf16 activations: (tp − 1) · C / (F · W).
+
+    The two matmuls take 4·T·D·F/tp FLOPs per GPU; the ring all-reduce of the T·D output (2 bytes a value) sends
+    2·(tp − 1)/tp · 2·T·D bytes per GPU. T and D cancel: only the hidden width per GPU, F/tp, sets the ratio —
+    above 1 the all-reduce (which waits for the matmul) takes longer than the matmul."""
+    _degree(tp)
+    _positive(d_ff=d_ff, peak_flops=peak_flops, bandwidth=bandwidth)
+    return (tp - 1) * peak_flops / (d_ff * bandwidth)
+
+
+def tp_layer_comm_bytes(batch: int, seq: int, d_model: int, tp: int, bytes_per_value: float = 2) -> float:
+    """Bytes each GPU sends per transformer layer, forward and backward, under TP (ring algorithms).
+
+    Four all-reduces of the (b, s, h) activation per layer: g after attention and after the MLP in forward, f
+    before each in backward. A ring all-reduce sends 2·(tp − 1)/tp of the payload per GPU. Sequence parallelism
+    replaces each by an all-gather and a reduce-scatter, (tp − 1)/tp each: the same bytes."""
+    _degree(tp)
+    _positive(batch=batch, seq=seq, d_model=d_model, bytes_per_value=bytes_per_value)
+    return 4 * 2 * (tp - 1) / tp * batch * seq * d_model * bytes_per_value
+
+
+def sp_activation_saving(seq: int, batch: int, d_model: int, tp: int) -> float:
+    """Bytes of one layer's activations that sequence parallelism saves on each GPU (16-bit activations).
+
+    Korthikanti et al. (2022), eqs. 2 and 4: TP alone keeps s·b·h·(10 + 24/t) bytes per layer (the norms'
+    inputs, the dropout masks and outputs stay whole on every rank) and SP keeps 34·s·b·h/t; the difference,
+    10·s·b·h·(1 − 1/t), is what the token-wise parts cost when every rank holds all tokens."""
+    _degree(tp)
+    _positive(seq=seq, batch=batch, d_model=d_model)
+    return 10 * seq * batch * d_model * (1 - 1 / tp)
+
+
+def vocab_ce_saving(vocab: int, bytes_per_logit: float = 2) -> float:
+    """How many times fewer bytes vocab-parallel cross-entropy moves than all-gathering the logits first.
+
+    Gathering receives (tp − 1)/tp · T·V·b bytes per GPU; the vocab-parallel loss all-reduces three float32
+    numbers per token (the max, the sum of exponentials, the target's logit): 3 rings of 2·(tp − 1)/tp · 4·T
+    bytes. tp and T cancel: V·b / 24."""
+    _positive(vocab=vocab, bytes_per_logit=bytes_per_logit)
+    return vocab * bytes_per_logit / 24
+
+
+def partial_sum_bytes(rows: int, cols: int, ranks: int, bytes_per_value: float, reduce_scatter: bool = False) -> float:
+    """Bytes each device sends to combine the partial sums of C[I, K] from A[I, J_X] · B[J_X, K] (case 3).
+
+    A ring all-reduce of the I·K result sends 2·(X − 1)/X of it per device; a reduce-scatter, which leaves
+    C[I, K_X] sharded, only (X − 1)/X — half, which is why sequence parallelism reduce-scatters."""
+    _degree(ranks)
+    _positive(rows=rows, cols=cols, bytes_per_value=bytes_per_value)
+    return (1 if reduce_scatter else 2) * (ranks - 1) / ranks * rows * cols * bytes_per_value
+
+
+def kv_weight_bytes(d_model: int, n_kv_heads: int, head_dim: int, tp: int, bytes_per_value: float = 2) -> float:
+    """Bytes of one layer's Wk and Wv on each TP rank with grouped-query attention.
+
+    tp ≤ n_kv_heads: the KV heads split, n_kv/tp per rank. tp > n_kv_heads: every rank still holds one whole KV
+    head (the one its query heads read), copied on tp/n_kv ranks — TP stops shrinking K and V there."""
+    _degree(tp)
+    _positive(d_model=d_model, n_kv_heads=n_kv_heads, head_dim=head_dim, bytes_per_value=bytes_per_value)
+    if n_kv_heads % tp and tp % n_kv_heads:
+        raise ValueError(f"tp={tp} must divide n_kv_heads={n_kv_heads} or be a multiple of it")
+    return 2 * d_model * head_dim * max(n_kv_heads // tp, 1) * bytes_per_value

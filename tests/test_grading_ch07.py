@@ -2,12 +2,14 @@
 plausible-but-wrong answer (mutant) fails the checks named for it.
 
 Routing, the balancing losses and capacity are compared with `lab.model.MoE`; the dispatch plan with the layout of
-`MoE.forward` and `lab.parallel.ep`; the expert-parallel layer runs on real gloo ranks (2, 3 and 4) inside the
-sandbox and is compared with the whole layer in one process. A mutant is the solution cell with one classic
+`MoE.forward` and `lab.parallel.ep`; the expert-parallel layer, forward and backward (with its gradient sync on
+ep × dp ranks), runs on real gloo ranks (2, 3 and 4) inside the sandbox and is compared with the whole layer in one
+process. A mutant is the solution cell with one classic
 mistake — weights never renormalised, or renormalised even for top-1 (a gate of 1 that teaches the router
 nothing), a softmax that overflows, the assignments' share counted per token, a permutation confused with its
 inverse, experts dealt to ranks round-robin, counts exchanged in the wrong order, a combine that forgets to
-un-permute — and only the checks that must catch it are run, to keep this file fast.
+un-permute, a backward all-to-all with the forward's splits, expert gradients averaged over the wrong ranks or
+by the wrong count, a router left unsynced — and only the checks that must catch it are run, to keep this file fast.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch07
 
-EXERCISES = ("07.top_k_routing", "07.balancing_loss", "07.capacity", "07.dispatch_plan", "07.ep_forward")
+EXERCISES = ("07.top_k_routing", "07.balancing_loss", "07.capacity", "07.dispatch_plan", "07.ep_forward",
+             "07.ep_backward")
 
 ROUTE_SOFTMAX = "softmax gating, top-2 to top-4: the experts, best first, and weights that sum to one"
 ROUTE_TOP1 = "top-1 (Switch), both gatings: the gate is the raw score, not 1"
@@ -42,10 +45,14 @@ EP_IMBALANCED = ("3 and 4 ranks, imbalanced routing: experts that no token choos
                  "token counts")
 EP_BYTES = "only all_to_all_single: the counts, then the rows both ways, the bytes lab.calc.moe predicts"
 EP_SIGMOID = "sigmoid gating, top-3, 4 ranks of 3 experts"
+BACK_TWO = "2 ranks (ep=2): every rank's token, router and expert gradients equal the layer's in one process"
+BACK_EP_DP = "4 ranks, ep=2 × dp=2, imbalanced routing: every rank's gradients after the sync equal the global mean's"
+BACK_SIGMOID = "sigmoid gating, top-3, ep=2 × dp=2 of 3 experts per rank"
 
 SOFTMAX = "logits.softmax(dim=-1)"
 GATED = 'logits.softmax(dim=-1) if gating == "softmax" else logits.sigmoid()'
-COUNTS_SENT = "dist.all_to_all_single(arriving, counts.view(ep, local))"
+COUNTS_SENT = "dist.all_to_all_single(arriving, counts.view(ep, local), group=group)"
+EXPERT_SUM = "dist.all_reduce(param.grad, group=expert_group)"
 UNPERMUTE = "out.index_add_(0, token_of[order], returned * weights.flatten()[order, None])"
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
@@ -106,7 +113,8 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "07.ep_forward", [(UNPERMUTE, "out.index_add_(0, token_of, returned * weights.flatten()[:, None])")],
         {EP_TWO, EP_IMBALANCED, EP_SIGMOID}),
     "ep_counts_exchanged_in_the_wrong_order": (  # the issue's mutant: experts' counts sent to rank e % ep
-        "07.ep_forward", [(COUNTS_SENT, "dist.all_to_all_single(arriving, counts.view(local, ep).t().contiguous())")],
+        "07.ep_forward", [(COUNTS_SENT, "dist.all_to_all_single(arriving, counts.view(local, ep).t().contiguous(), "
+                                        "group=group)")],
         {EP_TWO, EP_IMBALANCED, EP_SIGMOID}),
     "ep_outputs_not_put_back_in_arrival_order": (
         "07.ep_forward", [("    back = torch.empty_like(outputs)\n    back[regroup] = outputs", "    back = outputs")],
@@ -117,6 +125,17 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                                         "    mine = dist.get_rank() * local\n"
                                         "    arriving = everyone[:, mine:mine + local].contiguous()")],
         {EP_BYTES}),
+    "backward_splits_not_swapped": (  # the gradient sent with the forward's splits, not back the other way
+        "07.ep_backward", [("exchange_rows(grad, ctx.recv, ctx.send, ctx.group)",
+                            "exchange_rows(grad, ctx.send, ctx.recv, ctx.group)")], {BACK_EP_DP}),
+    "expert_gradients_averaged_over_all_ranks": (  # the wrong group: other experts' gradients mixed in
+        "07.ep_backward", [(EXPERT_SUM, "dist.all_reduce(param.grad)")], {BACK_TWO, BACK_SIGMOID}),
+    "expert_gradients_divided_by_ep_only": (  # averaged over the EP group, not over dp: dp times too large
+        "07.ep_backward", [("            param.grad.div_(world)",
+                            "            param.grad.div_(world // dist.get_world_size(expert_group))")],
+        {BACK_EP_DP}),
+    "router_gradient_not_synced": (
+        "07.ep_backward", [("    dist.all_reduce(router.grad)  #", "    #")], {BACK_TWO}),
 }
 CHAPTER = Chapter("07_expert_parallel.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 globals().update(chapter_tests(CHAPTER))

@@ -17,6 +17,12 @@ draws the same tensors, runs `lab.model.MoE` on each rank's tokens in float64 an
 counts what went to `all_to_all_single` with `lab.calc.moe.layer_all_to_all_bytes`. Inputs whose routing is
 nearly tied (two experts' logits within 1e-4 at the top-k boundary) are drawn again.
 
+The backward exercise's driver (`run_ep_backward`) runs that layer, made differentiable by the student's
+`AllToAll`, on ep × dp ranks (EP groups of consecutive ranks, expert groups ep apart), backpropagates each rank's
+loss and calls the student's gradient sync. The check runs `lab.model.MoE` on every rank's tokens in one process
+(float64) and compares each rank's token gradients (its own loss) and its router's and experts' gradients (the
+mean of all ranks' losses) right after the sync.
+
 torch and `lab.model` are imported inside the functions: `lab.check` of other chapters loads this module too.
 """
 
@@ -28,6 +34,7 @@ from lab.grading.checks import (
     RANKS,
     TORCH,
     CheckFailed,
+    Mistake,
     driver,
     exercise,
     expect_allclose,
@@ -116,39 +123,41 @@ def _expect_route(student, rng: random.Random, n_experts: int, top_k: int, gatin
     expect_allclose(got.get("weights"), weights.flatten().tolist(), f"{call}: the weights, token by token", tol=1e-5)
 
 
-@ROUTING.check(points=1, hint="scores = softmax(logits) over the experts (dim=-1); scores.topk(top_k, dim=-1) gives "
-                              "the best first; for top_k > 1 divide the top_k scores by their sum so that they add up "
-                              "to one")
+@ROUTING.check(points=0.5, hint="scores = softmax(logits) over the experts (dim=-1); scores.topk(top_k, dim=-1) gives "
+                                "the best first; for top_k > 1 divide the top_k scores by their sum so that they add "
+                                "up to one")
 def route_softmax(student, rng):
     """softmax gating, top-2 to top-4: the experts, best first, and weights that sum to one"""
     for top_k in (2, rng.randrange(3, 5)):
         _expect_route(student, rng, rng.randrange(max(4, top_k + 1), 17), top_k, "softmax")
 
 
-@ROUTING.check(points=1, hint="top-1 (Switch) keeps the raw score as its gate: renormalised, a single gate is s/s = 1 "
-                              "and the router gets no gradient from the loss — renormalise only when top_k > 1")
+@ROUTING.check(points=0.5, hint="top-1 (Switch) keeps the raw score as its gate: renormalised, a single gate is "
+                                "s/s = 1 and the router gets no gradient from the loss — renormalise only when "
+                                "top_k > 1")
 def route_top1(student, rng):
     """top-1 (Switch), both gatings: the gate is the raw score, not 1"""
     for gating in ("softmax", "sigmoid"):
         _expect_route(student, rng, rng.randrange(4, 17), 1, gating)
 
 
-@ROUTING.check(points=1, hint="sigmoid gating scores each expert on its own: σ(logit); the top_k scores, divided "
-                              "by their sum (they do not sum to one as softmax scores would)")
+@ROUTING.check(points=0.25, hint="sigmoid gating scores each expert on its own: σ(logit); the top_k scores, divided "
+                                 "by their sum (they do not sum to one as softmax scores would)")
 def route_sigmoid(student, rng):
     """sigmoid gating (DeepSeek-V3): the chosen experts' σ(logit), renormalised"""
     for top_k in (2, rng.randrange(3, 7)):
         _expect_route(student, rng, rng.randrange(top_k + 2, 17), top_k, "sigmoid")
 
 
-@ROUTING.check(points=1, hint="exp(logit) overflows float32 above 88: use torch's softmax (it subtracts each row's "
-                              "max first), never exp(x) / exp(x).sum()")
+@ROUTING.check(points=0.5, hint="exp(logit) overflows float32 above 88: use torch's softmax (it subtracts each row's "
+                                "max first), never exp(x) / exp(x).sum()")
 def route_large_logits(student, rng):
     """router logits in the hundreds: no overflow"""
     _expect_route(student, rng, rng.randrange(4, 17), rng.randrange(2, 4), "softmax", offset=rng.uniform(150, 400))
 
 
-@ROUTING.check(points=1, hidden=True, hint="nothing may depend on the number of experts: topk over the last dimension")
+@ROUTING.check(points=0.25, hidden=True,
+               hint="nothing may depend on the number of experts: topk over the last dimension")
 def route_many_experts(student, rng):
     """64 to 256 experts, top-8, both gatings"""
     for gating in ("softmax", "sigmoid"):
@@ -392,6 +401,21 @@ def ep_inputs(d_model: int, d_ff: int, n_experts: int, tilt: list[float], tokens
     return router, experts, tokens
 
 
+def _reference_layer(router, experts: list, top_k: int, gating: str):
+    """`lab.model.MoE` (float64) holding this router and these experts' (w1, w3, w2)."""
+    import torch
+
+    n_experts, d_model = router.shape
+    moe = moe_layer(d_model, n_experts, top_k, gating, experts[0][0].shape[0])
+    with torch.no_grad():
+        moe.router.weight.copy_(router)
+        for e, weights in enumerate(experts):
+            ffn = moe.experts[str(e)]
+            for linear, weight in zip((ffn.w1, ffn.w3, ffn.w2), weights, strict=True):
+                linear.weight.copy_(weight)
+    return moe
+
+
 def ep_reference(d_model: int, d_ff: int, n_experts: int, top_k: int, gating: str, tilt: list[float],
                  tokens_per_rank: list[int], seed: int) -> dict:
     """`lab.model.MoE` with the driver's weights, in float64, on each rank's tokens: the outputs, the assignments
@@ -400,13 +424,8 @@ def ep_reference(d_model: int, d_ff: int, n_experts: int, top_k: int, gating: st
     import torch
 
     router, experts, tokens = ep_inputs(d_model, d_ff, n_experts, tilt, tokens_per_rank, seed)
-    moe = moe_layer(d_model, n_experts, top_k, gating, d_ff)
+    moe = _reference_layer(router, experts, top_k, gating)
     with torch.no_grad():
-        moe.router.weight.copy_(router)
-        for e, weights in enumerate(experts):
-            ffn = moe.experts[str(e)]
-            for linear, weight in zip((ffn.w1, ffn.w3, ffn.w2), weights, strict=True):
-                linear.weight.copy_(weight)
         outs, loads, tied = [], [], False
         for x in tokens:
             outs.append(moe(x.double()))
@@ -501,3 +520,107 @@ def ep_all_to_all_bytes(student, rng):
 def ep_sigmoid_top3(student, rng):
     """sigmoid gating, top-3, 4 ranks of 3 experts"""
     _expect_ep(student, rng, 4, 3, 3, "sigmoid", skewed=rng.random() < 0.5)
+
+
+# --- 07.ep_backward --------------------------------------------------------------------------------------------
+
+EP_BACKWARD = exercise("07.ep_backward", entry=("run_ep_backward",),
+                       requires=("07.top_k_routing", "07.dispatch_plan", "07.ep_forward"), **RANKS)
+
+
+def ep_backward_reference(d_model: int, d_ff: int, n_experts: int, top_k: int, gating: str, tilt: list[float],
+                          n_tokens: int, ep: int, dp: int, seed: int) -> dict:
+    """What `run_ep_backward` must return on each of ep·dp ranks, from `lab.model.MoE` in float64 in one process:
+    rank r's output and the gradient of its tokens under its own loss ℓ_r = Σ out_r·probe_r / n_tokens, and the
+    gradients of the global mean loss (1/world)·Σ_r ℓ_r: the router's and those of the experts rank r holds
+    (EP rank r % ep of its group). `tied` as in `ep_reference`."""
+    import torch
+
+    world, local = ep * dp, n_experts // ep
+    router, experts, tokens = ep_inputs(d_model, d_ff, n_experts, tilt, [n_tokens] * world, seed)
+    probes = ep_inputs(d_model, d_ff, n_experts, tilt, [n_tokens] * world, seed + 1)[2]
+    tied = ep_reference(d_model, d_ff, n_experts, top_k, gating, tilt, [n_tokens] * world, seed)["tied"]
+    moe = _reference_layer(router, experts, top_k, gating)
+    outs, token_grads = [], []
+    for x, probe in zip(tokens, probes, strict=True):
+        x = x.double().requires_grad_(True)
+        out = moe(x)
+        ((out * probe.double()).sum() / n_tokens).backward()
+        outs.append(out.detach().flatten().tolist())
+        token_grads.append(x.grad.flatten().tolist())
+
+    def mean_grad(param) -> list[float]:  # an expert no token chose has no gradient: zeros
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        return (grad / world).flatten().tolist()
+
+    expert_grads = [mean_grad(ffn.w1.weight) + mean_grad(ffn.w3.weight) + mean_grad(ffn.w2.weight)
+                    for ffn in (moe.experts[str(e)] for e in range(n_experts))]
+    return {"out": outs, "tokens": token_grads, "router": mean_grad(moe.router.weight), "tied": tied,
+            "experts": [expert_grads[r % ep * local:(r % ep + 1) * local] for r in range(world)]}
+
+
+def _expect_ep_backward(student, rng: random.Random, ep: int, dp: int, local: int, top_k: int, gating: str,
+                        skewed: bool) -> None:
+    """`run_ep_backward` on ep·dp ranks against `ep_backward_reference`: outputs, token gradients, then the
+    router's and every local expert's gradient right after the student's sync."""
+    world, n_experts = ep * dp, ep * local
+    d_model, d_ff, n_tokens = rng.randrange(4, 11), rng.randrange(4, 11), rng.randrange(3, 11)
+    for _ in range(100):
+        tilt = [0.0] * n_experts
+        if skewed:  # one expert most tokens choose, one that none chooses
+            hot, cold = rng.sample(range(n_experts), 2)
+            tilt[hot], tilt[cold] = 4.0, -4.0
+        seed = rng.randrange(10**6)
+        args = (d_model, d_ff, n_experts, top_k, gating, tilt, n_tokens, ep, seed)
+        reference = ep_backward_reference(*args[:7], ep, dp, seed)
+        if not reference["tied"]:
+            break
+    else:
+        raise RuntimeError(f"no routing without near-ties in 100 draws of {n_experts} experts, top-{top_k}")
+    call = (f"run_ep_backward(d_model={d_model}, d_ff={d_ff}, n_experts={n_experts}, top_k={top_k}, {gating!r}, "
+            f"tilt={tilt}, n_tokens={n_tokens}, ep={ep}, seed={seed}) on {world} ranks (ep={ep} × dp={dp})")
+    try:
+        results = student.ranks("run_ep_backward", world, *args, deadline_s=10)
+    except CallError as error:
+        raise explain(error, call, "every rank's gradients") from None
+    summed = [Mistake(world, "the world size", "a sum over the ranks, not a mean: divide by the world size")]
+    by_ep_only = [Mistake(dp, "dp", "each expert's gradient is already the sum over its EP group's tokens, and summed "
+                                    "over its replicas the sum over every token: divide by the world size (ep·dp), "
+                                    "not by ep"), *summed]
+    for rank, got in enumerate(per_rank(results, world, call)):
+        where = f"{call}: rank {rank}'s"
+        expect_allclose(got.get("out"), reference["out"][rank], f"{where} output (exercise 5's layer)")
+        expect_allclose(got.get("tokens"), reference["tokens"][rank],
+                        f"{where} gradient of its tokens under its own loss (what the backward all-to-alls bring home)")
+        expect_allclose(got.get("router"), reference["router"], f"{where} router gradient after sync_gradients (the "
+                        "global mean loss's)", mistakes=summed)
+        experts = got.get("experts")
+        if not isinstance(experts, list) or len(experts) != local:
+            raise CheckFailed(f"{where} expert gradients returned {experts!r:.80}, expected a list of {local} "
+                              f"experts' gradients")
+        for j, (mine, want) in enumerate(zip(experts, reference["experts"][rank], strict=True)):
+            expect_allclose(mine, want, f"{where} gradient of expert {rank % ep * local + j} (w1, w3, w2 flattened) "
+                            "after sync_gradients (the global mean loss's)", mistakes=by_ep_only)
+
+
+@EP_BACKWARD.check(points=3, hint="backward sends each arrived row's gradient home: the same all-to-all with the "
+                                  "splits swapped (recv, send); then average the router over all ranks and sum each "
+                                  "expert over its expert group (the ranks holding it), divided by the world size")
+def ep_backward_two_ranks(student, rng):
+    """2 ranks (ep=2): every rank's token, router and expert gradients equal the layer's in one process"""
+    _expect_ep_backward(student, rng, 2, 1, 2, 2, "softmax", skewed=False)
+
+
+@EP_BACKWARD.check(points=4, hint="with dp replicas of every expert, its gradient after backward sums only its own "
+                                  "EP group's tokens: all-reduce it over the expert group (ranks e, e + ep, ...) and "
+                                  "divide by ep·dp, the number of ranks whose losses the global mean averages")
+def ep_backward_ep_times_dp(student, rng):
+    """4 ranks, ep=2 × dp=2, imbalanced routing: every rank's gradients after the sync equal the global mean's"""
+    _expect_ep_backward(student, rng, 2, 2, 2, 2, "softmax", skewed=True)
+
+
+@EP_BACKWARD.check(points=1, hidden=True, hint="nothing may assume softmax, top-2 or two experts per rank")
+def ep_backward_sigmoid_top3(student, rng):
+    """sigmoid gating, top-3, ep=2 × dp=2 of 3 experts per rank"""
+    _expect_ep_backward(student, rng, 2, 2, 3, 3, "sigmoid", skewed=rng.random() < 0.5)
+

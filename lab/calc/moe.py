@@ -15,18 +15,30 @@ since an all-to-all, unlike a ring, cannot spread one GPU's traffic over the oth
 for large ep, independent of the tokens (W: a GPU's bandwidth off the node, F: FLOP/s, f: an expert's hidden
 size); the latency part (ep - 1 messages per all-to-all) grows with ep.
 
-Parameter and FLOP counts of MoE models (total vs active) are in `lab.calc.params` / `lab.calc.flops`.
+The same ratio on one flat network of given bandwidth and latency (`comm_compute_ratio_on`) gives the EP degree
+beyond which the all-to-alls outlast the experts' compute (`ep_where_comm_dominates`). The rest sizes a layout:
+how many rows each expert gets (`rows_per_expert`), what capacity drops under a skewed router
+(`dropped_assignments`), the experts' bytes per GPU (`expert_bytes_per_gpu`) and the parameters a token touches
+(`active_params`). Parameter and FLOP counts of whole MoE models are in `lab.calc.params` / `lab.calc.flops`.
 """
 
 from __future__ import annotations
 
+import math
+
 from lab.calc.comms import collective_time
 from lab.calc.hardware import get_accelerator
+from lab.calc.network import Link
 
 
 def _check(name: str, value: int, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name}={value!r} must be a number > 0")
 
 
 def layer_all_to_all_bytes(rows_to: list[int], rows_from: list[int], own_rank: int, d_model: int, n_experts: int,
@@ -86,3 +98,89 @@ def comm_compute_ratio(tokens: int, top_k: int, d_model: int, d_ff_expert: int, 
     compute_s = routed_expert_flops(tokens, top_k, d_model, d_ff_expert) / (
         get_accelerator(gpu).peak_flops("bf16") * efficiency)
     return all_to_all_seconds(tokens, top_k, d_model, ep, system, dtype_bytes) / compute_s
+
+
+def comm_compute_ratio_on(tokens: int, top_k: int, d_model: int, d_ff_expert: int, ep: int, bandwidth: float,
+                          flops: float, latency: float = 0.0, dtype_bytes: int = 2) -> float:
+    """`comm_compute_ratio` on one flat network: each GPU sends at `bandwidth` bytes/s, `latency` s a message,
+    and computes at `flops` FLOP/s. Without latency the tokens cancel: 2·β·F·(ep − 1) / (9·f·W·ep)."""
+    for name, value in (("bandwidth", bandwidth), ("flops", flops)):
+        _positive(name, value)
+    if latency < 0:
+        raise ValueError(f"latency={latency!r} must be >= 0 seconds")
+    _check("ep", ep)
+    link = Link("given", bandwidth, latency, "the problem's numbers")
+    one = collective_time("all_to_all", tokens * top_k * d_model * dtype_bytes, ep, link=link)
+    return 4 * one.time_s / (routed_expert_flops(tokens, top_k, d_model, d_ff_expert) / flops)
+
+
+def ep_where_comm_dominates(tokens: int, top_k: int, d_model: int, d_ff_expert: int, bandwidth: float, flops: float,
+                            latency: float, dtype_bytes: int = 2) -> int:
+    """The smallest EP degree at which a layer's 4 all-to-alls take at least as long as its routed experts'
+    compute (`comm_compute_ratio_on` >= 1). The ratio grows with ep — (ep − 1) messages, (ep − 1)/ep of the rows
+    off the rank — so doubling, then bisecting, finds it; with latency > 0 it always exists."""
+    _positive("latency", latency)
+
+    def dominates(ep: int) -> bool:
+        return comm_compute_ratio_on(tokens, top_k, d_model, d_ff_expert, ep, bandwidth, flops, latency,
+                                     dtype_bytes) >= 1
+
+    high = 2
+    while not dominates(high):
+        high *= 2
+    low = high // 2  # does not dominate (or is 1: a single rank sends nothing)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if dominates(middle) else (middle, high)
+    return high
+
+
+def rows_per_expert(tokens_per_gpu: int, top_k: int, n_experts: int, ep: int) -> float:
+    """Rows one expert computes per layer under uniform routing: the ep ranks of its EP group each route
+    tokens_per_gpu·top_k assignments over the n_experts, so ep·tokens·top_k/n_experts. Expert parallelism is
+    what keeps an expert's matmul large as experts multiply (a GPU computes tokens·top_k rows whatever ep)."""
+    for name, value in (("tokens_per_gpu", tokens_per_gpu), ("top_k", top_k), ("n_experts", n_experts), ("ep", ep)):
+        _check(name, value)
+    if n_experts % ep:
+        raise ValueError(f"ep={ep} must divide n_experts={n_experts}")
+    return ep * tokens_per_gpu * top_k / n_experts
+
+
+def dropped_assignments(tokens: int, top_k: int, n_experts: int, capacity_factor: float, hot_share: float) -> float:
+    """Assignments dropped by capacity ceil(c·tokens·top_k/n_experts) when one expert gets `hot_share` of the
+    tokens·top_k assignments and the other n_experts − 1 share the rest equally."""
+    for name, value in (("tokens", tokens), ("top_k", top_k), ("n_experts", n_experts)):
+        _check(name, value)
+    _positive("capacity_factor", capacity_factor)
+    if not 0 <= hot_share <= 1:
+        raise ValueError(f"hot_share={hot_share!r} must be in [0, 1]")
+    assignments = tokens * top_k
+    capacity = math.ceil(capacity_factor * assignments / n_experts)
+    hot, cold = hot_share * assignments, (1 - hot_share) * assignments / (n_experts - 1) if n_experts > 1 else 0.0
+    return max(0.0, hot - capacity) + (n_experts - 1) * max(0.0, cold - capacity)
+
+
+def expert_bytes_per_gpu(moe_layers: int, n_experts: int, d_model: int, d_ff_expert: int, ep: int,
+                         bytes_per_param: float) -> float:
+    """Bytes of the routed experts one GPU holds at expert parallelism ep: its n_experts/ep SwiGLU experts
+    (3·d·f parameters each) in every MoE layer, at `bytes_per_param` (2 for bf16 weights, 16 or so with
+    gradients and Adam's states)."""
+    for name, value in (("moe_layers", moe_layers), ("n_experts", n_experts), ("d_model", d_model),
+                        ("d_ff_expert", d_ff_expert), ("ep", ep)):
+        _check(name, value)
+    _positive("bytes_per_param", bytes_per_param)
+    if n_experts % ep:
+        raise ValueError(f"ep={ep} must divide n_experts={n_experts}")
+    return moe_layers * n_experts // ep * 3 * d_model * d_ff_expert * bytes_per_param
+
+
+def active_params(total_params: int, moe_layers: int, n_experts: int, top_k: int, d_model: int,
+                  d_ff_expert: int) -> int:
+    """Parameters one token touches: all of them but the routed experts it was not sent to, n_experts − top_k
+    SwiGLU experts (3·d·f each) in each MoE layer (shared experts and the router are always active)."""
+    for name, value in (("total_params", total_params), ("moe_layers", moe_layers), ("n_experts", n_experts),
+                        ("top_k", top_k), ("d_model", d_model), ("d_ff_expert", d_ff_expert)):
+        _check(name, value)
+    if top_k > n_experts:
+        raise ValueError(f"top_k={top_k} must be at most n_experts={n_experts}")
+    return total_params - moe_layers * (n_experts - top_k) * 3 * d_model * d_ff_expert

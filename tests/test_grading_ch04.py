@@ -11,12 +11,13 @@ instead of its replicas — and only the checks that must catch it are run, to k
 from __future__ import annotations
 
 import pytest
-from grading_support import Chapter, chapter_tests
+from grading_support import chapter_tests
+from test_grading_ch02 import Chapter02 as MultiCellChapter  # the problems span nine answer cells
 
 from lab.grading.checks import ch04
 
 EXERCISES = ("04.matmul_collective", "04.column_row_linear", "04.vocab_parallel_ce", "04.sequence_parallel",
-             "04.tp_gqa_attention")
+             "04.tp_gqa_attention", "04.problems")
 
 CASE_THREE = ('''    if aj is not None and aj == bj:  # case 3: both contracting dims split over the same axis
         if reduce_scatter and bk is None:
@@ -119,7 +120,34 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
 }
 
 
-CHAPTER = Chapter("04_tensor_sequence_parallel.ipynb", EXERCISES, MUTANTS)
+P1 = "P1 — the largest TP degree that stays compute-bound, Y < F·W/C"
+P2 = "P2 — T_comm / T_math of a TP MLP's forward"
+P3 = "P3 — bytes each GPU sends per layer under TP, forward and backward"
+P4 = "P4 — the activation bytes per layer sequence parallelism saves"
+P5 = "P5 — the arithmetic intensity of one GPU's column-parallel matmul"
+P6 = "P6 — the TP bound over a node's network card instead of NVLink"
+P7 = "P7 — how many times fewer bytes vocab-parallel cross-entropy moves than gathering the logits"
+P8 = "P8 — bytes to combine A[I, J_X] · B[J_X, K]'s partial sums: all-reduce or reduce-scatter"
+P9 = "P9 — bytes of one layer's Wk and Wv on each TP rank with GQA"
+MUTANTS |= {  # the problems: each mistake in every cell where a learner would make it
+    "problems_all_reduce_without_the_2": ("04.problems", [
+        ("comm = 2 * (tp - 1) / tp * 2 / bandwidth", "comm = (tp - 1) / tp * 2 / bandwidth"),
+        ("return 4 * 2 * (tp - 1) / tp * activation", "return 4 * (tp - 1) / tp * activation"),
+        ("factor = 1 if reduce_scatter else 2", "factor = 1")], {P2, P3, P8}),
+    "problems_one_matmul_in_the_tp_bound": ("04.problems", [("math_per_token = 4 * d_ff", "math_per_token = 2 * d_ff")],
+                                            {P1}),
+    "problems_sp_keeps_the_norms_whole": ("04.problems", [("return sbh * (10 + 24 / tp) - 34 * sbh / tp",
+                                                           "return sbh * (10 + 24 / tp) - (10 + 24 / tp) * sbh / tp")],
+                                          {P4}),
+    "problems_matmul_not_split": ("04.problems", [("local = d_ff // tp", "local = d_ff")], {P5}),
+    "problems_nic_bits_taken_as_bytes": ("04.problems", [("nic_gbit_s * 1e9 / 8", "nic_gbit_s * 1e9")], {P6}),
+    "problems_ce_floats_as_bf16": ("04.problems", [("vocab_parallel = 3 * 2 * 4", "vocab_parallel = 3 * 2 * 2")],
+                                   {P7}),
+    "problems_kv_heads_split_below_one": ("04.problems", [("max(n_kv_heads // tp, 1)", "n_kv_heads / tp")], {P9}),
+}
+
+
+CHAPTER = MultiCellChapter("04_tensor_sequence_parallel.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -9,7 +9,9 @@ result that the rank must hold (the rules of `lab.parallel.tp` and `lab.parallel
 odd batch sizes and widths, and the world size divides only what tensor parallelism splits (the output features,
 the vocabulary, the sequence).
 
-The sharded-matmul exercise is compared with `lab.calc.sharding.matmul_plan` (torch-free) on random shardings.
+The sharded-matmul exercise is compared with `lab.calc.sharding.matmul_plan` (torch-free) on random shardings,
+and the worked problems (`04.problems`) with the tensor-parallel arithmetic of `lab.calc.sharding` and
+`lab.calc.roofline` on random numbers, to 1%.
 
 torch is imported inside the functions: `lab.check` of other chapters loads this module too.
 """
@@ -18,8 +20,19 @@ from __future__ import annotations
 
 import random
 
+from lab.calc import sharding
+from lab.calc.roofline import tp_mlp_matmuls
 from lab.calc.sharding import matmul_plan
-from lab.grading.checks import RANKS, CheckFailed, Mistake, exercise, expect_allclose, generator, per_rank
+from lab.grading.checks import (
+    RANKS,
+    CheckFailed,
+    Mistake,
+    exercise,
+    expect_allclose,
+    expect_close,
+    generator,
+    per_rank,
+)
 
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
@@ -471,3 +484,121 @@ def gqa_other_grads(student, rng):
         expect_allclose(got.get("x_grad"), ref["x_grad"].flatten().tolist(), f"{where} x.grad")
         expect_allclose(got.get("wq_grad"), _chunk(ref["wq_grad"], 4, 0, rank), f"{where} gradient of its Wq rows")
         expect_allclose(got.get("wo_grad"), _chunk(ref["wo_grad"], 4, 1, rank), f"{where} gradient of its Wo columns")
+
+
+# --- 04.problems ---------------------------------------------------------------------------------------------
+# Back-of-envelope problems: plain Python in the sandbox (no lab.calc there), compared with lab.calc to 1%.
+
+PROBLEMS = exercise("04.problems", entry=(
+    "tp_max_degree", "tp_comm_to_compute", "tp_layer_bytes", "sp_activation_saving", "tp_matmul_intensity",
+    "tp_max_across_nodes", "vocab_ce_saving", "partial_sum_bytes", "kv_weight_bytes"))
+TOLERANCE = 0.01
+MISSING_TWO = Mistake(0.5, "a factor 2", "a ring all-reduce sends 2(W−1)/W of the payload: a reduce-scatter and an "
+                                        "all-gather")
+BITS = Mistake(8, "bits taken for bytes", "a NIC's 400 Gb/s is 400e9 bits a second: divide by 8 for bytes")
+
+
+def _chip(rng: random.Random) -> tuple[float, float]:
+    """A dense peak (FLOP/s) and a link bandwidth (bytes/s) in the range of real GPUs and TPUs."""
+    return rng.uniform(2e14, 2.5e15), rng.uniform(5e10, 9e11)
+
+
+@PROBLEMS.check(points=1, hint="per token the MLP computes 4·D·F/Y FLOPs on each chip and moves 4·D bytes (the "
+                               "all-gather and reduce-scatter of D bf16 values): compute-bound while F/(Y·C) > 1/W")
+def p1_tp_bound(student, rng):
+    """P1 — the largest TP degree that stays compute-bound, Y < F·W/C"""
+    for _ in range(2):
+        d_ff, (peak, bandwidth) = rng.randrange(2048, 65536), _chip(rng)
+        expect_close(student.tp_max_degree(d_ff, peak, bandwidth), sharding.tp_max_degree(d_ff, peak, bandwidth),
+                     f"tp_max_degree({d_ff}, {peak:.6g}, {bandwidth:.6g})", TOLERANCE,
+                     [Mistake(0.5, "the FLOPs of one matmul", "the MLP has two matmuls, 2·B·D·F/Y FLOPs each")])
+
+
+@PROBLEMS.check(points=1, hint="the two matmuls: 4·T·D·F/tp FLOPs per GPU; the ring all-reduce of the T·D output "
+                               "in bf16: 2·(tp−1)/tp · 2·T·D bytes per GPU; T and D cancel")
+def p2_comm_to_compute(student, rng):
+    """P2 — T_comm / T_math of a TP MLP's forward"""
+    for tp in (rng.choice([2, 4]), rng.choice([8, 16, 32])):
+        d_ff, (peak, bandwidth) = rng.randrange(2048, 65536), _chip(rng)
+        expect_close(student.tp_comm_to_compute(d_ff, tp, peak, bandwidth),
+                     sharding.tp_comm_to_compute(d_ff, tp, peak, bandwidth),
+                     f"tp_comm_to_compute({d_ff}, {tp}, {peak:.6g}, {bandwidth:.6g})", TOLERANCE, [MISSING_TWO])
+
+
+@PROBLEMS.check(points=1, hint="four all-reduces of the (b, s, h) activation per layer — g after attention and "
+                               "after the MLP forward, f before each backward — each sending 2·(tp−1)/tp of it")
+def p3_layer_bytes(student, rng):
+    """P3 — bytes each GPU sends per layer under TP, forward and backward"""
+    for tp in (2, rng.choice([4, 8, 16])):
+        b, s, h, width = rng.randrange(1, 17), rng.choice([1024, 2048, 4096, 8192]), rng.randrange(512, 16385), \
+            rng.choice([2, 4])
+        expect_close(student.tp_layer_bytes(b, s, h, tp, width), sharding.tp_layer_comm_bytes(b, s, h, tp, width),
+                     f"tp_layer_bytes({b}, {s}, {h}, {tp}, {width})", TOLERANCE,
+                     [MISSING_TWO, Mistake(0.5, "two all-reduces", "forward has two (g), backward two more (f)")])
+
+
+@PROBLEMS.check(points=1, hint="Korthikanti et al.: TP alone keeps s·b·h·(10 + 24/t) bytes a layer, with SP "
+                               "34·s·b·h/t; subtract")
+def p4_sp_saving(student, rng):
+    """P4 — the activation bytes per layer sequence parallelism saves"""
+    for tp in (2, rng.choice([4, 8])):
+        s, b, h = rng.choice([2048, 4096, 8192]), rng.randrange(1, 9), rng.randrange(1024, 16385)
+        expect_close(student.sp_activation_saving(s, b, h, tp), sharding.sp_activation_saving(s, b, h, tp),
+                     f"sp_activation_saving({s}, {b}, {h}, {tp})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="the column matmul on one GPU is x[T, D] · W1[D, F/tp]: 2·T·D·(F/tp) FLOPs over "
+                               "the bf16 bytes of both operands and the result")
+def p5_matmul_intensity(student, rng):
+    """P5 — the arithmetic intensity of one GPU's column-parallel matmul"""
+    for tp in (1, rng.choice([8, 16, 64])):
+        tokens, d_model, d_ff = rng.randrange(64, 8193), rng.randrange(1024, 16385), tp * rng.randrange(256, 1025)
+        column, _ = tp_mlp_matmuls(tokens, d_model, d_ff, tp)
+        expect_close(student.tp_matmul_intensity(tokens, d_model, d_ff, tp), column.intensity,
+                     f"tp_matmul_intensity({tokens}, {d_model}, {d_ff}, {tp})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="the same bound as problem 1 with the NIC's bandwidth: Gb/s are 1e9 bits a second, "
+                               "8 bits a byte")
+def p6_across_nodes(student, rng):
+    """P6 — the TP bound over a node's network card instead of NVLink"""
+    for _ in range(2):
+        d_ff, (peak, _), gbits = rng.randrange(2048, 65536), _chip(rng), rng.choice([100, 200, 400, 800])
+        expect_close(student.tp_max_across_nodes(d_ff, peak, gbits),
+                     sharding.tp_max_degree(d_ff, peak, gbits * 1e9 / 8),
+                     f"tp_max_across_nodes({d_ff}, {peak:.6g}, {gbits})", TOLERANCE, [BITS])
+
+
+@PROBLEMS.check(points=1, hint="gathering receives (tp−1)/tp of T·V logits of b bytes; the vocab-parallel loss "
+                               "all-reduces 3 float32 numbers a token (max, sum of exponentials, target logit)")
+def p7_vocab_ce(student, rng):
+    """P7 — how many times fewer bytes vocab-parallel cross-entropy moves than gathering the logits"""
+    for _ in range(2):
+        vocab, width = rng.randrange(32000, 262145), rng.choice([2, 4])
+        expect_close(student.vocab_ce_saving(vocab, width), sharding.vocab_ce_saving(vocab, width),
+                     f"vocab_ce_saving({vocab}, {width})", TOLERANCE,
+                     [Mistake(2, "float32 counted as 2 bytes", "the three per-token numbers are float32")])
+
+
+@PROBLEMS.check(points=1, hint="case 3: each device holds a partial sum of the whole I×K result; a ring all-reduce "
+                               "sends 2·(X−1)/X of it, a reduce-scatter (X−1)/X")
+def p8_partial_sums(student, rng):
+    """P8 — bytes to combine A[I, J_X] · B[J_X, K]'s partial sums: all-reduce or reduce-scatter"""
+    for reduce_scatter in (False, True):
+        i, k, x, width = rng.randrange(256, 16385), rng.randrange(256, 16385), rng.randrange(2, 17), rng.choice([2, 4])
+        expect_close(student.partial_sum_bytes(i, k, x, width, reduce_scatter),
+                     sharding.partial_sum_bytes(i, k, x, width, reduce_scatter),
+                     f"partial_sum_bytes({i}, {k}, {x}, {width}, reduce_scatter={reduce_scatter})", TOLERANCE,
+                     [MISSING_TWO])
+
+
+@PROBLEMS.check(points=1, hint="tp ≤ n_kv: n_kv/tp KV heads a rank; tp > n_kv: still one whole head on every rank "
+                               "(copied), never a fraction of one")
+def p9_kv_weights(student, rng):
+    """P9 — bytes of one layer's Wk and Wv on each TP rank with GQA"""
+    n_kv = rng.choice([2, 4, 8])
+    for tp in (rng.choice([t for t in (1, 2, 4, 8) if t <= n_kv]), n_kv * rng.choice([2, 4])):
+        d_model, head_dim, width = rng.randrange(1024, 16385), rng.choice([64, 128, 256]), rng.choice([2, 4])
+        expect_close(student.kv_weight_bytes(d_model, n_kv, head_dim, tp, width),
+                     sharding.kv_weight_bytes(d_model, n_kv, head_dim, tp, width),
+                     f"kv_weight_bytes({d_model}, {n_kv}, {head_dim}, {tp}, {width})", TOLERANCE)

@@ -14,15 +14,19 @@ by the wrong count, a router left unsynced — and only the checks that must cat
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from grading_support import Chapter, chapter_tests
 
+from lab.grading import checks
 from lab.grading.checks import ch07
+from lab.grading.notebook import answer_parts
+from lab.grading.runner import run_exercise
 
 EXERCISES = ("07.top_k_routing", "07.balancing_loss", "07.capacity", "07.dispatch_plan", "07.ep_forward",
-             "07.ep_backward")
+             "07.ep_backward", "07.problems")
 
 ROUTE_SOFTMAX = "softmax gating, top-2 to top-4: the experts, best first, and weights that sum to one"
 ROUTE_TOP1 = "top-1 (Switch), both gatings: the gate is the raw score, not 1"
@@ -137,7 +141,61 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "router_gradient_not_synced": (
         "07.ep_backward", [("    dist.all_reduce(router.grad)  #", "    #")], {BACK_TWO}),
 }
-CHAPTER = Chapter("07_expert_parallel.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
+P1 = "P1 — the bytes one rank sends over all-to-alls per MoE layer, forward and backward"
+P2 = "P2 — the routed experts' training FLOPs per layer: 6 · tokens·top_k · 3·d·f"
+P3 = "P3 — active parameters: the total less the routed experts a token skips"
+P4 = "P4 — capacity factor and a skewed router: the assignments dropped"
+P5 = "P5 — the experts' memory per GPU at expert parallelism ep, in GiB"
+P6 = "P6 — the rows one expert computes per layer under uniform routing: ep·tokens·top_k/n_experts"
+P7 = "P7 — one dispatch all-to-all's time at a given bandwidth"
+P8 = "P8 — EP's comm/compute ratio per layer (bf16, latency left out)"
+P9 = "P9 — the EP degree beyond which the all-to-alls outlast the experts' compute"
+FLOPS_P8 = "    compute = 6 * tokens * top_k * 3 * d_model * d_ff_expert / (tflops * 1e12)\n    return comm / compute"
+
+MUTANTS |= {  # the problems: each mistake in every cell where a learner would make it
+    "problems_forget_the_backward_all_to_alls": ("07.problems", [
+        ("return 4 * rows_leaving", "return 2 * rows_leaving"), ("comm = 4 * tokens", "comm = 2 * tokens")], {P1, P8}),
+    "problems_every_row_crosses": ("07.problems", [
+        ("rows_leaving = tokens * top_k * (ep - 1) / ep", "rows_leaving = tokens * top_k"),
+        ("sent = tokens * top_k * d_model * dtype_bytes * (ep - 1) / ep",
+         "sent = tokens * top_k * d_model * dtype_bytes")],
+        {P1, P7}),
+    "problems_forward_flops_only": ("07.problems", [
+        ("return 6 * tokens * top_k * 3", "return 2 * tokens * top_k * 3"),
+        (FLOPS_P8, FLOPS_P8.replace("compute = 6 *", "compute = 2 *"))], {P2, P8}),
+    "problems_expert_has_two_matrices": ("07.problems", [
+        ("skipped = moe_layers * (n_experts - top_k) * 3 *", "skipped = moe_layers * (n_experts - top_k) * 2 *"),
+        ("params = moe_layers * n_experts // ep * 3 *", "params = moe_layers * n_experts // ep * 2 *")], {P3, P5}),
+    "problems_gib_taken_as_gb": ("07.problems", [("/ 2**30", "/ 1e9")], {P5}),
+    "problems_capacity_forgets_top_k": ("07.problems", [
+        ("capacity_factor * assignments / n_experts", "capacity_factor * tokens / n_experts")], {P4}),
+    "problems_rows_from_one_rank_only": ("07.problems", [
+        ("return ep * tokens_per_gpu * top_k / n_experts", "return tokens_per_gpu * top_k / n_experts")], {P6}),
+    "problems_latency_read_as_ms": ("07.problems", [
+        ("latency_us * 1e-6 + rows / ep", "latency_us * 1e-3 + rows / ep")], {P9}),
+}
+
+
+class Chapter07(Chapter):
+    """The problems exercise spans nine answer cells: each (old, new) of a mutant applies in the one cell that
+    holds `old`, and every cell is graded together. (The same as chapter 02's: a candidate for grading_support.)"""
+
+    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
+        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
+        if len(parts) == 1:
+            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
+        ex = checks.get(exercise_id)
+        if only is not None:
+            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+        for old, new in replace:
+            hits = [i for i, (_, source) in enumerate(parts) if old in source]
+            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
+            label, source = parts[hits[0]]
+            parts[hits[0]] = (label, source.replace(old, new))
+        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
+
+
+CHAPTER = Chapter07("07_expert_parallel.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -38,6 +38,7 @@ from lab.grading.checks import (
     driver,
     exercise,
     expect_allclose,
+    expect_close,
     expect_equal,
     expect_number,
     explain,
@@ -624,3 +625,172 @@ def ep_backward_sigmoid_top3(student, rng):
     """sigmoid gating, top-3, ep=2 × dp=2 of 3 experts per rank"""
     _expect_ep_backward(student, rng, 2, 2, 3, 3, "sigmoid", skewed=rng.random() < 0.5)
 
+
+
+# --- 07.problems -----------------------------------------------------------------------------------------------
+# Back-of-envelope problems: plain Python in the sandbox (no lab.calc there), compared with lab.calc.moe to 1%.
+
+PROBLEMS = exercise("07.problems", entry=(
+    "all_to_all_bytes_per_layer", "routed_expert_flops", "active_params", "dropped_assignments", "expert_gib_per_gpu",
+    "rows_per_expert", "dispatch_seconds", "comm_compute_ratio", "ep_where_comm_dominates"))
+TOLERANCE = 0.01
+NO_BACKWARD = Mistake(0.5, "a factor 2", "backward runs the two all-to-alls again, the other way: 4 per layer")
+
+
+def _crossing(ep: int) -> list[Mistake]:
+    """Every row counted as leaving the rank: ep/(ep − 1) times too much."""
+    return [Mistake(ep / (ep - 1), "ep/(ep − 1)", "the rows for the rank's own experts never leave it: (ep − 1)/ep "
+                                                  "of them cross")]
+
+
+def _layer(rng: random.Random) -> tuple[int, int, int, int]:
+    """tokens per GPU, top_k, d_model, d_ff_expert of a plausible MoE layer."""
+    return rng.randrange(512, 16385), rng.randrange(1, 9), rng.randrange(1024, 8193), rng.randrange(256, 4097)
+
+
+@PROBLEMS.check(points=1, hint="dispatch and combine forward, their gradients backward: 4 all-to-alls, each "
+                               "sending (ep − 1)/ep of the tokens·top_k rows of d_model values")
+def p1_all_to_all_bytes(student, rng):
+    """P1 — the bytes one rank sends over all-to-alls per MoE layer, forward and backward"""
+    from lab.calc.moe import expected_all_to_all_bytes
+
+    for ep in (rng.randrange(2, 9), rng.choice([16, 32, 64, 128, 256])):
+        tokens, top_k, d_model, _ = _layer(rng)
+        width = rng.choice([1, 2])
+        expect_close(student.all_to_all_bytes_per_layer(tokens, top_k, d_model, ep, width),
+                     expected_all_to_all_bytes(tokens, top_k, d_model, ep, width),
+                     f"all_to_all_bytes_per_layer({tokens}, {top_k}, {d_model}, {ep}, {width})", TOLERANCE,
+                     [NO_BACKWARD, *_crossing(ep)])
+
+
+@PROBLEMS.check(points=1, hint="a SwiGLU expert has 3·d·f weights; forward and backward cost 6 FLOPs per weight "
+                               "and row, and there are tokens·top_k rows")
+def p2_routed_flops(student, rng):
+    """P2 — the routed experts' training FLOPs per layer: 6 · tokens·top_k · 3·d·f"""
+    from lab.calc.moe import routed_expert_flops
+
+    for _ in range(2):
+        tokens, top_k, d_model, d_ff = _layer(rng)
+        expect_close(student.routed_expert_flops(tokens, top_k, d_model, d_ff),
+                     routed_expert_flops(tokens, top_k, d_model, d_ff),
+                     f"routed_expert_flops({tokens}, {top_k}, {d_model}, {d_ff})", TOLERANCE,
+                     [Mistake(1 / 3, "forward only", "backward costs twice the forward: 6 FLOPs per weight and row, "
+                                                     "not 2"),
+                      Mistake(2 / 3, "2·d·f weights", "a SwiGLU expert has three matrices: w1, w3 and w2")])
+
+
+@PROBLEMS.check(points=1, hint="a token skips the n_experts − top_k routed experts it was not sent to, in every MoE "
+                               "layer: subtract their 3·d·f parameters each from the total")
+def p3_active_params(student, rng):
+    """P3 — active parameters: the total less the routed experts a token skips"""
+    from lab.calc.moe import active_params
+
+    for _ in range(2):
+        moe_layers, n_experts = rng.randrange(8, 81), rng.choice([8, 16, 64, 128, 256])
+        top_k, d_model, d_ff = rng.randrange(1, 9), rng.randrange(1024, 8193), rng.randrange(256, 4097)
+        routed = moe_layers * n_experts * 3 * d_model * d_ff
+        total = routed + rng.randrange(routed // 50, routed // 5)
+        expect_close(student.active_params(total, moe_layers, n_experts, top_k, d_model, d_ff),
+                     active_params(total, moe_layers, n_experts, top_k, d_model, d_ff),
+                     f"active_params({total}, {moe_layers}, {n_experts}, {top_k}, {d_model}, {d_ff})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="capacity = ceil(c · tokens·top_k / n_experts) per expert; the hot expert gets "
+                               "hot_share of the tokens·top_k assignments, each other one an equal part of the rest; "
+                               "an expert drops what exceeds its capacity")
+def p4_dropped(student, rng):
+    """P4 — capacity factor and a skewed router: the assignments dropped"""
+    from lab.calc.moe import dropped_assignments
+
+    for factor in (rng.choice([1.0, 1.25, 1.5]), rng.choice([0.5, 0.75])):
+        tokens, top_k, n_experts = rng.randrange(1000, 100001), rng.randrange(2, 5), rng.choice([8, 16, 64])
+        hot_share = rng.uniform(3, min(10, 0.9 * n_experts)) / n_experts  # 3 to 10 times its fair share, < 0.9
+        expect_close(student.dropped_assignments(tokens, top_k, n_experts, factor, hot_share),
+                     dropped_assignments(tokens, top_k, n_experts, factor, hot_share),
+                     f"dropped_assignments({tokens}, {top_k}, {n_experts}, {factor}, {hot_share:.6g})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="n_experts/ep experts per MoE layer on a GPU, 3·d·f parameters each, bytes_per_param "
+                               "each; GiB = 2**30 bytes (1 GB = 1e9)")
+def p5_expert_memory(student, rng):
+    """P5 — the experts' memory per GPU at expert parallelism ep, in GiB"""
+    from lab.calc.moe import expert_bytes_per_gpu
+
+    for _ in range(2):
+        moe_layers, n_experts = rng.randrange(8, 81), rng.choice([8, 16, 64, 128, 256])
+        ep = rng.choice([e for e in (2, 4, 8, 16, 32, 64) if e <= n_experts])
+        d_model, d_ff, width = rng.randrange(1024, 8193), rng.randrange(256, 4097), rng.choice([2, 4, 16])
+        expect_close(student.expert_gib_per_gpu(moe_layers, n_experts, d_model, d_ff, ep, width),
+                     expert_bytes_per_gpu(moe_layers, n_experts, d_model, d_ff, ep, width) / 2**30,
+                     f"expert_gib_per_gpu({moe_layers}, {n_experts}, {d_model}, {d_ff}, {ep}, {width})", TOLERANCE,
+                     [Mistake(2**30 / 1e9, "GiB / GB", "a GiB is 2**30 bytes, not 1e9")])
+
+
+@PROBLEMS.check(points=1, hint="the ep ranks of an EP group each route tokens·top_k assignments over n_experts "
+                               "experts, and every expert sits on one rank of the group")
+def p6_rows_per_expert(student, rng):
+    """P6 — the rows one expert computes per layer under uniform routing: ep·tokens·top_k/n_experts"""
+    from lab.calc.moe import rows_per_expert
+
+    for _ in range(2):
+        n_experts = rng.choice([8, 16, 64, 128, 256])
+        ep = rng.choice([e for e in (2, 4, 8, 16, 32, 64) if e <= n_experts])
+        tokens, top_k = rng.randrange(512, 16385), rng.randrange(1, 9)
+        expect_close(student.rows_per_expert(tokens, top_k, n_experts, ep),
+                     rows_per_expert(tokens, top_k, n_experts, ep),
+                     f"rows_per_expert({tokens}, {top_k}, {n_experts}, {ep})", TOLERANCE,
+                     [Mistake(1 / ep, "1/ep", "each expert gets rows from all ep ranks of its group, not only from its "
+                                              "own")])
+
+
+@PROBLEMS.check(points=1, hint="one all-to-all: each rank sends (ep − 1)/ep of its tokens·top_k·d_model·bytes to "
+                               "the others, at bandwidth GB/s = 1e9 bytes/s")
+def p7_dispatch_time(student, rng):
+    """P7 — one dispatch all-to-all's time at a given bandwidth"""
+    from lab.calc.comms import collective_time
+    from lab.calc.network import Link
+
+    for ep in (rng.randrange(2, 9), rng.choice([16, 64, 256])):
+        tokens, top_k, d_model, _ = _layer(rng)
+        gbs, width = rng.uniform(25, 900), rng.choice([1, 2])
+        link = Link("problem", gbs * 1e9, 0.0, "grader")
+        expect_close(student.dispatch_seconds(tokens, top_k, d_model, ep, gbs, width),
+                     collective_time("all_to_all", tokens * top_k * d_model * width, ep, link=link).time_s,
+                     f"dispatch_seconds({tokens}, {top_k}, {d_model}, {ep}, {gbs:.6g}, {width})", TOLERANCE,
+                     _crossing(ep))
+
+
+@PROBLEMS.check(points=1, hint="4 all-to-alls of (ep − 1)/ep·tokens·top_k·d·2 bytes at the bandwidth, over "
+                               "6·tokens·top_k·3·d·f FLOPs at the GPU's rate: the tokens cancel")
+def p8_comm_compute(student, rng):
+    """P8 — EP's comm/compute ratio per layer (bf16, latency left out)"""
+    from lab.calc.moe import comm_compute_ratio_on
+
+    for ep in (rng.randrange(2, 9), rng.choice([16, 64, 256])):
+        tokens, top_k, d_model, d_ff = _layer(rng)
+        gbs, tflops = rng.uniform(25, 900), rng.uniform(100, 2000)
+        expect_close(student.comm_compute_ratio(tokens, top_k, d_model, d_ff, ep, gbs, tflops),
+                     comm_compute_ratio_on(tokens, top_k, d_model, d_ff, ep, gbs * 1e9, tflops * 1e12),
+                     f"comm_compute_ratio({tokens}, {top_k}, {d_model}, {d_ff}, {ep}, {gbs:.6g}, {tflops:.6g})",
+                     TOLERANCE, [NO_BACKWARD, Mistake(3, "forward FLOPs only", "training FLOPs are 6 per weight and "
+                                                                                 "row: forward 2, backward 4")])
+
+
+@PROBLEMS.check(points=1, hint="the ratio grows with ep: 4·(ep − 1)·(α + rows_time/ep) against the experts' compute "
+                               "time; step ep up from 2 until the all-to-alls take at least as long (α in µs: 1e-6 s)")
+def p9_ep_where_comm_dominates(student, rng):
+    """P9 — the EP degree beyond which the all-to-alls outlast the experts' compute"""
+    from lab.calc.moe import comm_compute_ratio_on, ep_where_comm_dominates
+
+    for _ in range(2):
+        while True:
+            tokens, top_k, d_model, d_ff = _layer(rng)
+            gbs, tflops, latency_us = rng.uniform(200, 900), rng.uniform(100, 1000), rng.uniform(2, 30)
+            numbers = (tokens, top_k, d_model, d_ff, gbs * 1e9, tflops * 1e12)
+            ep = ep_where_comm_dominates(*numbers, latency_us * 1e-6)
+            near = [comm_compute_ratio_on(*numbers[:4], e, *numbers[4:], latency_us * 1e-6) for e in (ep - 1, ep)]
+            if 2 < ep <= 4096 and all(abs(r - 1) > 1e-6 for r in near):  # not already at 2, no knife-edge
+                break
+        expect_equal(student.ep_where_comm_dominates(tokens, top_k, d_model, d_ff, gbs, tflops, latency_us), ep,
+                     f"ep_where_comm_dominates({tokens}, {top_k}, {d_model}, {d_ff}, {gbs:.6g}, {tflops:.6g}, "
+                     f"{latency_us:.6g})")

@@ -1,10 +1,11 @@
 """Chapter 03's checks: the solutions pass with any secret, the released stubs score nothing, and every
 plausible-but-wrong answer (mutant) fails the checks named for it.
 
-The three multi-rank exercises run the student's class on real gloo ranks (dp 2 and 3) inside the sandbox and
+The five multi-rank exercises run the student's class on real gloo ranks (dp 2 and 3) inside the sandbox and
 compare with one process. A mutant is the solution cell with one classic mistake — gradients summed instead of
 averaged, an all-reduce inside gradient accumulation, a shard that starts one element off when dp does not
-divide the parameter count, memory never freed — and only the checks that must catch it are run, to keep this
+divide the parameter count, memory never freed, a prefetch never issued, issued for the wrong block or never
+waited on — and only the checks that must catch it are run, to keep this
 file fast.
 """
 
@@ -19,7 +20,7 @@ from lab.grading.checks import ch03
 from lab.grading.release import release_notebook
 from lab.model import build_model, num_params
 
-EXERCISES = ("03.bucketed_dp", "03.zero1", "03.zero3", "03.memory_ladder")
+EXERCISES = ("03.bucketed_dp", "03.zero1", "03.zero2", "03.zero3", "03.zero3_prefetch", "03.memory_ladder")
 
 BUCKETED_LAUNCH = ("                bucket.buffer.div_(self.world)  # the sum of grad / dp is the average\n"
                    "                bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)\n")
@@ -72,6 +73,22 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                       "dist.all_reduce(self.flat_grad)\n"
                       "        self.shard.grad.copy_(self.flat_grad[self.start:self.start + self.shard_numel])")],
         {"one reduce-scatter of the gradients and one all-gather of the parameters per step"}),
+    "zero2_all_reduce_then_slice": (  # the right numbers, but every rank receives the whole sum
+        "03.zero2", [("            dist.reduce_scatter_tensor(self.shard.grad, self.grad)\n",
+                      "            dist.all_reduce(self.grad)\n"
+                      "            self.shard.grad.copy_(self.grad.chunk(self.world)[self.rank])\n")],
+        {"per step and unit, one reduce-scatter of the gradient and one all-gather of the parameters, no all-reduce"}),
+    "zero2_gradients_summed_not_averaged": (  # AdamW hides it in the parameters; the shards right after show it
+        "03.zero2", [("            self.grad.div_(self.world)\n", "")],
+        {"right after backward, each rank's gradient shards are its slices of the whole batch's mean gradient"}),
+    "zero2_shard_off_by_one_on_uneven_sizes": (
+        "03.zero2", [("start = self.rank * self.shard_numel", "start = self.rank * (numel // self.world)")],
+        {"dp=2: the same losses and parameters as one process after every step",
+         "dp=3, units whose size dp does not divide: the same as one process after every step"}),
+    "zero2_flat_gradient_kept": (  # correct, but each rank keeps the whole gradient: ZeRO-1's memory
+        "03.zero2", [("            self.grad = None\n        ### END SOLUTION\n",
+                      "            self.grad.zero_()  # kept for the next step\n        ### END SOLUTION\n")],
+        {"after backward each rank holds a 1/dp shard of the gradients, nothing more"}),
     "zero3_gradients_summed_not_averaged": (
         "03.zero3", [("            self.grad.div_(self.world)\n", "")],
         {"dp=2: the same losses and parameters as one process after every step",
@@ -85,6 +102,26 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         {"while a block computes its forward, it alone is gathered"}),
     "zero3_not_freed_after_reduce_scatter": (
         "03.zero3", [("            self.grad = None\n            self.free()\n", "            self.grad = None\n")],
+        {"between steps each rank holds only its 1/dp shard of each block"}),
+    "prefetch_none": (  # every block gathered just before use: nothing overlaps
+        "03.zero3_prefetch", [("            self.next.prefetch()\n",
+                               "            pass  # exercise 4's gather() fetches it when it is needed\n")],
+        {"block i+1's all-gather is issued, asynchronously, after block i-1's forward and before block i's",
+         "while block i computes its forward, blocks i and i+1 alone are gathered"}),
+    "prefetch_block_after_next": (
+        "03.zero3_prefetch", [("        if self.next is not None:\n            self.next.prefetch()\n",
+                               "        if self.next is not None and self.next.next is not None:\n"
+                               "            self.next.next.prefetch()\n")],
+        {"block i+1's all-gather is issued, asynchronously, after block i-1's forward and before block i's"}),
+    "prefetch_never_waited": (  # under the driver the values arrive at the wait: the block computes with NaN
+        "03.zero3_prefetch", [("            self.handle.wait()\n", "")],
+        {"each prefetched all-gather is waited on after the previous block's forward, before its own",
+         "dp=2: the same losses and parameters as one process after every step",
+         "dp=3, blocks whose size dp does not divide: the same as one process after every step"}),
+    "prefetch_in_backward_too": (  # backward's gathers prefetch blocks that nothing frees before the next step
+        "03.zero3_prefetch", [("        block.register_forward_pre_hook(self._prefetch_next)", "        pass"),
+                              ("            super().gather()\n",
+                               "            super().gather()\n        self._prefetch_next(None, ())\n")],
         {"between steps each rank holds only its 1/dp shard of each block"}),
     "ladder_optimizer_sharded_from_stage_two": (
         "03.memory_ladder", [("(shard if stage >= 1 else n_params)", "(shard if stage >= 2 else n_params)")],

@@ -1,6 +1,7 @@
 """Chapter 03, data parallelism and ZeRO. The student's classes train a tiny model on real gloo ranks.
 
-Each multi-rank exercise cell ends with a given driver (`train_bucketed`, `train_zero1`, `train_zero3`) that
+Each multi-rank exercise cell ends with a given driver (`train_bucketed`, `train_zero1`, `train_zero2`,
+`train_zero3`, `train_zero3_prefetch`) that
 builds a small `lab.model` from the config a check sends, trains it for a few steps with the student's class on
 this rank's rows of each global batch, and reports plain numbers: per-step losses, three-number fingerprints of
 every gradient and parameter, collective calls and bytes, bytes held. The checks here run the same steps in
@@ -8,6 +9,11 @@ one process on the whole batch (`lab.model`, `lab.parallel.dp`) and compare, aft
 rank; bucket sizes, shard sizes and bytes come from `lab.parallel.dp.BucketedDP` and
 `lab.calc.memory.static_bytes`. A second DP driver (`grads_with_unused_layer`) runs one backward through two
 Linear layers of which the forward uses one: a bucket that backward never completes must still be averaged.
+ZeRO-2's driver also reports each rank's gradient shards right after backward (compared with the slices of the
+whole batch's flat gradient, `reference(shards=dp)`) and the gradient bytes it holds then; the prefetch driver
+returns a trace of each step — which block's shard is all-gathered, async or not, when each async handle is
+waited on, when each block's forward starts — and hands the gathered values over only at the wait, so that a
+prefetch never waited on computes with NaN weights instead of racing.
 A gradient, norm or SGD update that is exactly dp (or 1/dp) times the reference is named as the mistake
 behind it. Configs are random and awkward: odd widths, so that no block's parameter count
 divides by 2 or 3 and every shard ends in padding. The DP and ZeRO-3 drivers take plain SGD steps, so that a
@@ -19,6 +25,7 @@ torch is imported inside the functions: `lab.check` of other chapters loads this
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -92,12 +99,29 @@ def fingerprint(t) -> list[float]:
     return [t.sum().item(), t.square().sum().item(), (t * ramp).sum().item()]
 
 
+def zero_units(model) -> list[list]:
+    """The parameters of each ZeRO unit, as the drivers make them: each block, then the rest (the root)."""
+    root = [p for name, p in model.named_parameters() if not name.startswith("layers.")]
+    return [list(block.parameters()) for block in model.layers.values()] + [root]
+
+
+def shard_fingerprints(params: list, dp: int) -> list[list[float]]:
+    """Each of dp ranks' shard of the gradients of `params` laid flat and padded to dp·ceil(numel/dp)."""
+    import torch
+
+    flat = torch.cat([p.grad.detach().flatten() for p in params])
+    shard = -(-flat.numel() // dp)
+    flat = torch.cat([flat, flat.new_zeros(shard * dp - flat.numel())])
+    return [fingerprint(part) for part in flat.split(shard)]
+
+
 def reference(cfg: ModelConfig, seed: int, steps: int, global_batch: int, lr: float, weight_decay: float = 0.0,
-              optimizer: str = "sgd") -> dict:
+              optimizer: str = "sgd", shards: int = 0) -> dict:
     """One process, the whole global batch in one backward pass: per-step loss, gradient and parameter
-    fingerprints, and the global gradient norm. AdamW has lab.train's betas and eps and decays every parameter,
-    norms included, as the exercise's optimizer over one flat shard must (`lab.parallel.optim.adamw` would
-    spare the norms)."""
+    fingerprints, and the global gradient norm; with `shards` = dp, also each rank's shard of each ZeRO unit's
+    flat gradient (`grad_shards[step][unit][rank]`). AdamW has lab.train's betas and eps and decays every
+    parameter, norms included, as the exercise's optimizer over one flat shard must (`lab.parallel.optim.adamw`
+    would spare the norms)."""
     import torch
 
     from lab.model import build_model, materialize
@@ -108,12 +132,15 @@ def reference(cfg: ModelConfig, seed: int, steps: int, global_batch: int, lr: fl
     adam = (torch.optim.AdamW(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
             if optimizer == "adamw" else None)
     out = {"names": [n for n, _ in model.named_parameters()], "numels": [p.numel() for p in params],
-           "losses": [], "grads": [], "params": [], "grad_norms": [], "params0": [fingerprint(p) for p in params]}
+           "losses": [], "grads": [], "params": [], "grad_norms": [], "params0": [fingerprint(p) for p in params],
+           "grad_shards": []}
     for step in range(steps):
         loss = lm_loss(model, tokens_for(cfg, seed, step, global_batch))
         loss.backward()
         out["losses"].append(loss.item())
         out["grads"].append([fingerprint(p.grad) for p in params])
+        if shards:
+            out["grad_shards"].append([shard_fingerprints(unit, shards) for unit in zero_units(model)])
         out["grad_norms"].append(math.sqrt(sum(p.grad.double().square().sum().item() for p in params)))
         with torch.no_grad():
             if adam is not None:
@@ -401,6 +428,92 @@ def zero1_communication(student, rng):
         expect_equal(got.get(op, [0, 0]), want, f"{run['call']}: [{op} calls, bytes] in zero.step()")
 
 
+# --- 03.zero2 -----------------------------------------------------------------------------------------------
+
+ZERO2 = exercise("03.zero2", entry=("train_zero2",), requires=("03.zero1",), **RANKS)
+
+
+def unit_numels(cfg: ModelConfig) -> list[int]:
+    """Parameters of each ZeRO unit of the drivers: each block, then the root (embedding, final norm, output)."""
+    total, block = model_numels(cfg)
+    return [block] * cfg.n_layers + [total - cfg.n_layers * block]
+
+
+def _zero2(student, rng: random.Random, dp: int, steps: int = 2) -> tuple[list, dict]:
+    cfg, seed = random_config(rng), rng.randrange(10**6)
+    batch = _batch(rng, dp)
+    call = f"train_zero2({describe(cfg)}, seed={seed}, steps={steps}, global_batch={batch}) on {dp} ranks"
+    results = per_rank(student.ranks("train_zero2", dp, cfg, seed, steps, batch, ADAM_LR, WEIGHT_DECAY), dp, call)
+    return results, {"cfg": cfg, "seed": seed, "batch": batch, "call": call, "steps": steps, "dp": dp}
+
+
+def _zero2_parity(student, rng: random.Random, dp: int) -> None:
+    results, run = _zero2(student, rng, dp)
+    ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], ADAM_LR, WEIGHT_DECAY, "adamw")
+    expect_parity(results, ref, ("params",), run["call"], rel=3e-5)
+
+
+@ZERO2.check(points=2, hint="a unit's gradient is complete once every one of its parameters has one: reduce-scatter "
+                            "it then, AdamW on the shard in step(), then all-gather the updated shards into flat")
+def zero2_parity_two_ranks(student, rng):
+    """dp=2: the same losses and parameters as one process after every step"""
+    _zero2_parity(student, rng, 2)
+
+
+@ZERO2.check(points=2, hint="pad each unit's flat buffer to dp·ceil(numel/dp): rank r's shard starts at "
+                            "r·shard_numel, exactly where reduce_scatter_tensor and all_gather_into_tensor put it")
+def zero2_parity_uneven(student, rng):
+    """dp=3, units whose size dp does not divide: the same as one process after every step"""
+    _zero2_parity(student, rng, 3)
+
+
+@ZERO2.check(points=2, hint="divide the unit's flat gradient by dp before the reduce-scatter: each rank's shard "
+                            "then holds the mean over the ranks, the gradient of the whole batch")
+def gradient_shards(student, rng):
+    """right after backward, each rank's gradient shards are its slices of the whole batch's mean gradient"""
+    dp = rng.choice([2, 3])
+    results, run = _zero2(student, rng, dp, steps=2)
+    ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], ADAM_LR, WEIGHT_DECAY, "adamw", shards=dp)
+    names = [f"block {i}" for i in range(run["cfg"].n_layers)] + ["the root (embedding, norm, output)"]
+    shard_numels = [-(-n // dp) for n in unit_numels(run["cfg"])]
+    for rank, got in enumerate(results):
+        for step, units in enumerate(ref["grad_shards"]):
+            rows = got.get("grad_shards") or []
+            row = rows[step] if len(rows) > step and isinstance(rows[step], list) else []
+            for u, (name, numel) in enumerate(zip(names, shard_numels, strict=True)):
+                _expect_fingerprints(row[u] if u < len(row) else None, units[u][rank], numel,
+                                     f"{run['call']}: rank {rank}, step {step + 1}, the gradient shard of {name} "
+                                     f"after backward", rel=1e-5, mistakes=_summed(dp, "the unit's flat gradient"))
+
+
+@ZERO2.check(points=1, hint="the gradient goes out as one reduce_scatter_tensor per unit (each rank receives only "
+                            "its shard's sum), the parameters come back as one all_gather_into_tensor; no all_reduce")
+def zero2_communication(student, rng):
+    """per step and unit, one reduce-scatter of the gradient and one all-gather of the parameters, no all-reduce"""
+    dp = rng.choice([2, 3])
+    results, run = _zero2(student, rng, dp, steps=1)
+    shards = [-(-n // dp) for n in unit_numels(run["cfg"])]
+    expected = {"all_reduce": [0, 0], "reduce_scatter_tensor": [len(shards), 4 * dp * sum(shards)],
+                "all_gather_into_tensor": [len(shards), 4 * sum(shards)]}
+    got = (results[0].get("collectives") or [None])[0]
+    got = got if isinstance(got, dict) else {}
+    for op, want in expected.items():
+        expect_equal(got.get(op, [0, 0]), want, f"{run['call']}: [{op} calls, bytes] in one step (forward, "
+                                                f"backward, the units' step())")
+
+
+@ZERO2.check(points=1, hint="drop the unit's flat gradient (self.grad = None) right after its reduce-scatter, and "
+                            "each param.grad as soon as it is copied in: only shard.grad stays")
+def gradient_memory(student, rng):
+    """after backward each rank holds a 1/dp shard of the gradients, nothing more"""
+    dp = rng.choice([2, 3])
+    results, run = _zero2(student, rng, dp, steps=2)
+    expected = sum(static_bytes(n, "fp32", zero=2, dp=dp)["grads"] for n in unit_numels(run["cfg"]))
+    for rank, got in enumerate(results):
+        expect_equal(got.get("grad_bytes"), [expected] * run["steps"],
+                     f"{run['call']}: rank {rank}, bytes of gradient held after each step's backward")
+
+
 # --- 03.zero3 -----------------------------------------------------------------------------------------------
 
 ZERO3 = exercise("03.zero3", entry=("train_zero3",), **RANKS)
@@ -462,6 +575,119 @@ def gathered_while_computing(student, rng):
     expected = [[(cfg.n_layers + dp) * _shard_bytes(cfg, dp)] * cfg.n_layers] * run["steps"]
     for rank, got in enumerate(results):
         expect_equal(got.get("in_forward") if isinstance(got, dict) else None, expected,
+                     f"{run['call']}: rank {rank}, bytes of the blocks' parameters during each block's forward")
+
+
+# --- 03.zero3_prefetch --------------------------------------------------------------------------------------
+
+PREFETCH = exercise("03.zero3_prefetch", entry=("train_zero3_prefetch",), requires=("03.zero3",), **RANKS)
+
+
+def _prefetch(student, rng: random.Random, dp: int, steps: int = 2) -> tuple[list, dict]:
+    """Three blocks: the middle one is prefetched by the first and prefetches the last."""
+    cfg, seed = dataclasses.replace(random_config(rng), n_layers=3), rng.randrange(10**6)
+    batch = _batch(rng, dp)
+    call = f"train_zero3_prefetch({describe(cfg)}, seed={seed}, steps={steps}, global_batch={batch}) on {dp} ranks"
+    results = per_rank(student.ranks("train_zero3_prefetch", dp, cfg, seed, steps, batch, SGD_LR), dp, call)
+    return results, {"cfg": cfg, "seed": seed, "batch": batch, "call": call, "steps": steps, "dp": dp}
+
+
+def _prefetch_parity(student, rng: random.Random, dp: int) -> None:
+    results, run = _prefetch(student, rng, dp)
+    ref = reference(run["cfg"], run["seed"], run["steps"], run["batch"], SGD_LR)
+    expect_parity(results, ref, ("params",), run["call"], rel=1e-5, sgd=True)
+
+
+@PREFETCH.check(points=2, hint="a prefetched block's values arrive only when its handle is waited on: wait in "
+                               "gather() before the block computes, and gather synchronously when nothing was "
+                               "prefetched (the first block, every backward)")
+def prefetch_parity_two_ranks(student, rng):
+    """dp=2: the same losses and parameters as one process after every step"""
+    _prefetch_parity(student, rng, 2)
+
+
+@PREFETCH.check(points=1, hint="wait on the prefetch's handle before the block computes: until then its weights "
+                               "are not there")
+def prefetch_parity_uneven(student, rng):
+    """dp=3, blocks whose size dp does not divide: the same as one process after every step"""
+    _prefetch_parity(student, rng, 3)
+
+
+def _events(results: list, run: dict) -> list[tuple[int, int, list]]:
+    """(rank, step, the trace up to the last block's forward) for every rank and step."""
+    out = []
+    for rank, got in enumerate(results):
+        traces = got.get("trace")
+        if not isinstance(traces, list) or len(traces) != run["steps"]:
+            raise CheckFailed(f"{run['call']}: rank {rank} returned trace={traces!r:.120}, expected one per step")
+        for step, trace in enumerate(traces):
+            last = max((i for i, e in enumerate(trace) if e[0] == "forward"), default=-1)
+            out.append((rank, step, [tuple(e) for e in trace[:last + 1]]))
+    return out
+
+
+def _at(events: list, event: tuple, default: int) -> int:
+    return events.index(event) if event in events else default
+
+
+def _shown_trace(events: list) -> str:
+    return ", ".join(" ".join(map(str, e)) for e in events)
+
+
+@PREFETCH.check(points=2, hint="in each block's forward pre-hook, after the block is whole, start the NEXT block's "
+                               "all-gather (async_op=True): it runs while this block computes")
+def prefetch_issued_early(student, rng):
+    """block i+1's all-gather is issued, asynchronously, after block i-1's forward and before block i's"""
+    results, run = _prefetch(student, rng, rng.choice([2, 3]), steps=2)
+    n = run["cfg"].n_layers
+    for rank, step, events in _events(results, run):
+        for i in range(n - 1):
+            gathers = [k for k, e in enumerate(events) if e[0] == "gather" and e[1] == i + 1]
+            first = (events[gathers[0]][2], gathers[0]) if gathers else (None, len(events))
+            after = _at(events, ("forward", i - 1), -1) if i else -1
+            got = [first[0] is True, after < first[1] < _at(events, ("forward", i), -1)]
+            window = f"between block {i - 1}'s and block {i}'s forward" if i else "before block 0's forward"
+            expect_equal([int(g) for g in got], [1, 1],
+                         f"{run['call']}: rank {rank}, step {step + 1}, block {i + 1}'s first all-gather [async, "
+                         f"issued {window}] (1 = yes) in the forward's trace: {_shown_trace(events)}")
+
+
+@PREFETCH.check(points=1, hint="wait on a prefetch only in the block's own gather(), just before it computes: "
+                               "waiting earlier stalls the previous block's compute, never waiting uses no weights")
+def waited_before_use(student, rng):
+    """each prefetched all-gather is waited on after the previous block's forward, before its own"""
+    results, run = _prefetch(student, rng, rng.choice([2, 3]), steps=2)
+    for rank, step, events in _events(results, run):
+        for i in range(1, run["cfg"].n_layers):
+            waits = [k for k, e in enumerate(events) if e == ("wait", i)]
+            ok = any(_at(events, ("forward", i - 1), len(events)) < k < _at(events, ("forward", i), -1) for k in waits)
+            expect_equal(int(ok), 1, f"{run['call']}: rank {rank}, step {step + 1}, block {i}'s prefetch waited on "
+                                     f"between block {i - 1}'s and block {i}'s forward (1 = yes) in the forward's "
+                                     f"trace: {_shown_trace(events)}")
+
+
+@PREFETCH.check(points=1, hint="prefetch from the forward pre-hook only: backward gathers (exercise 4's hook on "
+                               "the output) must not start another block's all-gather, which nothing frees")
+def prefetch_at_rest(student, rng):
+    """between steps each rank holds only its 1/dp shard of each block"""
+    dp = rng.choice([2, 3])
+    results, run = _prefetch(student, rng, dp, steps=2)
+    expected = run["cfg"].n_layers * _shard_bytes(run["cfg"], dp)
+    for rank, got in enumerate(results):
+        expect_equal(got.get("at_rest"), [expected] * (run["steps"] + 1),
+                     f"{run['call']}: rank {rank}, bytes of the blocks' parameters at start and after each step")
+
+
+@PREFETCH.check(points=1, hint="while block i computes, block i+1 is already being gathered: two blocks are whole "
+                               "(the last block's forward has nothing to prefetch)")
+def two_blocks_whole(student, rng):
+    """while block i computes its forward, blocks i and i+1 alone are gathered"""
+    dp = rng.choice([2, 3])
+    results, run = _prefetch(student, rng, dp, steps=2)
+    n, shard = run["cfg"].n_layers, _shard_bytes(run["cfg"], dp)
+    expected = [[(n + dp * (1 + (i < n - 1))) * shard for i in range(n)]] * run["steps"]
+    for rank, got in enumerate(results):
+        expect_equal(got.get("in_forward"), expected,
                      f"{run['call']}: rank {rank}, bytes of the blocks' parameters during each block's forward")
 
 

@@ -6,15 +6,18 @@ a check that goes soft (e.g. a formula that stops distinguishing s from s²) fai
 
 from __future__ import annotations
 
+import dataclasses
+
 from grading_support import Chapter, chapter_tests
 
 from lab.calc.params import count_params
 from lab.grading import checks
 from lab.grading.checks import ch01
+from lab.grading.notebook import answer_parts
 from lab.grading.runner import run_exercise, seed
 
 EXERCISES = ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu",
-             "01.measured_activations", "01.activation_checkpoint")
+             "01.measured_activations", "01.activation_checkpoint", "01.problems")
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "gqa_kv_as_many_heads_as_q": ("01.param_count", [("2 * d * cfg.n_kv_heads * head_dim",
@@ -110,7 +113,69 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
 }
 
 
-CHAPTER = Chapter("01_memory_and_compute.ipynb", EXERCISES, MUTANTS, wall_s=30, said=("returned", "raised"),
+P1, P2, P3, P4, P5 = ("P1 — model-state GB of mixed-precision Adam, with and without the fp32 master copy",
+                      "P2 — the largest model n GPUs can train with mixed-precision Adam, ZeRO 0, 1 and 2",
+                      "P3 — a Llama-size model's activations without recompute (Korthikanti), in GiB",
+                      "P4 — the fraction of activation memory selective recompute saves",
+                      "P5 — HFU from MFU under full and selective recompute")
+P6, P7, P8, P9, P10 = ("P6 — days to train on D tokens with 6·N·D FLOPs",
+                       "P7 — gradient-accumulation steps for a global batch in tokens",
+                       "P8 — a matmul's arithmetic intensity",
+                       "P9 — the tokens per matmul that make a bf16 weight matmul compute-bound",
+                       "P10 — tokens per second per GPU from MFU")
+MUTANTS |= {  # the problems (one exercise over ten cells): each mistake in every cell where a learner would make it
+    "problems_gib_and_gb_swapped": ("01.problems", [("return n_params * per_param / 1e9",
+                                                     "return n_params * per_param / 2**30"),
+                                                    ("return gpu_gib * 2**30 /", "return gpu_gib * 1e9 /"),
+                                                    ("return n_layers * per_layer / 2**30",
+                                                     "return n_layers * per_layer / 1e9")], {P1, P2, P3}),
+    "problems_no_master_copy_in_the_16": ("01.problems", [("weights, grads, optimizer = 2, 2, 12",
+                                                           "weights, grads, optimizer = 2, 2, 8")], {P2}),
+    "problems_zero2_shards_everything": ("01.problems", [("    if zero_stage >= 2:\n        grads /= n_gpus\n",
+                                                          "    if zero_stage >= 2:\n        grads /= n_gpus\n"
+                                                          "        weights /= n_gpus\n")], {P2}),
+    "problems_attention_s_not_s_squared": ("01.problems", [("per_layer = s * b * h * (34 + 5 * a * s / h)",
+                                                            "per_layer = s * b * h * (34 + 5 * a / h)"),
+                                                           ("square = 5 * n_heads * seq / d_model",
+                                                            "square = 5 * n_heads / d_model")], {P3, P4}),
+    "problems_saving_over_the_rest": ("01.problems", [("return square / (34 + square)", "return square / 34")],
+                                      {P4}),
+    "problems_recompute_adds_a_backward": ("01.problems", [
+        ('extra = {"none": 0, "selective": attention, "full": forward}[recompute]',
+         'extra = {"none": 0, "selective": 3 * attention, "full": 3 * forward}[recompute]')], {P5}),
+    "problems_forward_only_2n": ("01.problems", [("flops = 6 * n_params * tokens", "flops = 2 * n_params * tokens"),
+                                                 ("flops_per_token = 6 * n_params + 12",
+                                                  "flops_per_token = 2 * n_params + 12")], {P6, P10}),
+    "problems_days_in_seconds": ("01.problems", [("return seconds / 86_400", "return seconds")], {P6}),
+    "problems_accumulation_forgets_dp": ("01.problems", [("(seq * micro_batch * dp)", "(seq * micro_batch)")], {P7}),
+    "problems_intensity_without_the_output": ("01.problems", [("(m * k + k * n + m * n)", "(m * k + k * n)")],
+                                              {P8}),
+    "problems_critical_batch_in_elements": ("01.problems", [("return peak_flops / hbm_bandwidth",
+                                                             "return 2 * peak_flops / hbm_bandwidth")], {P9}),
+    "problems_tokens_attention_forgotten": ("01.problems", [(" + 12 * n_layers * d_model * seq\n", "\n")], {P10}),
+}
+
+
+class MultiCellChapter(Chapter):
+    """A chapter whose problems exercise spans several answer cells: each (old, new) of a mutant applies in the
+    one cell that holds `old`, and every cell is graded together."""
+
+    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
+        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
+        if len(parts) == 1:
+            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
+        ex = checks.get(exercise_id)
+        if only is not None:
+            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+        for old, new in replace:
+            hits = [i for i, (_, source) in enumerate(parts) if old in source]
+            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
+            label, source = parts[hits[0]]
+            parts[hits[0]] = (label, source.replace(old, new))
+        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
+
+
+CHAPTER = MultiCellChapter("01_memory_and_compute.ipynb", EXERCISES, MUTANTS, wall_s=30, said=("returned", "raised"),
                   released_stubs=False)  # tests/test_grading_cli.py grades the released chapter-01 notebook
 globals().update(chapter_tests(CHAPTER))
 

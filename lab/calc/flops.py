@@ -51,14 +51,32 @@ def _attention_dims(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.n_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim
 
 
+def _six_n_forward(n_params: float, n_layers: int, d_model: int, seq: int) -> tuple[float, dict[str, float]]:
+    """The book's forward FLOPs per token, 2N + 4·L·h·s, and what each recompute mode runs again: the
+    attention products (selective) or the whole forward (full)."""
+    attention = 2 * 2 * d_model * seq * n_layers
+    forward = 2 * n_params + attention
+    return forward, {"none": 0.0, "selective": attention, "full": forward}
+
+
+def six_n_flops_per_token(n_params: float, n_layers: int = 0, d_model: int = 0, seq: int = 0,
+                          recompute: str = "none") -> tuple[float, float]:
+    """(model, hardware) training FLOPs per token from the sizes alone: 6N + 12·L·h·s, and that plus what
+    `recompute` runs again (HFU's numerator). With L = h = s = 0 it is the bare 6N of "6·N·D"."""
+    if not n_params > 0:
+        raise ValueError(f"n_params={n_params!r} must be > 0")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}")
+    forward, recomputed = _six_n_forward(n_params, n_layers, d_model, seq)
+    return 3 * forward, 3 * forward + recomputed[recompute]
+
+
 def _forward_flops(cfg: ModelConfig, seq: int, counting: str) -> tuple[float, dict[str, float]]:
     """Forward FLOPs per token, and what each recompute mode adds to them."""
     parts = param_breakdown(cfg)
     d, L = cfg.d_model, cfg.n_layers
     if counting == "6N":
-        attention = 2 * 2 * d * seq * L
-        forward = 2 * parts["active"] + attention
-        return forward, {"none": 0.0, "selective": attention, "full": forward}
+        return _six_n_forward(parts["active"], L, d, seq)
     qk, pv = _attention_dims(cfg)
     latent_norms = L * (cfg.q_lora_rank + cfg.kv_lora_rank) if cfg.attention == "mla" else 0
     layer_weights = parts["active"] - parts["embedding"] - parts["lm_head"] - parts["norms"] - latent_norms
@@ -107,3 +125,22 @@ def hfu(estimate: FlopsEstimate, step_time_s: float, n_gpus: int, gpu: float | s
         dtype: str = "bf16") -> float:
     """Hardware FLOPs utilisation: every FLOP executed, recomputation included."""
     return utilization(estimate.hardware_flops, step_time_s, n_gpus, gpu, dtype)
+
+
+def training_time_s(flops: float, n_gpus: int, peak_flops: float, mfu: float) -> float:
+    """Seconds to do `flops` of training on `n_gpus` GPUs of `peak_flops` FLOP/s each, running at `mfu`
+    (`utilization` turned around)."""
+    if not flops >= 0:
+        raise ValueError(f"flops={flops!r} must be >= 0")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu={mfu!r} must be in (0, 1]")
+    return utilization(flops, 1.0, n_gpus, peak_flops) / mfu  # seconds at 100% of peak, stretched by 1/MFU
+
+
+def tokens_per_second(mfu: float, flops_per_token: float, peak_flops: float) -> float:
+    """Tokens one GPU trains per second at `mfu`: the FLOP/s it really does over the FLOPs each token costs."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu={mfu!r} must be in (0, 1]")
+    if not flops_per_token > 0:
+        raise ValueError(f"flops_per_token={flops_per_token!r} must be > 0")
+    return mfu * peak_flops / flops_per_token

@@ -104,6 +104,33 @@ def static_bytes(num_params: float | Sequence[int], precision: str = "mixed", *,
             "optimizer": o * (shard if zero >= 1 else whole)}
 
 
+def bytes_per_param(precision: str = "mixed", *, zero: int = 0, dp: int = 1, fp32_grad_accum: bool = False) -> float:
+    """Model-state bytes per parameter on one rank: ZeRO-1 divides the optimizer states by dp, ZeRO-2 the
+    gradients too, ZeRO-3 the weights too (`static_bytes` for a large model, padding aside)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} must be one of {', '.join(map(repr, PRECISIONS))}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r} must be 0, 1, 2 or 3")
+    if not (isinstance(dp, int) and dp >= 1):
+        raise ValueError(f"dp={dp!r} must be an integer >= 1")
+    p, g, o = PRECISIONS[precision]
+    g += FP32_GRAD_ACCUM_BYTES if fp32_grad_accum else 0
+    return p / (dp if zero >= 3 else 1) + g / (dp if zero >= 2 else 1) + o / (dp if zero >= 1 else 1)
+
+
+def grad_accum_steps(global_batch_tokens: int, seq: int, micro_batch: int, dp: int) -> int:
+    """Micro-batches each data-parallel rank runs before the optimizer steps: global batch / (seq · mbs · dp)."""
+    per_step = seq * micro_batch * dp
+    for name, value in (("global_batch_tokens", global_batch_tokens), ("seq", seq), ("micro_batch", micro_batch),
+                        ("dp", dp)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if global_batch_tokens % per_step:
+        raise ValueError(f"global_batch_tokens={global_batch_tokens} must be a multiple of seq·micro_batch·dp = "
+                         f"{per_step}")
+    return global_batch_tokens // per_step
+
+
 def playbook_num_params(cfg: ModelConfig, seq: int) -> int:
     """The playbook's GPT-2-style count N = h·(v+s) + L·(12h² + 13h) + 2h (learned positions, 4h MLP, biases)."""
     h, L = cfg.d_model, cfg.n_layers

@@ -3,6 +3,9 @@
 Configs are random (from the check's seed) and deliberately awkward: head counts whose K/V groups differ,
 vocabularies and FFN widths that are not round, head_dim set apart from d_model / n_heads in a hidden check.
 
+The worked problems (`01.problems`) are plain Python of random numbers in the sandbox (no lab.calc there),
+compared with `lab.calc` to 1%.
+
 The two torch exercises run small residual blocks from `lab.recompute` (drawn from the check's seed, so the
 learner's driver and the check build the same weights): `01.measured_activations` compares the learner's
 saved-tensor count and prediction with `lab.measure_saved.saved_bytes`, `01.activation_checkpoint` the wrapped
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import random
 
-from lab.calc.flops import mfu, training_flops
-from lab.calc.memory import korthikanti_layer_bytes, static_bytes
+from lab.calc.flops import mfu, six_n_flops_per_token, tokens_per_second, training_flops, training_time_s
+from lab.calc.hardware import Accelerator
+from lab.calc.memory import bytes_per_param, grad_accum_steps, korthikanti_layer_bytes, static_bytes
 from lab.calc.params import count_params
+from lab.calc.roofline import matmul
 from lab.config import ModelConfig
 from lab.grading.checks import (
     TORCH,
@@ -374,3 +379,133 @@ def checkpoint_frozen_input(student, rng):
     """an input that needs no gradient: the weights still get theirs"""
     for _ in range(2):
         _expect_gradients(*_checkpoint(student, block_case(rng), input_grad=False))
+
+
+# --- 01.problems ---------------------------------------------------------------------------------------------
+
+PROBLEMS = exercise("01.problems", entry=(
+    "model_state_gb", "largest_model", "activation_gib", "selective_saving", "hfu_from_mfu", "training_days",
+    "accumulation_steps", "matmul_intensity", "critical_batch", "tokens_per_s_per_gpu"))
+TOLERANCE = 0.01
+GIB_FOR_GB = Mistake(2**30 / 1e9, "GiB taken for GB", "a GB is 1e9 bytes, a GiB 2**30: the problem says which")
+GB_FOR_GIB = Mistake(1e9 / 2**30, "GB taken for GiB", "a GiB is 2**30 bytes, a GB 1e9: the problem says which")
+
+
+@PROBLEMS.check(points=1, hint="mixed-precision Adam: bf16 weights and gradients (2 + 2), fp32 master weights (4), "
+                               "fp32 m and v (4 + 4); an fp32 gradient buffer adds 4; a GB is 1e9 bytes")
+def p1_model_states(student, rng):
+    """P1 — model-state GB of mixed-precision Adam, with and without the fp32 master copy"""
+    for master, accum in ((True, False), (False, False), (True, True)):
+        n = rng.randrange(10**8, 10**12)
+        expected = n * bytes_per_param("mixed" if master else "bf16", fp32_grad_accum=accum) / 1e9
+        expect_close(student.model_state_gb(n, master, accum), expected,
+                     f"model_state_gb({n}, master_weights={master}, fp32_grad_accum={accum})", TOLERANCE,
+                     [GB_FOR_GIB])
+
+
+@PROBLEMS.check(points=1, hint="ZeRO-1 shards the 12 bytes of optimizer states over the GPUs, ZeRO-2 the 2 bytes of "
+                               "gradients too; without ZeRO every GPU holds all 16 bytes, whatever their number")
+def p2_largest_model(student, rng):
+    """P2 — the largest model n GPUs can train with mixed-precision Adam, ZeRO 0, 1 and 2"""
+    for zero in (0, 1, 2):
+        gib, n_gpus = rng.choice([16, 24, 40, 80, 96, 141, 192]), rng.randrange(2, 513)
+        expected = gib * 2**30 / bytes_per_param("mixed", zero=zero, dp=n_gpus)
+        expect_close(student.largest_model(gib, n_gpus, zero), expected,
+                     f"largest_model(gpu_gib={gib}, n_gpus={n_gpus}, zero_stage={zero})", TOLERANCE, [GIB_FOR_GB])
+
+
+@PROBLEMS.check(points=1, hint="s·b·h·(34 + 5·a·s/h) bytes per layer, times the layers; a GiB is 2**30 bytes")
+def p3_activations(student, rng):
+    """P3 — a Llama-size model's activations without recompute (Korthikanti), in GiB"""
+    for _ in range(3):
+        heads = rng.choice([32, 40, 64, 128])
+        h, layers = heads * 128, rng.randrange(16, 127)
+        s, b = rng.choice([2048, 4096, 8192]), rng.randrange(1, 5)
+        expected = layers * korthikanti_layer_bytes(s, b, h, heads) / 2**30
+        expect_close(student.activation_gib(s, b, h, heads, layers), expected,
+                     f"activation_gib(seq={s}, micro_batch={b}, d_model={h}, n_heads={heads}, n_layers={layers})",
+                     TOLERANCE, [GB_FOR_GIB])
+
+
+@PROBLEMS.check(points=1, hint="selective recompute drops the 5·a·s/h part of 34 + 5·a·s/h: the fraction saved is "
+                               "that part over the whole")
+def p4_selective_saving(student, rng):
+    """P4 — the fraction of activation memory selective recompute saves"""
+    for _ in range(3):
+        heads, s = rng.choice([16, 32, 64, 96, 128]), rng.choice([1024, 2048, 4096, 8192, 16384])
+        h = heads * rng.choice([64, 128])
+        none, selective = (korthikanti_layer_bytes(s, 1, h, heads, recompute=r) for r in ("none", "selective"))
+        expect_close(student.selective_saving(s, h, heads), 1 - selective / none,
+                     f"selective_saving(seq={s}, d_model={h}, n_heads={heads})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="HFU/MFU = executed FLOPs / model FLOPs: full recompute runs the forward "
+                               "(2N + 4·L·h·s per token) again, selective only the attention products (4·L·h·s)")
+def p5_hfu(student, rng):
+    """P5 — HFU from MFU under full and selective recompute"""
+    for recompute in ("full", "selective", "none"):
+        n, layers = rng.randrange(10**9, 5 * 10**11), rng.randrange(16, 127)
+        h, s, value = 128 * rng.randrange(16, 129), rng.choice([4096, 8192, 32768]), rng.uniform(0.2, 0.6)
+        model, hardware = six_n_flops_per_token(n, layers, h, s, recompute)
+        expect_close(student.hfu_from_mfu(value, n, layers, h, s, recompute), value * hardware / model,
+                     f"hfu_from_mfu({value:.4f}, n_params={n}, n_layers={layers}, d_model={h}, seq={s}, "
+                     f"recompute={recompute!r})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="6·N·D FLOPs over n_gpus · peak · MFU FLOP/s, then seconds → days (86,400 s)")
+def p6_training_days(student, rng):
+    """P6 — days to train on D tokens with 6·N·D FLOPs"""
+    for _ in range(3):
+        n, tokens = rng.randrange(10**9, 10**12), rng.randrange(10**11, 2 * 10**13)
+        gpus, peak, value = rng.randrange(64, 32769), rng.choice([312e12, 989.4e12, 2.25e15]), rng.uniform(0.2, 0.6)
+        expected = training_time_s(six_n_flops_per_token(n)[0] * tokens, gpus, peak, value) / 86_400
+        expect_close(student.training_days(n, tokens, gpus, peak, value), expected,
+                     f"training_days(n_params={n}, tokens={tokens}, n_gpus={gpus}, peak_flops={peak:.6g}, "
+                     f"mfu={value:.4f})", TOLERANCE, [Mistake(86_400, "seconds", "divide seconds by 86,400")])
+
+
+@PROBLEMS.check(points=1, hint="one optimizer step sees dp ranks × micro_batch sequences × seq tokens per "
+                               "accumulation step")
+def p7_accumulation(student, rng):
+    """P7 — gradient-accumulation steps for a global batch in tokens"""
+    for _ in range(3):
+        seq, mbs, dp, steps = rng.choice([2048, 4096, 8192]), rng.randrange(1, 9), rng.randrange(2, 257), \
+            rng.randrange(1, 65)
+        tokens = seq * mbs * dp * steps
+        expect_close(student.accumulation_steps(tokens, seq, mbs, dp), grad_accum_steps(tokens, seq, mbs, dp),
+                     f"accumulation_steps(global_batch_tokens={tokens}, seq={seq}, micro_batch={mbs}, dp={dp})",
+                     TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="2·m·k·n FLOPs over the bytes of both operands and the result: "
+                               "bytes_per_element · (m·k + k·n + m·n)")
+def p8_intensity(student, rng):
+    """P8 — a matmul's arithmetic intensity"""
+    for width in (2, 4, 1):
+        m, k, n = (rng.randrange(1, 16385) for _ in range(3))
+        dtype = {1: "fp8", 2: "bf16", 4: "fp32"}[width]
+        expect_close(student.matmul_intensity(m, k, n, width), matmul("p8", m, k, n, dtype).intensity,
+                     f"matmul_intensity({m}, {k}, {n}, bytes_per_element={width})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="with B ≪ D, F the bf16 matmul (B×D)·(D×F) does 2·B·D·F FLOPs on 2·D·F bytes of "
+                               "weights: B FLOPs per byte — compute-bound once B exceeds peak / bandwidth")
+def p9_critical_batch(student, rng):
+    """P9 — the tokens per matmul that make a bf16 weight matmul compute-bound"""
+    for _ in range(3):
+        peak, bandwidth = rng.uniform(1e14, 3e15), rng.uniform(5e11, 1e13)
+        chip = Accelerator("p9", peak, None, None, 0, bandwidth, "the problem's numbers")
+        expect_close(student.critical_batch(peak, bandwidth), chip.critical_intensity(),
+                     f"critical_batch(peak_flops={peak:.6g}, hbm_bandwidth={bandwidth:.6g})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="each token costs 6N + 12·L·h·s FLOPs; a GPU does MFU · peak FLOP/s of them")
+def p10_tokens_per_s(student, rng):
+    """P10 — tokens per second per GPU from MFU"""
+    for s in (rng.choice([2048, 4096]), rng.choice([32768, 131072])):
+        n, layers, h = rng.randrange(10**9, 5 * 10**11), rng.randrange(16, 127), 128 * rng.randrange(16, 129)
+        peak, value = rng.choice([312e12, 989.4e12]), rng.uniform(0.2, 0.6)
+        expected = tokens_per_second(value, six_n_flops_per_token(n, layers, h, s)[0], peak)
+        expect_close(student.tokens_per_s_per_gpu(value, n, layers, h, s, peak), expected,
+                     f"tokens_per_s_per_gpu({value:.4f}, n_params={n}, n_layers={layers}, d_model={h}, seq={s}, "
+                     f"peak_flops={peak:.6g})", TOLERANCE)

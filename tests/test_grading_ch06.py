@@ -11,7 +11,10 @@ catch it are run, to keep this file fast.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
+import time
 
 import pytest
 from grading_support import Chapter, chapter_tests
@@ -19,7 +22,8 @@ from grading_support import Chapter, chapter_tests
 from lab.grading.checks import ch06
 from lab.grading.release import release_notebook
 
-EXERCISES = ("06.one_f_one_b_order", "06.bubble", "06.peak_activations", "06.split_backward", "06.afab_step")
+EXERCISES = ("06.one_f_one_b_order", "06.bubble", "06.peak_activations", "06.split_backward", "06.afab_step",
+             "06.one_f_one_b_ranks")
 
 ORDER_ENDS = "the first and the last stage, m ≥ p"
 ORDER_EVERY = "every stage: p − r − 1 warm-up forwards, then one forward and one backward in turn, then the cool-down"
@@ -44,9 +48,14 @@ SPLIT_W = "W after B, in a ZB-H1 rank's order: the accumulated weight gradients 
 AFAB_TWO = "2 stages: the loss and every stage's gradients equal one process's"
 AFAB_MORE = "3 and 4 stages, fewer and more micro-batches than stages"
 AFAB_P2P = "point-to-point only: m activations forward and m gradients back across each boundary"
+RANKS_TWO = "2 stages, more micro-batches than stages: the loss and both stages' gradients equal one process's"
+RANKS_THREE = "3 stages, fewer and more micro-batches than stages"
+RANKS_PEAK = "the most micro-batches in flight on stage r (forwarded, backward not begun) is p − r"
+RANKS_P2P = "1F1B's messages: point-to-point only, one activation forward and one gradient back per micro-batch"
 
 B_GRADS = "    grads = torch.autograd.grad(output, targets, grad_output)\n"
 RETURN_LOSS = "    return loss if last else None\n"
+BATCHED_SEND = "ops.append(dist.P2POp(dist.isend, tensor, send_to))"
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "order_warmup_one_too_many": (  # the issue's mutant: warm-up count off by one
@@ -116,8 +125,19 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "06.afab_step", [("            x.requires_grad_()  # its", "            # its")], {AFAB_TWO, AFAB_MORE}),
     "afab_loss_broadcast_to_every_rank": (
         "06.afab_step", [(RETURN_LOSS, "    dist.broadcast(loss, world - 1)\n" + RETURN_LOSS)], {AFAB_P2P}),
+    "one_f_one_b_warmup_one_too_many": (  # the issue's mutant: no hang, but one micro-batch more held per stage
+        "06.one_f_one_b_ranks", [("warmup = min(world - rank - 1, m)", "warmup = min(world - rank, m)")], {RANKS_PEAK}),
+    "one_f_one_b_warmup_not_capped_at_m": (
+        "06.one_f_one_b_ranks", [("warmup = min(world - rank - 1, m)", "warmup = world - rank - 1")], {RANKS_THREE}),
+    "one_f_one_b_backward_of_the_newest": (  # the gradient that comes back is the oldest micro-batch's
+        "06.one_f_one_b_ranks", [("x, y = stash.pop(0)", "x, y = stash.pop()")], {RANKS_TWO, RANKS_THREE}),
+    "one_f_one_b_loss_broadcast_to_every_rank": (
+        "06.one_f_one_b_ranks", [(RETURN_LOSS, "    dist.broadcast(loss, world - 1)\n" + RETURN_LOSS)], {RANKS_P2P}),
 }
 HANGS = {"afab_gradient_sent_to_the_wrong_neighbour"}  # ranks wait for a message that never comes: a short budget
+# The issue's other 1F1B mutant: both neighbours send first (blocking) and wait for each other. Graded once, by its
+# own test below, which also times the check.
+DEADLOCK = ("06.one_f_one_b_ranks", [(BATCHED_SEND, "dist.send(tensor, send_to)")], {RANKS_TWO})
 
 
 CHAPTER = Chapter("06_pipeline_parallel.ipynb", EXERCISES, MUTANTS, hangs=HANGS, said=("returned", "raised"))
@@ -202,3 +222,32 @@ def test_not_attempted_names_the_function_to_write_not_the_driver():
     assert result.status == "not attempted" and result.reason.startswith(
         "not attempted: linear_weight_grad, rmsnorm_weight_grad, backward_input raise NotImplementedError"), result
     assert "run_" not in result.reason
+
+
+def test_a_deadlocked_1f1b_is_reported_by_rank_and_operation_within_10_s(monkeypatch):
+    """Both neighbours send first (a blocking dist.send) in the steady state: the check stops the ranks at its
+    deadline (gloo's own timeout, half of it, fires first) and says which rank waited in which send — within 10 s
+    of the check's start (the sandbox's own start, which imports torch once per grader, is not the check's)."""
+    from lab.grading import checks
+
+    exercise_id, replace, (name,) = DEADLOCK
+    ex = checks.get(exercise_id)
+    index, check = next((i, c) for i, c in enumerate(ex.checks) if c.name == name)
+    seconds = []
+
+    def timed(student, rng):
+        start = time.perf_counter()
+        try:
+            check.fn(student, rng)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    timed_check = dataclasses.replace(check, fn=timed)
+    monkeypatch.setattr(ex, "checks", [*ex.checks[:index], timed_check, *ex.checks[index + 1:]])
+    graded = CHAPTER.grade(exercise_id, replace, only={name}, wall_s=20)
+    result, = graded.checks
+    assert graded.points == 0 and not graded.reason, graded  # a check's verdict, not a dead sandbox
+    assert result.status == "failed" and " hung — " in result.message and "expected" in result.message, result
+    assert re.search(r"rank \d failed in send #\d to rank \d", result.message), result.message
+    assert result.hint == ch06.HANG_HINT and seconds[0] < 10, (seconds, result)
+    print(f"hang reported in {seconds[0]:.1f} s: {result.message}")

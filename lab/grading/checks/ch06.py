@@ -138,7 +138,7 @@ def _expect_step(student, schedule: str, p: int, m: int, v: int, costs: tuple[fl
                   f"step_time({schedule!r}, p={p}, m={m}, v={v}, t_f={tf}, t_b={tb}, t_w={tw})")
 
 
-@BUBBLE.check(points=1, hint="bubble ratio = idle / useful time per rank: p − 1 slots of (t_f + t_b) idle, m of "
+@BUBBLE.check(points=0.5, hint="bubble ratio = idle / useful time per rank: p − 1 slots of (t_f + t_b) idle, m of "
                              "them busy")
 def bubble_afab_one_f_one_b(student, rng):
     """AFAB and 1F1B: the bubble ratio (p−1)/m"""
@@ -146,7 +146,7 @@ def bubble_afab_one_f_one_b(student, rng):
         _expect_bubble(student, schedule, *_config(rng, schedule))
 
 
-@BUBBLE.check(points=1, hint="with v chunks per rank each op is v times shorter: the same p − 1 fill and drain "
+@BUBBLE.check(points=0.5, hint="with v chunks per rank each op is v times shorter: the same p − 1 fill and drain "
                              "steps now last 1/v as long, against the same useful time — (p − 1)/(v·m)")
 def bubble_interleaved(student, rng):
     """interleaved 1F1B: v chunks per rank shrink the bubble by v"""
@@ -154,7 +154,7 @@ def bubble_interleaved(student, rng):
         _expect_bubble(student, "interleaved", *_config(rng, "interleaved"))
 
 
-@BUBBLE.check(points=1, hint="the last micro-batch enters stage 0 after m − 1 forwards and crosses p stages each "
+@BUBBLE.check(points=0.25, hint="the last micro-batch enters stage 0 after m − 1 forwards and crosses p stages each "
                              "way: (m + p − 1)(t_f + t_b)")
 def step_afab_one_f_one_b(student, rng):
     """step time of AFAB and 1F1B, random t_f and t_b"""
@@ -162,14 +162,14 @@ def step_afab_one_f_one_b(student, rng):
         _expect_step(student, schedule, *_config(rng, schedule), _costs(rng))
 
 
-@BUBBLE.check(points=1, hint="useful time m·(t_f + t_b), plus the bubble: (p − 1)(t_f + t_b)/v")
+@BUBBLE.check(points=0.25, hint="useful time m·(t_f + t_b), plus the bubble: (p − 1)(t_f + t_b)/v")
 def step_interleaved(student, rng):
     """step time of interleaved 1F1B"""
     for _ in range(2):
         _expect_step(student, "interleaved", *_config(rng, "interleaved"), _costs(rng))
 
 
-@BUBBLE.check(points=1, hint="ZB-H1 (m ≥ p, t_w ≤ t_f, 2·t_w ≤ t_b): the deferred W's fill 2·t_w of each of the "
+@BUBBLE.check(points=0.25, hint="ZB-H1 (m ≥ p, t_w ≤ t_f, 2·t_w ≤ t_b): the deferred W's fill 2·t_w of each of the "
                              "p − 1 bubble slots — idle (p − 1)(t_f + t_b − 2·t_w)")
 def step_zero_bubble(student, rng):
     """ZB-H1: deferred weight gradients fill part of the bubble"""
@@ -177,7 +177,7 @@ def step_zero_bubble(student, rng):
         _expect_step(student, "zb-h1", *_config(rng, "zb-h1"), _costs(rng))
 
 
-@BUBBLE.check(points=1, hidden=True, hint="no special case for small pipelines: the formulas hold at any p, m, v")
+@BUBBLE.check(points=0.25, hidden=True, hint="no special case for small pipelines: the formulas hold at any p, m, v")
 def bubble_deep_pipelines(student, rng):
     """up to 32 stages and 128 micro-batches, every schedule"""
     for schedule in ("afab", "1f1b", "interleaved", "zb-h1"):
@@ -407,22 +407,39 @@ def afab_reference(world: int, d: int, layers: int, batch: int, seed: int) -> di
                       for s in range(world)]}
 
 
-def _afab(student, rng: random.Random, world: int, m: int) -> tuple[list[dict], dict, str]:
+RANK_DEADLINE_S = 6  # a right step takes well under a second: ranks still waiting after this are stopped
+HANG_HINT = ("a rank waited forever: the message says which rank waited in which send or receive. Every send needs "
+             "the receive its neighbour posts at that point; two neighbours that both send first (a blocking "
+             "dist.send) wait for each other — post the pair together (dist.batch_isend_irecv) and then wait")
+
+
+def _rank_failure(error: CallError, call: str) -> CheckFailed:
+    """A pipeline's ranks that raised as a failed check. One that hung (gloo's timeout, or the deadline) says which
+    rank waited in which operation, from the flight recorder's "collectives:" lines the sandbox keeps."""
+    first, _, diagnosis = error.message.partition("\n")
+    if error.not_attempted or not (diagnosis or "timed out" in first.lower()):
+        return explain(error, call, "every rank to finish")
+    waits = "; ".join(dict.fromkeys(wait for line in diagnosis.splitlines()  # each rank once, though several lines
+                                    for wait in line.removeprefix("collectives: ").split("; "))) or "not recorded"
+    return CheckFailed(f"{call} hung — {waits} — and raised {first[:200]}, expected every rank to finish", HANG_HINT)
+
+
+def _pipeline(student, rng: random.Random, name: str, world: int, m: int) -> tuple[list[dict], dict, str]:
+    """`name` (run_afab or run_one_f_one_b) on `world` ranks with m micro-batches of a model drawn from rng."""
     d, layers, per_micro_batch = rng.randrange(2, 7), rng.randrange(1, 3), rng.randrange(1, 4)
     batch, seed = m * per_micro_batch, rng.randrange(10**6)
-    call = f"run_afab(d={d}, layers={layers}, batch={batch}, microbatches={m}, seed={seed}) on {world} ranks"
+    call = f"{name}(d={d}, layers={layers}, batch={batch}, microbatches={m}, seed={seed}) on {world} ranks"
     try:
-        results = student.ranks("run_afab", world, d, layers, batch, m, seed)
+        results = student.ranks(name, world, d, layers, batch, m, seed, deadline_s=RANK_DEADLINE_S)
     except CallError as error:
-        hang = "timed out" in error.message.lower()
-        raise explain(error, call, "every rank to finish" + (" (a rank that waits forever for a message: its peer "
-                                                              "sent it elsewhere, or never)" if hang else "")) from None
+        raise _rank_failure(error, call) from None
     run = {"d": d, "layers": layers, "batch": batch, "m": m, "world": world, "seed": seed}
     return per_rank(results, world, call), run, call
 
 
-def _expect_afab(student, rng: random.Random, world: int, m: int) -> None:
-    results, run, call = _afab(student, rng, world, m)
+def _expect_one_process(student, rng: random.Random, name: str, world: int, m: int) -> None:
+    """The pipeline's loss and every rank's gradients equal `afab_reference`'s: the whole model, one process."""
+    results, run, call = _pipeline(student, rng, name, world, m)
     expected = afab_reference(world, run["d"], run["layers"], run["batch"], run["seed"])
     share = [Mistake(m, "m", "the batch's loss is the mean of the m micro-batches' losses: divide each by m before "
                              "its backward"),
@@ -447,7 +464,7 @@ def _expect_afab(student, rng: random.Random, world: int, m: int) -> None:
                            "back to rank − 1")
 def afab_two_stages(student, rng):
     """2 stages: the loss and every stage's gradients equal one process's"""
-    _expect_afab(student, rng, 2, rng.randrange(2, 5))
+    _expect_one_process(student, rng, "run_afab", 2, rng.randrange(2, 5))
 
 
 @AFAB.check(points=2, hint="a middle stage receives from rank − 1 and sends to rank + 1 going forward, and the "
@@ -455,19 +472,64 @@ def afab_two_stages(student, rng):
                            "exists to send back")
 def afab_more_stages(student, rng):
     """3 and 4 stages, fewer and more micro-batches than stages"""
-    _expect_afab(student, rng, 3, rng.randrange(2, 6))
-    _expect_afab(student, rng, 4, rng.choice([rng.randrange(2, 4), rng.randrange(5, 7)]))
+    _expect_one_process(student, rng, "run_afab", 3, rng.randrange(2, 6))
+    _expect_one_process(student, rng, "run_afab", 4, rng.choice([rng.randrange(2, 4), rng.randrange(5, 7)]))
 
 
 @AFAB.check(points=1, hint="only dist.send/dist.recv (or isend/irecv) to a neighbour: one activation per micro-batch "
                            "forward across each boundary, one gradient back — no collective, not even for the loss")
 def afab_point_to_point(student, rng):
     """point-to-point only: m activations forward and m gradients back across each boundary"""
-    world, m = rng.choice([3, 4]), rng.randrange(2, 5)
-    results, run, call = _afab(student, rng, world, m)
+    _expect_point_to_point(student, rng, "run_afab", rng.choice([3, 4]), rng.randrange(2, 5))
+
+
+def _expect_point_to_point(student, rng: random.Random, name: str, world: int, m: int) -> None:
+    """Only sends and receives between neighbours: m activations forward and m gradients back per boundary."""
+    results, run, call = _pipeline(student, rng, name, world, m)
     message = run["batch"] // m * run["d"] * 4  # one micro-batch's activations (or their gradient), float32
     for rank, got in enumerate(results):
         sends = (rank < world - 1) * m + (rank > 0) * m
         expect_equal(point_to_point_sent(got, rank, call), [sends, sends * message],
                      f"{call}: rank {rank}'s [messages sent, bytes sent] (one micro-batch is {message} bytes)")
+
+
+# --- 06.one_f_one_b_ranks --------------------------------------------------------------------------------
+
+ONE_F_ONE_B = exercise("06.one_f_one_b_ranks", entry=("run_one_f_one_b",), requires=("06.afab_step",), **RANKS)
+
+
+@ONE_F_ONE_B.check(points=2, hint="stage r warms up with min(p − r − 1, m) forwards; then, while forwards remain, "
+                                  "one forward and the backward of the OLDEST micro-batch it holds; then the "
+                                  "backwards still due, oldest first. The last stage has no warm-up: F0 B0 F1 B1 …")
+def one_f_one_b_two_stages(student, rng):
+    """2 stages, more micro-batches than stages: the loss and both stages' gradients equal one process's"""
+    _expect_one_process(student, rng, "run_one_f_one_b", 2, rng.randrange(3, 6))
+
+
+@ONE_F_ONE_B.check(points=2, hint="a middle stage receives its input from rank − 1 and its output's gradient from "
+                                  "rank + 1; with m < p the warm-up already runs every forward (min(p − r − 1, m)) "
+                                  "and the steady state is empty")
+def one_f_one_b_three_stages(student, rng):
+    """3 stages, fewer and more micro-batches than stages"""
+    _expect_one_process(student, rng, "run_one_f_one_b", 3, 1)  # stage 0's warm-up would be 2 forwards: only 1
+    _expect_one_process(student, rng, "run_one_f_one_b", 3, rng.randrange(4, 7))
+
+
+@ONE_F_ONE_B.check(points=2, hint="stage r holds its p − r − 1 warm-up forwards plus the steady state's forward "
+                                  "before its first backward frees one: p − r at most (and never more than m). A "
+                                  "warm-up one forward longer holds p − r + 1")
+def one_f_one_b_peak(student, rng):
+    """the most micro-batches in flight on stage r (forwarded, backward not begun) is p − r"""
+    world, m = 3, rng.randrange(4, 7)
+    results, _, call = _pipeline(student, rng, "run_one_f_one_b", world, m)
+    expect_equal([got.get("peak_in_flight") for got in results], [min(world - r, m) for r in range(world)],
+                 f"{call}: the most micro-batches in flight on each rank (forwarded, their backward not begun)")
+
+
+@ONE_F_ONE_B.check(points=1, hint="only isend/irecv (batched) or send/recv between neighbours: one activation per "
+                                  "micro-batch forward across each boundary, one gradient back — no collective, not "
+                                  "even for the loss")
+def one_f_one_b_point_to_point(student, rng):
+    """1F1B's messages: point-to-point only, one activation forward and one gradient back per micro-batch"""
+    _expect_point_to_point(student, rng, "run_one_f_one_b", 3, rng.randrange(2, 6))
 

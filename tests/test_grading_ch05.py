@@ -12,14 +12,19 @@ the wrong order or paired wrongly — and only the checks that must catch it are
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from grading_support import Chapter, chapter_tests
 
+from lab.grading import checks
 from lab.grading.checks import ch05
+from lab.grading.notebook import answer_parts
+from lab.grading.runner import run_exercise
 
-EXERCISES = ("05.lse_merge", "05.zigzag_assignment", "05.ring_forward", "05.ring_backward", "05.causal_work")
+EXERCISES = ("05.lse_merge", "05.zigzag_assignment", "05.ring_forward", "05.ring_backward", "05.causal_work",
+             "05.problems")
 
 MERGE_VALUES = "two blocks of keys, merged: the out and lse of attention over all of them"
 MERGE_LARGE = "scores in the hundreds: no overflow"
@@ -128,8 +133,58 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "05.causal_work", [("max(work) / (sum(work) / cp)", "max(work) / min(work)")], {WORK_IMBALANCE}),
 }
 
+P1, P2, P3, P4, P5 = ("P1 — c*: the tokens per rank above which a ring step hides its K/V transfer",
+                      "P2 — without zig-zag: the busiest rank's work over the least busy one's",
+                      "P3 — zig-zag's speed-up of causal ring attention over contiguous chunks",
+                      "P4 — the K/V bytes one ring step passes on, with GQA (MB)",
+                      "P5 — activation memory per rank at long context with CP and TP (GiB)")
+P6, P7, P8, P9, P10 = ("P6 — ring attention's bytes per rank and layer over Ulysses' all-to-alls",
+                       "P7 — the longest context Ulysses reaches at a given number of tokens per GPU",
+                       "P8 — the share of a layer's forward FLOPs in causal attention at a context length",
+                       "P9 — the context at which causal attention costs as many FLOPs as the MLP",
+                       "P10 — the all-gather variant (Llama 3): the K/V each rank holds for one layer (MB)")
+MUTANTS |= {  # the problems: each mistake in every cell where a learner would make it
+    "problems_gb_taken_for_gib": ("05.problems", [
+        ("link_gbytes * 1e9", "link_gbytes * 2**30"),
+        ("tokens_per_rank * kv_heads * head_dim * dtype_bytes / 1e6",
+         "tokens_per_rank * kv_heads * head_dim * dtype_bytes / 2**20")], {P1, P4}),
+    "problems_k_without_v": ("05.problems", [("return 2 * tokens_per_rank", "return tokens_per_rank"),
+                                             ("return 2 * seq * kv_heads", "return seq * kv_heads")], {P4, P10}),
+    "problems_attention_not_halved_by_the_mask": ("05.problems", [
+        ("core = 2 * seq * n_heads", "core = 4 * seq * n_heads"),
+        ("return 3 * d_model * d_ff", "return 1.5 * d_model * d_ff")], {P8, P9}),
+    "problems_diagonal_block_as_half_a_square": ("05.problems", [
+        ("diagonal = chunk * (chunk + 1) // 2", "diagonal = chunk * chunk / 2"),
+        ("half * (half + 1)", "half * half")], {P2, P3}),
+    "problems_ulysses_forgets_the_output": ("05.problems", [("(2 * heads + 2 * kv_heads)", "(heads + 2 * kv_heads)")],
+                                            {P6}),
+    "problems_activations_without_sequence_parallelism": ("05.problems", [
+        ("34 * tokens * d_model / tp", "tokens * d_model * (10 + 24 / tp)")], {P5}),
+    "problems_ulysses_cp_ignores_tp": ("05.problems", [("n_heads // tp * tokens_per_gpu", "n_heads * tokens_per_gpu")],
+                                       {P7}),
+}
 
-CHAPTER = Chapter("05_context_parallel.ipynb", EXERCISES, MUTANTS)
+
+class Chapter05(Chapter):
+    """The problems exercise spans ten answer cells: each (old, new) of a mutant applies in the one cell that
+    holds `old`, and the cells are graded together."""
+
+    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
+        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
+        if len(parts) == 1:
+            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
+        ex = checks.get(exercise_id)
+        if only is not None:
+            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+        for old, new in replace:
+            hits = [i for i, (_, source) in enumerate(parts) if old in source]
+            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
+            label, source = parts[hits[0]]
+            parts[hits[0]] = (label, source.replace(old, new))
+        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
+
+
+CHAPTER = Chapter05("05_context_parallel.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -29,13 +29,29 @@ from __future__ import annotations
 
 import random
 
-from lab.calc.cp import DIAGONAL, FULL, attention_work, chunk_ids
+from lab.calc.cp import (
+    DIAGONAL,
+    FULL,
+    allgather_kv_bytes,
+    attention_matches_mlp,
+    attention_share,
+    attention_work,
+    chunk_ids,
+    hide_tokens,
+    kv_block_bytes,
+    ring_bytes,
+    ulysses_bytes,
+    ulysses_max_cp,
+)
+from lab.calc.memory import korthikanti_layer_bytes
 from lab.grading.checks import (
     RANKS,
     TORCH,
     CheckFailed,
+    Mistake,
     exercise,
     expect_allclose,
+    expect_close,
     expect_dict,
     expect_equal,
     expect_number,
@@ -451,3 +467,140 @@ def ring_backward_messages(student, rng):
 def ring_backward_any_layout(student, rng):
     """3 ranks, a shuffled layout of 1 to 3 chunks per rank, causal"""
     _expect_ring_backward(student, rng, 3, "shuffled", causal=True)
+
+
+# --- 05.problems -----------------------------------------------------------------------------------------------
+# Back-of-envelope problems: plain Python in the sandbox (no lab.calc there), compared with lab.calc.cp (and
+# lab.calc.memory for the activations) to 1%.
+
+PROBLEMS = exercise("05.problems", entry=(
+    "ring_hide_tokens", "contiguous_spread", "zigzag_speedup", "kv_step_mb", "activation_gib_per_rank",
+    "ring_over_ulysses", "ulysses_max_context", "attention_share_at", "attention_mlp_crossover", "allgather_kv_mb"))
+TOLERANCE = 0.01
+NO_KV_TWO = Mistake(0.5, "K without V", "a K/V block is two tensors, K and V: 2·b·c·G·d·β bytes")
+CAUSAL_HALF = Mistake(2.0, "the full s × s matrix", "under a causal mask only the lower triangle is computed: half "
+                                                    "of 4·s²·H·d")
+
+
+def _heads(rng: random.Random) -> tuple[int, int]:
+    heads = rng.choice([8, 16, 32, 40, 64, 96, 128])
+    return heads, rng.choice([g for g in (1, 2, 4, 8, 16) if heads % g == 0 and g < heads])
+
+
+@PROBLEMS.check(points=1, hint="causal compute per step 2·b·c²·H·d FLOPs at F against 2·b·c·G·d·β bytes at W: "
+                               "c* = G·β·F / (H·W), with F in FLOP/s (1e12 per TFLOP/s) and W in bytes/s (1e9 per "
+                               "GB/s)")
+def p1_ring_hide_tokens(student, rng):
+    """P1 — c*: the tokens per rank above which a ring step hides its K/V transfer"""
+    for _ in range(2):
+        heads, kv_heads = _heads(rng)
+        dtype_bytes, tflops, gbytes = rng.choice([1, 2, 4]), rng.uniform(100, 2000), rng.uniform(20, 900)
+        expect_close(student.ring_hide_tokens(heads, kv_heads, dtype_bytes, tflops, gbytes),
+                     hide_tokens(heads, kv_heads, dtype_bytes, tflops * 1e12, gbytes * 1e9),
+                     f"ring_hide_tokens({heads}, {kv_heads}, {dtype_bytes}, {tflops:.6g}, {gbytes:.6g})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="contiguous chunks of L = seq/cp tokens: rank r scores r·L² + L(L+1)/2 pairs (the "
+                               "diagonal block counts its diagonal); busiest / least busy = last rank / rank 0")
+def p2_contiguous_spread(student, rng):
+    """P2 — without zig-zag: the busiest rank's work over the least busy one's"""
+    for cp, chunk in ((rng.randrange(2, 5), rng.randrange(1, 8)), (rng.randrange(5, 33), rng.randrange(8, 40))):
+        seq_len = cp * chunk  # short chunks too: the diagonal's L(L+1)/2 against a careless L²/2
+        work = attention_work(seq_len, cp, "contiguous")
+        expect_close(student.contiguous_spread(seq_len, cp), max(work) / min(work),
+                     f"contiguous_spread({seq_len}, {cp})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="a step lasts as long as its busiest rank: max work contiguous (the last rank) over max "
+                               "work zig-zag (every rank: (2·cp − 1)·L² + L(L+1) with L = seq/(2·cp))")
+def p3_zigzag_speedup(student, rng):
+    """P3 — zig-zag's speed-up of causal ring attention over contiguous chunks"""
+    for cp, half in ((rng.randrange(2, 5), rng.randrange(1, 8)), (rng.randrange(5, 33), rng.randrange(8, 40))):
+        seq_len = 2 * cp * half
+        ratio = max(attention_work(seq_len, cp, "contiguous")) / max(attention_work(seq_len, cp, "zigzag"))
+        expect_close(student.zigzag_speedup(seq_len, cp), ratio, f"zigzag_speedup({seq_len}, {cp})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="K and V of c tokens and G KV heads of d: 2·c·G·d·β bytes, in MB (1e6 bytes)")
+def p4_kv_step_mb(student, rng):
+    """P4 — the K/V bytes one ring step passes on, with GQA (MB)"""
+    for _ in range(2):
+        tokens, (_, kv_heads) = rng.randrange(512, 65537), _heads(rng)
+        head_dim, dtype_bytes = rng.choice([64, 96, 128, 256]), rng.choice([1, 2, 4])
+        expect_close(student.kv_step_mb(tokens, kv_heads, head_dim, dtype_bytes),
+                     kv_block_bytes(1, tokens, kv_heads, head_dim, dtype_bytes) / 1e6,
+                     f"kv_step_mb({tokens}, {kv_heads}, {head_dim}, {dtype_bytes})", TOLERANCE, [NO_KV_TWO])
+
+
+@PROBLEMS.check(points=1, hint="Korthikanti et al. with sequence parallelism and a flash kernel (no s² term): "
+                               "34·s·h/tp bytes per layer and sequence, s = seq/cp; times the layers, in GiB (2^30)")
+def p5_activation_gib(student, rng):
+    """P5 — activation memory per rank at long context with CP and TP (GiB)"""
+    for tp in (rng.choice([1, 2]), rng.choice([4, 8])):
+        cp = rng.choice([2, 4, 8, 16])
+        seq, d_model = cp * 1024 * rng.randrange(8, 129), 1024 * rng.randrange(2, 17)
+        n_layers = rng.randrange(16, 127)
+        expected = korthikanti_layer_bytes(seq // cp, 1, d_model, 1, tp=tp, sp=True, flash=True) * n_layers / 2**30
+        expect_close(student.activation_gib_per_rank(seq, cp, tp, d_model, n_layers), expected,
+                     f"activation_gib_per_rank({seq}, {cp}, {tp}, {d_model}, {n_layers})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="ring: cp − 1 K/V blocks of s tokens, 2·s·G·d each; Ulysses: q, k, v in and the "
+                               "output back, each rank keeping 1/cp: (cp − 1)/cp · s·(2H + 2G)·d")
+def p6_ring_over_ulysses(student, rng):
+    """P6 — ring attention's bytes per rank and layer over Ulysses' all-to-alls"""
+    for _ in range(2):
+        cp, (heads, kv_heads) = rng.choice([2, 4, 8, 16, 32]), _heads(rng)
+        ratio = ring_bytes(cp * 1024, cp, kv_heads, 128) / ulysses_bytes(cp * 1024, cp, heads, kv_heads, 128)
+        expect_close(student.ring_over_ulysses(cp, heads, kv_heads), ratio,
+                     f"ring_over_ulysses({cp}, {heads}, {kv_heads})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="Ulysses gives each CP rank whole heads: cp ≤ the n_heads/tp heads a TP rank holds; "
+                               "the context is cp times the tokens per GPU")
+def p7_ulysses_max_context(student, rng):
+    """P7 — the longest context Ulysses reaches at a given number of tokens per GPU"""
+    for tp in (rng.choice([1, 2]), rng.choice([4, 8])):
+        heads, tokens = rng.choice([16, 32, 64, 128]), 1024 * rng.randrange(1, 33)
+        expect_close(student.ulysses_max_context(heads, tp, tokens), ulysses_max_cp(heads, tp) * tokens,
+                     f"ulysses_max_context({heads}, {tp}, {tokens})", TOLERANCE)
+
+
+def _layer(rng: random.Random) -> tuple[int, int, int, int, int]:
+    """d_model, heads, KV heads, head_dim, d_ff — heads·head_dim not always d_model."""
+    heads, kv_heads = _heads(rng)
+    head_dim = rng.choice([64, 128, 256])
+    d_model = heads * head_dim if rng.random() < 0.5 else 1024 * rng.randrange(2, 17)
+    return d_model, heads, kv_heads, head_dim, 256 * rng.randrange(8, 160)
+
+
+@PROBLEMS.check(points=1, hint="core (causal): 2·s²·H·d FLOPs; weights: 2·s·(h·(2H + 2G)·d + 3·h·d_ff) (q, k, v, o "
+                               "and a SwiGLU MLP); share = core / (core + weights)")
+def p8_attention_share(student, rng):
+    """P8 — the share of a layer's forward FLOPs in causal attention at a context length"""
+    for seq in (1024 * rng.randrange(1, 9), 1024 * rng.randrange(32, 257)):
+        dims = _layer(rng)
+        expect_close(student.attention_share_at(seq, *dims), attention_share(seq, *dims),
+                     f"attention_share_at({seq}, {', '.join(map(str, dims))})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="per token: causal core 2·s·H·d FLOPs, SwiGLU MLP 2·3·h·d_ff: s = 3·h·d_ff / (H·d)")
+def p9_attention_mlp_crossover(student, rng):
+    """P9 — the context at which causal attention costs as many FLOPs as the MLP"""
+    for _ in range(2):
+        d_model, heads, _, head_dim, d_ff = _layer(rng)
+        expect_close(student.attention_mlp_crossover(d_model, heads, head_dim, d_ff),
+                     attention_matches_mlp(d_model, heads, head_dim, d_ff),
+                     f"attention_mlp_crossover({d_model}, {heads}, {head_dim}, {d_ff})", TOLERANCE, [CAUSAL_HALF])
+
+
+@PROBLEMS.check(points=1, hint="after the all-gather every rank holds K and V of the whole sequence for the layer: "
+                               "2·seq·G·d·β bytes, in MB (1e6)")
+def p10_allgather_kv_mb(student, rng):
+    """P10 — the all-gather variant (Llama 3): the K/V each rank holds for one layer (MB)"""
+    for _ in range(2):
+        seq, (_, kv_heads) = 1024 * rng.randrange(8, 1025), _heads(rng)
+        head_dim, dtype_bytes = rng.choice([64, 128, 256]), rng.choice([1, 2])
+        expect_close(student.allgather_kv_mb(seq, kv_heads, head_dim, dtype_bytes),
+                     allgather_kv_bytes(seq, kv_heads, head_dim, dtype_bytes) / 1e6,
+                     f"allgather_kv_mb({seq}, {kv_heads}, {head_dim}, {dtype_bytes})", TOLERANCE, [NO_KV_TWO])

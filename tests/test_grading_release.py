@@ -169,3 +169,13 @@ def test_release_cli_with_worked_solutions(tmp_path, capsys, monkeypatch):
     released = [c for path in sorted(tmp_path.glob("*.ipynb")) for c in read(path).cells if meta(c).get("worked")]
     assert [c.source for c in released] == [c.source for c in worked]
     assert not [c for path in (REPO / "exercises").glob("*.ipynb") for c in read(path).cells if meta(c).get("worked")]
+
+
+def test_every_exercise_is_graded_by_exactly_one_assignment():
+    """An exercise left out of course/assignments.toml is never handed out or graded in a class; one in two
+    assignments is graded twice."""
+    from lab.grading import checks
+
+    listed = [exercise_id for a in course.load().values() for exercise_id in a.exercises]
+    assert sorted(set(checks.load_all()) - set(listed)) == []
+    assert len(listed) == len(set(listed)), sorted({e for e in listed if listed.count(e) > 1})

@@ -5,8 +5,11 @@ The five multi-rank exercises run the student's class on real gloo ranks (dp 2 a
 compare with one process. A mutant is the solution cell with one classic mistake — gradients summed instead of
 averaged, an all-reduce inside gradient accumulation, a shard that starts one element off when dp does not
 divide the parameter count, memory never freed, a prefetch never issued, issued for the wrong block or never
-waited on — and only the checks that must catch it are run, to keep this
-file fast.
+waited on — and only the checks that must catch it are run, to keep this file fast.
+
+The worked problems (03.problems) are one exercise over nine answer cells: a mutant's (old, new) is applied in
+the one cell that holds `old`; each mutant is a slip a learner makes in every problem where it can happen (a GB
+for a GiB, a missing factor 2).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from __future__ import annotations
 import random
 
 import pytest
-from grading_support import Chapter, chapter_tests
+from grading_support import chapter_tests
+from test_grading_ch01 import MultiCellChapter  # the problems exercise spans nine answer cells
 
 from lab.grading.checks import ch03
 from lab.grading.release import release_notebook
 from lab.model import build_model, num_params
 
-EXERCISES = ("03.bucketed_dp", "03.zero1", "03.zero2", "03.zero3", "03.zero3_prefetch", "03.memory_ladder")
+EXERCISES = ("03.bucketed_dp", "03.zero1", "03.zero2", "03.zero3", "03.zero3_prefetch", "03.memory_ladder",
+             "03.problems")
 
 BUCKETED_LAUNCH = ("                bucket.buffer.div_(self.world)  # the sum of grad / dp is the average\n"
                    "                bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)\n")
@@ -144,8 +149,36 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         {"fp32 training: 4 + 4 + 8 bytes per parameter"}),
 }
 
+P1, P2, P3 = ("P1 — model-state GB per GPU under ZeRO-0 to 3, with and without an fp32 gradient buffer",
+              "P2 — the GiB of gradients ZeRO-2 saves per GPU over ZeRO-1",
+              "P3 — the largest model N GPUs train with ZeRO-3, activations taking their share of memory")
+P4, P5, P6 = ("P4 — ZeRO-3's token threshold: tokens per GPU above which a layer's forward hides its all-gather",
+              "P5 — the all-gather time a prefetched ZeRO-3 layer leaves exposed, in ms",
+              "P6 — bf16 parameter GiB on a ZeRO-3 GPU during a forward, with and without prefetch")
+P7, P8, P9 = ("P7 — bytes a GPU sends per optimizer step under ZeRO-3 with gradient accumulation",
+              "P8 — the latency per step that bucketing saves over one all-reduce per tensor, in ms",
+              "P9 — the smallest global batch (tokens) that keeps pure FSDP compute-bound, several mesh axes")
+MUTANTS |= {  # the problems: each mistake in every cell where a learner would make it
+    "problems_gb_gib_slip": ("03.problems", [
+        ("optimizer) / 1e9", "optimizer) / 2**30"), ("zero2_grads) / 2**30", "zero2_grads) / 1e9"),
+        ("activation_gib) * 2**30", "activation_gib) * 1e9"), ("n_layers) / 2**30", "n_layers) / 1e9")],
+        {P1, P2, P3, P6}),
+    "problems_fp32_grad_buffer_never_sharded": ("03.problems", [
+        ("grads, optimizer = 2, 2 + (4 if fp32_grads else 0), 12", "grads, optimizer = 2, 2, 12"),
+        ("(weights + grads + optimizer)", "(weights + grads + optimizer + (4 if fp32_grads else 0))")], {P1}),
+    "problems_a_missing_2": ("03.problems", [  # bf16's 2 bytes; the ring's two passes
+        ("* 2 * flops / (2 * bandwidth)", "* flops / (2 * bandwidth)"),
+        ("steps = 2 * (n_gpus - 1)", "steps = n_gpus - 1")], {P4, P8}),
+    "problems_forward_counted_as_training": ("03.problems", [("forward_s = 2 * block_params",
+                                                              "forward_s = 6 * block_params")], {P5}),
+    "problems_prefetch_holds_one_layer": ("03.problems", [("whole_layers = 2 if prefetch else 1",
+                                                           "whole_layers = 1")], {P6}),
+    "problems_accumulation_gathers_once": ("03.problems", [("return grad_accum * 3 * per_collective",
+                                                            "return 3 * per_collective")], {P7}),
+    "problems_mesh_axes_ignored": ("03.problems", [("(n_axes * link_gbs * 1e9)", "(link_gbs * 1e9)")], {P9}),
+}
 
-CHAPTER = Chapter("03_data_parallel_zero.ipynb", EXERCISES, MUTANTS)
+CHAPTER = MultiCellChapter("03_data_parallel_zero.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -20,6 +20,9 @@ divides by 2 or 3 and every shard ends in padding. The DP and ZeRO-3 drivers tak
 gradient off by a factor of dp shows in the parameters (AdamW would normalise it away); ZeRO-1, whose point is
 the optimizer's states, uses AdamW and also reports the global gradient norm.
 
+The worked problems (`03.problems`) are plain Python of random numbers in the sandbox (no lab.calc there),
+compared with `lab.calc.memory`, `lab.calc.comms` and `lab.calc.zero` within 1%.
+
 torch is imported inside the functions: `lab.check` of other chapters loads this module too.
 """
 
@@ -30,7 +33,10 @@ import math
 import random
 from collections.abc import Sequence
 
-from lab.calc.memory import static_bytes
+from lab.calc.comms import collective_time, dp_critical_batch, zero3_overlap_ratio
+from lab.calc.memory import bytes_per_param, static_bytes
+from lab.calc.network import Link
+from lab.calc.zero import zero3_param_bytes
 from lab.config import ModelConfig
 from lab.grading.checks import (
     CheckFailed,
@@ -38,7 +44,9 @@ from lab.grading.checks import (
     describe,
     exercise,
     expect_allclose,
+    expect_close,
     expect_equal,
+    expect_number,
     per_rank,
     recognise,
     shown,
@@ -743,3 +751,139 @@ def uneven(student, rng):
 def fp32(student, rng):
     """fp32 training: 4 + 4 + 8 bytes per parameter"""
     _ladder(student, rng, (0, 1, 2, 3), precision="fp32")
+
+
+# --- 03.problems --------------------------------------------------------------------------------------------
+# Back-of-envelope problems: plain Python in the sandbox (no lab.calc there), compared with lab.calc to 1%.
+
+PROBLEMS = exercise("03.problems", entry=(
+    "zero_gb_per_gpu", "zero2_saving_gib", "largest_model_zero3", "zero3_hide_tokens", "zero3_exposed_ms",
+    "zero3_prefetch_param_gib", "zero3_accum_bytes", "bucketing_saving_ms", "fsdp_min_global_batch"))
+TOLERANCE = 0.01
+GB_FOR_GIB = Mistake(1e9 / 2**30, "GB taken for GiB", "a GiB is 2**30 bytes, a GB 1e9: the problem says which")
+GIB_FOR_GB = Mistake(2**30 / 1e9, "GiB taken for GB", "a GB is 1e9 bytes, a GiB 2**30: the problem says which")
+
+
+def _link(bandwidth: float, latency: float = 0.0) -> Link:
+    """One network of the problem's numbers (latency left out unless the problem is about it)."""
+    return Link("problem", bandwidth, latency, "grader")
+
+
+@PROBLEMS.check(points=1, hint="bf16 weights 2, bf16 gradients 2 (+ 4 for an fp32 gradient buffer, sharded with "
+                               "the gradients), optimizer 12; stage s divides the first s of optimizer, "
+                               "gradients, weights by N; a GB is 1e9 bytes")
+def p1_zero_gb(student, rng):
+    """P1 — model-state GB per GPU under ZeRO-0 to 3, with and without an fp32 gradient buffer"""
+    for stage in (0, 1, 2, 3):
+        n, gpus, fp32 = rng.randrange(10**8, 10**12), rng.randrange(2, 1025), rng.random() < 0.5
+        fp32 = fp32 if stage < 2 else True  # the buffer's sharding is the point at stages 2 and 3
+        expected = n * bytes_per_param("mixed", zero=stage, dp=gpus, fp32_grad_accum=fp32) / 1e9
+        expect_close(student.zero_gb_per_gpu(n, stage, gpus, fp32), expected,
+                     f"zero_gb_per_gpu({n}, stage={stage}, n_gpus={gpus}, fp32_grads={fp32})", TOLERANCE,
+                     [GIB_FOR_GB])
+
+
+@PROBLEMS.check(points=1, hint="ZeRO-2 keeps 2Ψ/N of bf16 gradients instead of 2Ψ: it saves 2Ψ(1 − 1/N) bytes; "
+                               "a GiB is 2**30 bytes")
+def p2_zero2_saving(student, rng):
+    """P2 — the GiB of gradients ZeRO-2 saves per GPU over ZeRO-1"""
+    for gpus in (rng.randrange(2, 9), rng.randrange(9, 1025)):
+        n = rng.randrange(10**8, 10**12)
+        expected = (static_bytes(n, zero=1, dp=gpus)["grads"] - static_bytes(n, zero=2, dp=gpus)["grads"]) / 2**30
+        expect_close(student.zero2_saving_gib(n, gpus), expected, f"zero2_saving_gib({n}, n_gpus={gpus})",
+                     TOLERANCE, [GB_FOR_GIB])
+
+
+@PROBLEMS.check(points=1, hint="under ZeRO-3 each GPU holds 16Ψ/N bytes of model states next to its activations: "
+                               "16Ψ/N + A ≤ M gives Ψ = N(M − A)/16, with M and A in bytes (GiB × 2**30)")
+def p3_largest_model_zero3(student, rng):
+    """P3 — the largest model N GPUs train with ZeRO-3, activations taking their share of memory"""
+    for gpus in (1, 8, rng.randrange(2, 1025)):
+        gib = rng.choice([24, 40, 80, 96, 141, 192])
+        activations = round(rng.uniform(0.05, 0.6) * gib, 1)
+        expected = (gib - activations) * 2**30 / bytes_per_param("mixed", zero=3, dp=gpus)
+        expect_close(student.largest_model_zero3(gpus, gib, activations), expected,
+                     f"largest_model_zero3(n_gpus={gpus}, gpu_gib={gib}, activation_gib={activations})", TOLERANCE,
+                     [GB_FOR_GIB])
+
+
+@PROBLEMS.check(points=1, hint="a layer of P parameters: its bf16 all-gather sends (N−1)/N·2P bytes, its forward "
+                               "does 2·P·tokens FLOPs; equal times give tokens = (N−1)/N · C/W (P cancels)")
+def p4_zero3_hide_tokens(student, rng):
+    """P4 — ZeRO-3's token threshold: tokens per GPU above which a layer's forward hides its all-gather"""
+    for gpus in (rng.randrange(2, 9), rng.randrange(9, 1025)):
+        tflops, gbs = rng.uniform(100, 2500), rng.uniform(20, 900)
+        expected = zero3_overlap_ratio(1, gpus, tflops * 1e12, gbs * 1e9)  # the ratio falls as 1/tokens
+        expect_close(student.zero3_hide_tokens(gpus, tflops, gbs), expected,
+                     f"zero3_hide_tokens(n_gpus={gpus}, peak_tflops={tflops:.6g}, bandwidth_gbs={gbs:.6g})",
+                     TOLERANCE, [Mistake(0.5, "a factor 2", "bf16 weights are 2 bytes a parameter, and the forward "
+                                                            "does 2 FLOPs a parameter and token")])
+
+
+@PROBLEMS.check(points=1, hint="with prefetch a layer's all-gather ((N−1)/N·2P bytes over W) runs during the "
+                               "previous layer's forward (2·P·tokens FLOPs over C): only the excess is exposed")
+def p5_zero3_exposed(student, rng):
+    """P5 — the all-gather time a prefetched ZeRO-3 layer leaves exposed, in ms"""
+    for comm_bound in (True, False, True):
+        gpus, params = rng.randrange(2, 65), rng.randrange(10**7, 2 * 10**9)
+        tflops, gbs = rng.uniform(100, 2500), rng.uniform(20, 900)
+        threshold = zero3_overlap_ratio(1, gpus, tflops * 1e12, gbs * 1e9)
+        tokens = int(threshold * (rng.uniform(0.2, 0.8) if comm_bound else rng.uniform(1.2, 3)))
+        gather = collective_time("all_gather", 2 * params, gpus, _link(gbs * 1e9)).time_s
+        expected = max(0.0, gather - 2 * params * tokens / (tflops * 1e12)) * 1e3
+        what = f"zero3_exposed_ms(block_params={params}, tokens={tokens}, n_gpus={gpus}, peak_tflops={tflops:.6g}, " \
+               f"bandwidth_gbs={gbs:.6g})"
+        if expected == 0:
+            expect_number(student.zero3_exposed_ms(params, tokens, gpus, tflops, gbs), 0.0, what, tol=1e-9)
+        else:
+            expect_close(student.zero3_exposed_ms(params, tokens, gpus, tflops, gbs), expected, what, TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="the bf16 shards 2Ψ/N, plus the layers gathered whole, 2Ψ/L each: one while a layer "
+                               "computes, two with prefetch; a GiB is 2**30 bytes")
+def p6_prefetch_memory(student, rng):
+    """P6 — bf16 parameter GiB on a ZeRO-3 GPU during a forward, with and without prefetch"""
+    for prefetch in (True, False):
+        n, layers, gpus = rng.randrange(10**9, 10**12), rng.randrange(16, 129), rng.randrange(8, 1025)
+        expected = zero3_param_bytes(n, layers, gpus, gathered=2 if prefetch else 1) / 2**30
+        expect_close(student.zero3_prefetch_param_gib(n, layers, gpus, prefetch), expected,
+                     f"zero3_prefetch_param_gib({n}, n_layers={layers}, n_gpus={gpus}, prefetch={prefetch})",
+                     TOLERANCE, [GB_FOR_GIB])
+
+
+@PROBLEMS.check(points=1, hint="ZeRO-3 frees the weights after every micro-batch: each one gathers them twice and "
+                               "reduce-scatters its gradients, (N−1)/N·2Ψ bytes each, grad_accum times a step")
+def p7_zero3_accumulation(student, rng):
+    """P7 — bytes a GPU sends per optimizer step under ZeRO-3 with gradient accumulation"""
+    for accum in (1, rng.randrange(2, 5), rng.randrange(5, 33)):
+        n, gpus = rng.randrange(10**8, 10**12), rng.randrange(2, 1025)
+        per_micro = (2 * collective_time("all_gather", 2 * n, gpus, _link(1.0)).bytes_sent_per_rank
+                     + collective_time("reduce_scatter", 2 * n, gpus, _link(1.0)).bytes_sent_per_rank)
+        expect_close(student.zero3_accum_bytes(n, gpus, accum), accum * per_micro,
+                     f"zero3_accum_bytes({n}, n_gpus={gpus}, grad_accum={accum})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="a ring all-reduce takes 2(N−1) steps, each paying the latency α however small the "
+                               "message: every all-reduce saved saves 2(N−1)·α")
+def p8_bucketing(student, rng):
+    """P8 — the latency per step that bucketing saves over one all-reduce per tensor, in ms"""
+    for gpus in (rng.randrange(2, 9), rng.randrange(9, 1025)):
+        tensors, alpha_us = rng.randrange(100, 1000), rng.uniform(2, 30)
+        buckets = rng.randrange(1, tensors // 10)
+        steps = collective_time("all_reduce", 1.0, gpus, _link(1e12, alpha_us * 1e-6)).steps
+        expected = (tensors - buckets) * steps * alpha_us * 1e-3
+        expect_close(student.bucketing_saving_ms(tensors, buckets, gpus, alpha_us), expected,
+                     f"bucketing_saving_ms(n_tensors={tensors}, n_buckets={buckets}, n_gpus={gpus}, "
+                     f"alpha_us={alpha_us:.6g})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="FSDP is compute-bound when tokens per chip exceed C/W; with n_axes links per chip "
+                               "the gradients and weights move n_axes times faster: C/(n_axes·W) per chip")
+def p9_fsdp_min_batch(student, rng):
+    """P9 — the smallest global batch (tokens) that keeps pure FSDP compute-bound, several mesh axes"""
+    for axes in (1, 2, 3):
+        chips, tflops, gbs = rng.randrange(8, 20000), rng.uniform(100, 2500), rng.uniform(20, 900)
+        expected = dp_critical_batch(tflops * 1e12, axes * gbs * 1e9, chips)
+        expect_close(student.fsdp_min_global_batch(chips, tflops, gbs, axes), expected,
+                     f"fsdp_min_global_batch(chips={chips}, peak_tflops={tflops:.6g}, link_gbs={gbs:.6g}, "
+                     f"n_axes={axes})", TOLERANCE)

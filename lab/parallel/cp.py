@@ -9,6 +9,9 @@ the others for them: only attention mixes tokens. Two ways to make attention see
     block and rank cp-1's see cp: the last rank does ~2x the average work while the others wait.
   - "zigzag" (impl "zigzag"): the sequence is cut into 2·cp chunks and rank r holds chunks r and
     2·cp-1-r, an early and a late one, so every rank scores the same number of query-key pairs.
+- **All-gather** (`allgather_attention`, Llama 3): K and V of the whole sequence all-gathered once, then one
+  ordinary attention call per rank with the causal mask by global positions. Every rank holds all of K/V (small
+  with GQA) and waits for the gather; any mask fits one kernel call.
 - **Ulysses** (impl "ulysses"): an all-to-all turns "all heads, T/cp tokens" into "heads/cp, all tokens",
   each rank runs ordinary attention on its heads, and a second all-to-all turns it back. Needs cp to
   divide the number of heads; moves 4 tensors of activations per layer instead of K/V around a ring.
@@ -27,6 +30,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lab.calc.cp import check_sequence, chunk_ids, num_chunks
 from lab.collectives.p2p import group_info
@@ -34,6 +38,7 @@ from lab.config import CP_IMPLS
 from lab.model import Transformer, causal_attention
 from lab.parallel.a2a import all_to_all
 from lab.parallel.ring_attention import ring_attention
+from lab.parallel.tp_comms import gather_sequence
 
 
 def layout_of(impl: str) -> str:
@@ -111,3 +116,24 @@ def apply_context_parallel(model: Transformer, group: dist.ProcessGroup | None, 
     for block in model.layers.values():
         block.attn.core = core
     return model
+
+
+def _positions(chunks: list[int], tokens: int) -> torch.Tensor:
+    """Global positions of `tokens` tokens laid out as equal `chunks` (global chunk indices, in order)."""
+    size = tokens // len(chunks)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                        chunks: list[list[int]], scale: float | None = None) -> torch.Tensor:
+    """Llama 3's context parallelism: all-gather K and V of the whole sequence, then one ordinary attention call of
+    this rank's queries over it, the causal mask by global positions. q, k, v (B, heads, T/cp, D) hold the chunks
+    `chunks[rank]` (any layout; Llama 3 uses zig-zag's 2·cp chunks). Differentiable: the all-gather's backward
+    reduce-scatters dK and dV home. Unlike the ring, every rank holds the whole sequence's K/V (cheap with GQA's few
+    KV heads) and the transfer is not overlapped with the attention; in exchange any mask fits one kernel call."""
+    rank, _, _ = group_info(group)
+    k_all, v_all = (gather_sequence(x.transpose(1, 2), group).transpose(1, 2) for x in (k, v))
+    key_positions = torch.cat([_positions(c, k.shape[2]) for c in chunks])  # rank order: how the gather lays them
+    visible = key_positions[None, :] <= _positions(chunks[rank], q.shape[2])[:, None]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible.to(q.device), scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])

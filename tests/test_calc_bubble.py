@@ -142,3 +142,28 @@ def test_dualpipe_shape_rules():
         make_schedule("dualpipe", 3, 12)
     with pytest.raises(ValueError, match=r"microbatches=6 must be even and >= 2\*pp = 8 for dualpipe"):
         make_schedule("dualpipe", 4, 6)
+
+
+@pytest.mark.parametrize("p, target, v", [(8, 0.05, 1), (4, 0.1, 1), (16, 0.05, 1), (8, 0.05, 4), (4, 0.3, 2),
+                                          (22, 0.35, 1), (2, 2.0, 1)])
+def test_min_microbatches_is_the_fewest_the_simulator_agrees_with(p, target, v):
+    """The fewest m whose simulated 1F1B (or interleaved) bubble ratio is at most `target`: one fewer is above it
+    (or, interleaved, the multiple of p below it). p = 8 at 5%: 7/m <= 0.05 from m = 140."""
+    from lab.calc.bubble import min_microbatches
+
+    m = min_microbatches(p, target, v)
+    name = "interleaved" if v > 1 else "1f1b"
+    assert explore(name, p, m, v).bubble_ratio <= target + 1e-12
+    fewer = m - (p if v > 1 else 1)
+    assert fewer < 1 or explore(name, p, fewer, v).bubble_ratio > target
+    assert min_microbatches(8, 0.05) == 140
+
+
+def test_boundary_bytes_is_what_the_simulated_messages_carry():
+    """One micro-batch's (b, s, h) residual stream in bf16 per message, two messages per micro-batch and boundary:
+    the simulator counts 2·m·(p − 1) messages in a 1F1B step."""
+    from lab.calc.bubble import boundary_bytes
+
+    assert boundary_bytes(1, 4096, 16384) == 4096 * 16384 * 2  # Llama 3 405B's d_model: 134 MB per message
+    assert boundary_bytes(2, 4096, 8192, dtype_bytes=4, seq_shards=8) == 2 * 512 * 8192 * 4
+    assert explore("1f1b", 4, 6).p2p_messages == 2 * 6 * 3

@@ -19,11 +19,14 @@ import time
 import pytest
 from grading_support import Chapter, chapter_tests
 
+from lab.grading import checks
 from lab.grading.checks import ch06
+from lab.grading.notebook import answer_parts
 from lab.grading.release import release_notebook
+from lab.grading.runner import run_exercise
 
 EXERCISES = ("06.one_f_one_b_order", "06.bubble", "06.peak_activations", "06.split_backward", "06.afab_step",
-             "06.one_f_one_b_ranks")
+             "06.one_f_one_b_ranks", "06.problems")
 
 ORDER_ENDS = "the first and the last stage, m ≥ p"
 ORDER_EVERY = "every stage: p − r − 1 warm-up forwards, then one forward and one backward in turn, then the cool-down"
@@ -140,7 +143,55 @@ HANGS = {"afab_gradient_sent_to_the_wrong_neighbour"}  # ranks wait for a messag
 DEADLOCK = ("06.one_f_one_b_ranks", [(BATCHED_SEND, "dist.send(tensor, send_to)")], {RANKS_TWO})
 
 
-CHAPTER = Chapter("06_pipeline_parallel.ipynb", EXERCISES, MUTANTS, hangs=HANGS, said=("returned", "raised"))
+P1 = "P1 — the share of a 1F1B step each GPU idles: (p − 1)/(m + p − 1)"
+P2 = "P2 — the fewest micro-batches for a 1F1B bubble ratio at most a target"
+P3 = "P3 — the same with v chunks per rank (interleaved 1F1B): fewer micro-batches, in multiples of p"
+P4 = "P4 — interleaving's price: point-to-point messages per step, 2·m·(v·p − 1)"
+P5 = "P5 — ZB-H1's idle time per rank, in the paper's regime (m ≥ p, t_w ≤ t_f, 2·t_w ≤ t_b)"
+P6 = "P6 — what 1F1B saves on stage r against AFAB: (m − min(m, p − r)) micro-batches' activations"
+P7 = "P7 — bytes across one pipeline boundary per step: 2·m·b·s·h·2 (bf16, both ways)"
+P8 = "P8 — TP's bytes per GPU over PP's for one stage's L layers: 4·L·(t − 1)/t"
+P9 = "P9 — a 1F1B step in seconds, from the global batch: m = B/(b·dp), then (m + p − 1)(t_f + t_b)"
+P10 = "P10 — the first stage's memory with 1F1B: 16·N/p + min(m, p)·(L/p)·A"
+MUTANTS |= {  # the problems: each mistake in every cell where a learner would make it
+    "problems_idle_over_useful_time": ("06.problems", [("return (p - 1) / (m + p - 1)", "return (p - 1) / m")], {P1}),
+    "problems_rounded_down": ("06.problems", [("return max(1, math.ceil((p - 1) / target))",
+                                               "return max(1, int((p - 1) / target))")], {P2}),
+    "problems_interleaved_m_not_a_multiple_of_p": ("06.problems", [("return math.ceil(m / p) * p", "return m")],
+                                                   {P3}),
+    "problems_one_direction_only": ("06.problems", [("return 2 * m * (v * p - 1)", "return m * (v * p - 1)"),
+                                                    ("return 2 * m * b * s * h * 2", "return m * b * s * h * 2")],
+                                    {P4, P7}),
+    "problems_zb_fills_one_w_per_slot": ("06.problems", [("(t_f + t_b - 2 * t_w)", "(t_f + t_b - t_w)")], {P5}),
+    "problems_1f1b_holds_p_on_every_stage": ("06.problems", [("(m - min(m, p - r))", "(m - min(m, p))")], {P6}),
+    "problems_ring_factor_left_out": ("06.problems", [("return 4 * layers * 2 * (tp - 1) / tp / 2",
+                                                       "return 4 * layers * 2 / 2")], {P8}),
+    "problems_micro_batches_without_dp": ("06.problems", [("m = global_batch / (dp * micro_batch)",
+                                                           "m = global_batch / micro_batch")], {P9}),
+    "problems_first_stage_holds_one_micro_batch": ("06.problems", [("held = min(m, p)", "held = 1")], {P10}),
+}
+
+
+class Chapter06(Chapter):
+    """Chapter 06's problems exercise spans ten answer cells: each (old, new) of a mutant applies in the one cell
+    that holds `old`, and every cell is graded together."""
+
+    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
+        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
+        if len(parts) == 1:
+            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
+        ex = checks.get(exercise_id)
+        if only is not None:
+            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
+        for old, new in replace:
+            hits = [i for i, (_, source) in enumerate(parts) if old in source]
+            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
+            label, source = parts[hits[0]]
+            parts[hits[0]] = (label, source.replace(old, new))
+        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
+
+
+CHAPTER = Chapter06("06_pipeline_parallel.ipynb", EXERCISES, MUTANTS, hangs=HANGS, said=("returned", "raised"))
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -163,6 +163,26 @@ def bubble_ratio(pp: int, microbatches: int, chunks: int = 1) -> float:
     return (pp - 1) / (chunks * microbatches)
 
 
+def min_microbatches(pp: int, target: float, chunks: int = 1) -> int:
+    """The fewest micro-batches whose bubble ratio (p - 1)/(v·m) is at most `target`: ceil((p - 1)/(v·target)),
+    rounded up to a multiple of p when interleaved (Megatron's schedule walks micro-batches in groups of p).
+    The global batch then has to hold m micro-batches per data-parallel replica: the real constraint."""
+    if not (isinstance(target, int | float) and 0 < target < math.inf):
+        raise ValueError(f"target={target!r} must be a bubble ratio > 0")
+    for name, value in (("pp", pp), ("chunks", chunks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    m = max(1, math.ceil((pp - 1) / (chunks * target) - 1e-9))  # 21 / 0.35 = 60.00000000000001
+    return m if chunks == 1 else math.ceil(m / pp) * pp
+
+
+def boundary_bytes(micro_batch: int, seq: int, d_model: int, dtype_bytes: int = 2, seq_shards: int = 1) -> int:
+    """Bytes of one message across a pipeline boundary: one micro-batch's residual stream (b, s / seq_shards, h)
+    going forward, or its gradient coming back — what `lab.parallel.pp.Boundary` describes. A boundary carries
+    two per micro-batch and step, whatever the number of layers in a stage."""
+    return micro_batch * seq // seq_shards * d_model * dtype_bytes
+
+
 def zb_h1_bubble(pp: int, tf: float, tb: float, tw: float) -> float:
     """Idle time per rank of ZB-H1: (p - 1)(t_f + t_b - 2·t_w), against 1F1B's (p - 1)(t_f + t_b). Exact in the
     paper's regime — m >= p, and each waiting W no longer than the F or the B whose gap it fills (t_w <= t_f,

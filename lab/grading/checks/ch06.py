@@ -32,6 +32,7 @@ from lab.grading.checks import (
     driver,
     exercise,
     expect_allclose,
+    expect_close,
     expect_equal,
     expect_number,
     explain,
@@ -533,3 +534,172 @@ def one_f_one_b_point_to_point(student, rng):
     """1F1B's messages: point-to-point only, one activation forward and one gradient back per micro-batch"""
     _expect_point_to_point(student, rng, "run_one_f_one_b", 3, rng.randrange(2, 6))
 
+
+
+# --- 06.problems -----------------------------------------------------------------------------------------------
+# Back-of-envelope problems: plain Python in the sandbox (no lab.calc there), compared with lab.calc — the
+# simulator's measurements where it has them — to 1%.
+
+PROBLEMS = exercise("06.problems", entry=(
+    "idle_fraction", "min_microbatches", "min_microbatches_interleaved", "interleaved_messages", "zb_h1_idle",
+    "activation_bytes_saved", "boundary_bytes_per_step", "tp_over_pp_bytes", "step_seconds", "first_stage_bytes"))
+TOLERANCE = 0.01
+ONE_DIRECTION = Mistake(0.5, "one direction", "each activation's gradient comes back across the boundary too")
+
+
+def _target(rng: random.Random, p: int, v: int = 1) -> float:
+    """A bubble-ratio target whose (p − 1)/(v·target) is not within rounding of an integer (ceil stays exact)."""
+    while True:
+        target = round(rng.uniform(0.01, 0.3), 4)
+        ratio = (p - 1) / (v * target)
+        if abs(ratio - round(ratio)) > 1e-6:
+            return target
+
+
+@PROBLEMS.check(points=1, hint="idle over the whole step, not over the useful time: the step lasts m + p − 1 slots "
+                               "of t_f + t_b, of which p − 1 are idle on each rank")
+def p1_idle_fraction(student, rng):
+    """P1 — the share of a 1F1B step each GPU idles: (p − 1)/(m + p − 1)"""
+    from lab.calc.bubble import explore
+
+    for _ in range(2):
+        p, m = rng.randrange(2, 33), rng.randrange(1, 257)
+        expect_close(student.idle_fraction(p, m), explore("1f1b", p, m).idle_fraction, f"idle_fraction({p}, {m})",
+                     TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="(p − 1)/m ≤ target ⇔ m ≥ (p − 1)/target: round UP (math.ceil); one micro-batch "
+                               "fewer is above the target")
+def p2_min_microbatches(student, rng):
+    """P2 — the fewest micro-batches for a 1F1B bubble ratio at most a target"""
+    from lab.calc.bubble import min_microbatches
+
+    for _ in range(2):
+        p = rng.randrange(2, 33)
+        target = _target(rng, p)
+        expect_equal(student.min_microbatches(p, target), min_microbatches(p, target),
+                     f"min_microbatches({p}, {target})")
+
+
+@PROBLEMS.check(points=1, hint="interleaving divides the bubble by v: m ≥ (p − 1)/(v·target) — then round up to a "
+                               "multiple of p, since Megatron's interleaved order walks micro-batches in groups of p")
+def p3_min_microbatches_interleaved(student, rng):
+    """P3 — the same with v chunks per rank (interleaved 1F1B): fewer micro-batches, in multiples of p"""
+    from lab.calc.bubble import min_microbatches
+
+    for _ in range(2):
+        p, v = rng.randrange(2, 17), rng.randrange(2, 9)
+        target = _target(rng, p, v)
+        expect_equal(student.min_microbatches_interleaved(p, v, target), min_microbatches(p, target, v),
+                     f"min_microbatches_interleaved({p}, {v}, {target})")
+
+
+@PROBLEMS.check(points=1, hint="a micro-batch crosses v·p − 1 boundaries between virtual stages going forward, and "
+                               "as many coming back — each one a message between two ranks")
+def p4_interleaved_messages(student, rng):
+    """P4 — interleaving's price: point-to-point messages per step, 2·m·(v·p − 1)"""
+    from lab.calc.bubble import explore
+
+    for _ in range(2):
+        p, v = rng.randrange(2, 9), rng.randrange(2, 5)
+        m = p * rng.randrange(1, 5)
+        expect_close(student.interleaved_messages(p, m, v), explore("interleaved", p, m, v).p2p_messages,
+                     f"interleaved_messages({p}, {m}, {v})", TOLERANCE, [ONE_DIRECTION])
+
+
+@PROBLEMS.check(points=1, hint="ZB-H1 keeps 1F1B's p − 1 bubble slots of t_f + t_b, and the deferred W's fill 2·t_w "
+                               "of each: (p − 1)(t_f + t_b − 2·t_w)")
+def p5_zb_h1_idle(student, rng):
+    """P5 — ZB-H1's idle time per rank, in the paper's regime (m ≥ p, t_w ≤ t_f, 2·t_w ≤ t_b)"""
+    from lab.calc.bubble import explore
+
+    for _ in range(2):
+        p = rng.randrange(2, 17)
+        tf, tb, tw = _costs(rng)
+        simulated = max(explore("zb-h1", p, rng.randrange(p, 3 * p + 1), tf=tf, tb=tb, tw=tw).idle)
+        expect_close(student.zb_h1_idle(p, tf, tb, tw), simulated, f"zb_h1_idle({p}, {tf}, {tb}, {tw})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="AFAB holds all m micro-batches on every stage; 1F1B holds min(m, p − r) on stage r: "
+                               "the difference, times one micro-batch's activations of the stage")
+def p6_activation_bytes_saved(student, rng):
+    """P6 — what 1F1B saves on stage r against AFAB: (m − min(m, p − r)) micro-batches' activations"""
+    from lab.calc.bubble import explore
+
+    for _ in range(2):
+        p = rng.randrange(2, 17)
+        m, r, nbytes = rng.randrange(p, 65), rng.randrange(p), rng.randrange(10**8, 10**10)
+        afab, one_f_one_b = explore("afab", p, m), explore("1f1b", p, m)
+        expected = (afab.peak_activations[r] - one_f_one_b.peak_activations[r]) * nbytes
+        expect_close(student.activation_bytes_saved(p, m, r, nbytes), expected,
+                     f"activation_bytes_saved({p}, {m}, {r}, {nbytes})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="one (b, s, h) tensor in bf16 (2 bytes) forward per micro-batch and its gradient "
+                               "back: 2·m·b·s·h·2 bytes, however many layers the stage holds")
+def p7_boundary_bytes(student, rng):
+    """P7 — bytes across one pipeline boundary per step: 2·m·b·s·h·2 (bf16, both ways)"""
+    from lab.calc.bubble import boundary_bytes
+
+    for _ in range(2):
+        b, s, h = rng.randrange(1, 9), rng.choice([2048, 4096, 8192]), rng.choice([4096, 8192, 16384])
+        m = rng.randrange(4, 65)
+        expect_close(student.boundary_bytes_per_step(b, s, h, m), 2 * m * boundary_bytes(b, s, h),
+                     f"boundary_bytes_per_step({b}, {s}, {h}, {m})", TOLERANCE,
+                     [ONE_DIRECTION, Mistake(2, "fp32", "bf16 activations are 2 bytes each, not 4")])
+
+
+@PROBLEMS.check(points=1, hint="Megatron TP all-reduces the (b, s, h) activations twice per layer forward and twice "
+                               "backward, each sending 2(t − 1)/t of them per GPU; a pipeline stage sends one "
+                               "forward and one back for all its layers")
+def p8_tp_over_pp_bytes(student, rng):
+    """P8 — TP's bytes per GPU over PP's for one stage's L layers: 4·L·(t − 1)/t"""
+    from lab.calc.bubble import boundary_bytes
+    from lab.calc.comms import collective_time
+    from lab.calc.network import Link
+
+    link = Link("problem", 1.0, 0.0, "grader")  # bytes only: the link does not matter
+    for _ in range(2):
+        layers, tp = rng.randrange(1, 33), rng.choice([2, 4, 8])
+        message = boundary_bytes(1, 4096, 8192)  # any (b, s, h): the ratio does not depend on it
+        tp_bytes = 4 * layers * collective_time("all_reduce", message, tp, link).bytes_sent_per_rank
+        expect_close(student.tp_over_pp_bytes(layers, tp), tp_bytes / (2 * message),
+                     f"tp_over_pp_bytes({layers}, {tp})", TOLERANCE,
+                     [Mistake(tp / (tp - 1), "(t−1)/t left out", "a ring all-reduce sends 2(t − 1)/t of the "
+                                                                 "tensor per GPU, not 2")])
+
+
+@PROBLEMS.check(points=1, hint="each pipeline replica gets global_batch / dp sequences: m = that / micro_batch "
+                               "micro-batches, and a 1F1B step lasts (m + p − 1)(t_f + t_b)")
+def p9_step_seconds(student, rng):
+    """P9 — a 1F1B step in seconds, from the global batch: m = B/(b·dp), then (m + p − 1)(t_f + t_b)"""
+    from lab.calc.bubble import explore
+
+    for _ in range(2):
+        p, dp, micro = rng.randrange(2, 17), rng.choice([2, 4, 8, 16]), rng.choice([1, 2, 4])
+        global_batch = dp * micro * rng.randrange(1, 65)
+        tf = round(rng.uniform(0.01, 0.2), 4)
+        tb = round(2 * tf * rng.uniform(0.9, 1.2), 4)
+        m = global_batch // (dp * micro)
+        expected = explore("1f1b", p, m, tf=tf, tb=tb, tw=0.0).makespan
+        expect_close(student.step_seconds(global_batch, micro, dp, p, tf, tb), expected,
+                     f"step_seconds({global_batch}, {micro}, {dp}, {p}, {tf}, {tb})", TOLERANCE)
+
+
+@PROBLEMS.check(points=1, hint="the first stage keeps 16 bytes per parameter (bf16 weights and gradients, fp32 "
+                               "master and two Adam moments) for its N/p parameters, plus the activations of "
+                               "min(m, p) micro-batches through its L/p layers")
+def p10_first_stage_bytes(student, rng):
+    """P10 — the first stage's memory with 1F1B: 16·N/p + min(m, p)·(L/p)·A"""
+    from lab.calc.bubble import explore
+    from lab.calc.memory import bytes_per_param
+
+    for _ in range(2):
+        p = rng.choice([2, 4, 8, 16])
+        layers = p * rng.randrange(1, 9)
+        params, m = rng.randrange(10**9, 10**11), rng.randrange(2, 65)
+        per_layer = rng.randrange(10**8, 2 * 10**9)  # one micro-batch's activations through one layer
+        held = explore("1f1b", p, m).peak_activations[0]
+        expected = bytes_per_param("mixed") * params / p + held * layers / p * per_layer
+        expect_close(student.first_stage_bytes(params, layers, p, m, per_layer), expected,
+                     f"first_stage_bytes({params}, {layers}, {p}, {m}, {per_layer})", TOLERANCE)

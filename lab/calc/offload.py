@@ -12,7 +12,7 @@ the fp32 state, and the updated 16-bit parameters come back up (2Ψ): 4Ψ bytes 
 keeps the forward and backward on the GPU can move (the paper's §4.1). With data parallelism each of dp GPUs
 offloads only its ZeRO-2 partition: 4Ψ/dp over its own PCIe link, 16Ψ/dp of CPU memory.
 
-The cost is time: PCIe (64 GB/s per direction for Gen5 x16, 32 for Gen4) is ~10x slower than HBM, and a CPU's Adam
+The cost is time: PCIe (64 GB/s per direction for Gen5 x16, 32 for Gen4) is ~50x slower than HBM, and a CPU's Adam
 is bound by its memory bandwidth (it reads and writes the fp32 master, momentum and variance and reads the
 gradient: `ADAM_BYTES_PER_PARAM`). The paper hides the CPU's work behind the GPU's next step (a one-step delayed
 update, §4.3); then offloading is free when the GPU computes at least as long as PCIe and the CPU take. Both sides

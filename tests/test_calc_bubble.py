@@ -19,9 +19,9 @@ def test_one_f_one_b_order_reads_like_the_diagram():
 @pytest.mark.parametrize("p, m, v", [(p, m, v) for p, m, v in itertools.product((2, 4, 8), (1, 3, 8, 32), (1, 2, 4))
                                      if v == 1 or m % p == 0])
 def test_every_op_once_and_the_simulator_never_deadlocks(p, m, v):
-    for name in ("afab", "1f1b", "zb-h1") if v == 1 else ("interleaved",):
+    for name in ("afab", "1f1b", "zb-h1", "zb-h2") if v == 1 else ("interleaved",):
         schedule = make_schedule(name, p, m, v)
-        kinds = (F, B, W) if name == "zb-h1" else (F, B)
+        kinds = (F, B, W) if name.startswith("zb") else (F, B)
         for ops in schedule.ops:
             assert sorted(ops) == sorted(Op(k, i, c) for k in kinds for i in range(m) for c in range(v))
         simulate(schedule)
@@ -93,7 +93,7 @@ def test_p2p_latency_adds_to_the_critical_path():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: make_schedule("gpipe", 4, 8), "schedule='gpipe' must be one of 'afab', '1f1b', 'interleaved', 'zb-h1', "
-                                           "'dualpipe'"),
+                                           "'zb-h2', 'dualpipe'"),
     (lambda: make_schedule("interleaved", 4, 6, 2), "microbatches=6 must be a multiple of pp=4"),
     (lambda: make_schedule("interleaved", 4, 8, 1), "chunks=1 must be >= 2 for the interleaved schedule"),
     (lambda: make_schedule("1f1b", 4, 8, 2), "chunks=2: only the interleaved schedule runs several chunks"),
@@ -167,3 +167,19 @@ def test_boundary_bytes_is_what_the_simulated_messages_carry():
     assert boundary_bytes(1, 4096, 16384) == 4096 * 16384 * 2  # Llama 3 405B's d_model: 134 MB per message
     assert boundary_bytes(2, 4096, 8192, dtype_bytes=4, seq_shards=8) == 2 * 512 * 8192 * 4
     assert explore("1f1b", 4, 6).p2p_messages == 2 * 6 * 3
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 13), (8, 16), (8, 40)])
+def test_zb_h2_leaves_no_bubble_inside_the_step_when_w_fills_it(p, m):
+    """Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2.2: with T_F = T_B = T_W (t_f = t_b - t_w = t_w) ZB-H2
+    turns 1F1B's trapezoid into a parallelogram — no rank idles between its first op and its last, for up to
+    (2p - 1) micro-batches in flight (its Table 2's peak memory) — while ZB-H1 keeps p - 1 idle slots inside. The
+    step's ends keep the fill offset (p - 1)·t_f, which the paper hides by overlapping consecutive steps."""
+    from lab.calc.bubble import closed_form
+
+    zb2, zb1 = explore("zb-h2", p, m, tf=1, tb=2, tw=1), explore("zb-h1", p, m, tf=1, tb=2, tw=1)
+    assert max(zb2.interior_idle) == 0 < max(zb1.interior_idle) == p - 1
+    assert max(zb2.peak_activations) == 2 * p - 1 and max(zb1.peak_activations) == p
+    assert max(zb2.idle) == closed_form("zb-h2", p, m, tf=1, tb=2, tw=1)["idle"] == p - 1
+    assert max(explore("zb-h2", p, m, tf=3, tb=6, tw=3).interior_idle) == 0  # any unit, same shape
+    assert max(explore("zb-h2", p, m, tf=1, tb=2, tw=0.5).idle) < max(explore("zb-h1", p, m, tf=1, tb=2, tw=0.5).idle)

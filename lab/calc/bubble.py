@@ -52,6 +52,13 @@ class Simulation:
         return max(self.idle) / max(self.busy)
 
     @property
+    def interior_idle(self) -> list[float]:
+        """Per rank, the idle time between its first op's start and its last op's end: the bubble a schedule
+        leaves inside the step, without the fill offsets at its two ends (zero for ZB-H2's parallelogram)."""
+        return [max(s.end for s in self.spans if s.rank == r) - min(s.start for s in self.spans if s.rank == r)
+                - self.busy[r] for r in range(self.schedule.pp)]
+
+    @property
     def idle_fraction(self) -> float:
         return sum(self.idle) / (self.makespan * len(self.busy))
 
@@ -209,6 +216,11 @@ def closed_form(schedule: str, pp: int, microbatches: int, chunks: int = 1, tf: 
                 "formula": "idle = (p/2-1)(tf + 2(tb-tw) - 3·tw), F and B not overlapped",
                 "exact_when": "m >= 2p, tf = tb - tw = 2·tw, p2p = 0",
                 "exact": microbatches >= 2 * pp and tf == tb - tw == 2 * tw and p2p == 0}
+    if schedule == "zb-h2":
+        idle = (pp - 1) * tf  # only the fill offset: the last rank starts (p-1)·t_f late, the first ends as early
+        return {"bubble_ratio": idle / useful, "idle": idle, "formula": "idle = (p-1)·tf, none inside the step",
+                "exact_when": "m >= 2p, tf = tb - tw = tw, p2p = 0",
+                "exact": microbatches >= 2 * pp and tf == tb - tw == tw and p2p == 0}
     if schedule == "zb-h1":
         idle = zb_h1_bubble(pp, tf, tb, tw)
         return {"bubble_ratio": idle / useful, "idle": idle, "formula": "idle = (p-1)(tf + tb - 2·tw)",

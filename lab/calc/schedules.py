@@ -15,6 +15,7 @@ the bubble calculator draws is what the ranks execute. Torch-free.
     one_f_one_b(p, m)      p - r - 1 warm-up forwards, then alternate: at most p - r in flight
     interleaved(p, m, v)   1F1B over v chunks per rank: the bubble shrinks by v, messages grow by v
     zb_h1(p, m)            1F1B with B split from W; W's fill the cool-down's bubbles (Qi et al. 2023)
+    zb_h2(p, m)            more warm-up forwards (up to 2p - 1 in flight): no bubble inside the step
     dualpipe(p, m)         DeepSeek-V3's bidirectional schedule: half the micro-batches enter at each end
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from lab.config import PP_SCHEDULES
 
 F, B, W = "F", "B", "W"
-SCHEDULES = (*PP_SCHEDULES, "dualpipe")  # lab.train runs the first four; DualPipe lives in the simulator
+SCHEDULES = (*PP_SCHEDULES, "zb-h2", "dualpipe")  # lab.train runs the first four; the others, the simulator
 INTERLEAVED_CHUNKS = 2  # layer chunks per rank when an interleaved schedule names none (calc, widgets, train)
 
 
@@ -183,6 +184,53 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", p, m, 1, tuple(ranks))
 
 
+def zb_h2(p: int, m: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2.2): ZB-H1 with more memory. Rank r warms
+    up with up to 2(p - r) - 1 forwards (holding up to 2p - 1 micro-batches, against 1F1B's p), so that its
+    first B meets no gap, and its W's wait for the tail. With T_F = T_B = T_W (here t_f = t_b - t_w = t_w) and
+    m >= 2p every rank is busy from its first op to its last: the timeline is a parallelogram, not 1F1B's
+    trapezoid. What remains is the fill offset (p - 1)·t_f at the step's two ends, which the paper removes by
+    letting one step's end overlap the next's start (it validates the optimizer step afterwards, §4).
+
+    The order is a list schedule played in unit slots: at every slot a rank runs its oldest ready B, else its
+    next forward while fewer than 2(p - r) - 1 micro-batches await their B (and fewer than 2p - 1 their W),
+    else its oldest waiting W."""
+    _check(p, m)
+    forward_done = [[-1] * m for _ in range(p)]  # the slot in which rank r ran F(i), -1 before it has
+    backward_done = [[-1] * m for _ in range(p)]
+    next_f, next_b = [0] * p, [0] * p
+    waiting: list[deque] = [deque() for _ in range(p)]  # micro-batches whose B ran and whose W has not
+    ops: list[list[Op]] = [[] for _ in range(p)]
+
+    def ran(done: list[int], i: int, slot: int) -> bool:
+        return 0 <= done[i] < slot
+
+    slot = 0
+    while any(len(rank_ops) < 3 * m for rank_ops in ops):
+        chosen = []
+        for r in range(p):
+            i, j = next_b[r], next_f[r]
+            upstream = forward_done[r] if r == p - 1 else backward_done[r + 1]
+            if i < j and ran(upstream, i, slot):
+                chosen.append((r, Op(B, i)))
+            elif j < m and (r == 0 or ran(forward_done[r - 1], j, slot)) and j - i < 2 * (p - r) - 1 \
+                    and j - i + len(waiting[r]) < 2 * p - 1:
+                chosen.append((r, Op(F, j)))
+            elif waiting[r]:
+                chosen.append((r, Op(W, waiting[r][0])))
+        for r, op in chosen:  # every rank chose from the state at the slot's start
+            ops[r].append(op)
+            if op.kind == F:
+                forward_done[r][op.microbatch], next_f[r] = slot, next_f[r] + 1
+            elif op.kind == B:
+                backward_done[r][op.microbatch], next_b[r] = slot, next_b[r] + 1
+                waiting[r].append(op.microbatch)
+            else:
+                waiting[r].popleft()
+        slot += 1
+    return Schedule("zb-h2", p, m, 1, tuple(tuple(rank_ops) for rank_ops in ops))
+
+
 def dualpipe(p: int, m: int) -> Schedule:
     """DualPipe (DeepSeek-V3, 2024): m/2 micro-batches enter at rank 0 (chunk 0: stage r on rank r) while the
     other m/2 enter at rank p-1 (chunk 1: stage r on rank p-1-r), so every rank holds two stages and the two
@@ -249,7 +297,7 @@ def _dualpipe_rank(p: int, m: int, r: int) -> tuple[Op, ...]:
 
 
 def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """A schedule by name: "afab", "1f1b", "interleaved" (with `chunks` > 1), "zb-h1" or "dualpipe"."""
+    """A schedule by name: "afab", "1f1b", "interleaved" (with `chunks` > 1), "zb-h1", "zb-h2" or "dualpipe"."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} must be one of {', '.join(map(repr, SCHEDULES))}")
     if name == "interleaved":
@@ -258,4 +306,5 @@ def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Sch
         return interleaved(pp, microbatches, chunks)
     if chunks != 1:
         raise ValueError(f"chunks={chunks}: only the interleaved schedule runs several chunks per rank")
-    return {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zb_h1, "dualpipe": dualpipe}[name](pp, microbatches)
+    return {"afab": afab, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2,
+            "dualpipe": dualpipe}[name](pp, microbatches)

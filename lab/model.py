@@ -224,6 +224,11 @@ class MoE(nn.Module):
     balanced), `z_loss` (ST-MoE: the mean squared log-sum-exp of the router logits), `load` (assignments per
     expert, after drops) and `dropped` (assignments dropped). In eval mode (inference) there are no balancing
     losses and no capacity limit: a token's output must not depend on which other tokens share its batch.
+
+    `routing_bias` (None until `update_routing_bias` first runs) is DeepSeek-V3's auxiliary-loss-free balancing:
+    a per-expert bias added to the scores only to *choose* the top-k experts; the gates stay the unbiased scores,
+    so the bias steers the load without entering the output or the gradient. It is a buffer (saved with the
+    model, replicated like the router), updated outside autograd after each step.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -239,12 +244,17 @@ class MoE(nn.Module):
         self.compute = self.compute_local
         self.aux_loss = self.z_loss = self.load = None
         self.dropped = 0
+        self.register_buffer("routing_bias", None)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (gates, expert ids), both (n_tokens, top_k), best expert first; record the router losses."""
         logits = self.router(tokens).float()
         scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
-        weights, chosen = scores.topk(self.top_k, dim=-1)
+        if self.routing_bias is None:
+            weights, chosen = scores.topk(self.top_k, dim=-1)
+        else:  # the bias picks the experts; their gates are still the unbiased scores
+            chosen = (scores + self.routing_bias).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
         if self.training:
             share = torch.zeros(self.n_experts, device=tokens.device).index_add_(
                 0, chosen.flatten(), torch.ones(chosen.numel(), device=tokens.device)) / chosen.numel()
@@ -256,6 +266,20 @@ class MoE(nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights * self.route_scale).type_as(tokens), chosen
+
+    @torch.no_grad()
+    def update_routing_bias(self, load: torch.Tensor, rate: float) -> None:
+        """One step of DeepSeek-V3's balancing (its γ = `rate`, 0.001 in the paper): lower the bias of every
+        expert whose `load` (assignments over the step, every rank's) is above the mean by `rate`, raise the others'
+        by `rate` (sign, not size: the step is the same for a slightly and a badly overloaded expert)."""
+        if not rate > 0:
+            raise ValueError(f"rate={rate!r} must be > 0")
+        if load.shape != (self.n_experts,):
+            raise ValueError(f"load has shape {tuple(load.shape)}, expected ({self.n_experts},): one count per expert")
+        if self.routing_bias is None:
+            self.routing_bias = torch.zeros(self.n_experts, device=load.device)
+        load = load.float()
+        self.routing_bias += rate * torch.sign(load.mean() - load)
 
     def capacity_mask(self, chosen: torch.Tensor) -> torch.Tensor:
         """(n_tokens, top_k) bool: which assignments fit their expert's capacity (all, without a factor or when

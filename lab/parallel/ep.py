@@ -16,6 +16,9 @@ Autograd runs the same path backwards: the gradient of an all-to-all is the all-
 swapped. Gradients then need two different averages (`ExpertDataParallel`): replicated parameters over the
 data-parallel ranks, as always; an expert's over the ranks that hold the *same* expert (the other EP
 groups), divided by dp, because its gradient already sums the contributions of every rank of its group.
+
+DeepSeek-V3's routing bias (`MoE.update_routing_bias`) is replicated state like the router: `balance_routing`
+updates it from the load summed over every rank that routes tokens, so that all replicas stay equal.
 """
 
 from __future__ import annotations
@@ -73,6 +76,19 @@ def apply_expert_parallel(model: Transformer, group: dist.ProcessGroup | None) -
             place(param, dataclasses.replace(placement_of(param), expert=True))
         moe.compute = ExpertParallelCompute(moe, group)
     return model
+
+
+def balance_routing(model: nn.Module, rate: float, group: dist.ProcessGroup | None = None) -> None:
+    """After an optimizer step: DeepSeek-V3's bias update in every MoE layer, from the load of its last forward
+    summed over the ranks of `group` (all the ranks that route their own tokens: DP × EP). Every rank sees the same
+    sum, so every replica of the bias takes the same step."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        if moe.load is None:
+            raise ValueError("balance_routing needs the load of a forward: run the model once first")
+        load = moe.load.double()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(load, group=group)
+        moe.update_routing_bias(load, rate)
 
 
 class ExpertDataParallel(NaiveDP):

@@ -183,3 +183,24 @@ def test_zb_h2_leaves_no_bubble_inside_the_step_when_w_fills_it(p, m):
     assert max(zb2.idle) == closed_form("zb-h2", p, m, tf=1, tb=2, tw=1)["idle"] == p - 1
     assert max(explore("zb-h2", p, m, tf=3, tb=6, tw=3).interior_idle) == 0  # any unit, same shape
     assert max(explore("zb-h2", p, m, tf=1, tb=2, tw=0.5).idle) < max(explore("zb-h1", p, m, tf=1, tb=2, tw=0.5).idle)
+
+
+def test_the_group_knob_trades_activations_for_latency_slack():
+    """Llama 3 (Dubey et al. 2024, §3.3.2, Figure 6) makes N, the micro-batches a rank runs through one chunk
+    before the next, tunable between depth-first (N = p, Megatron's order) and breadth-first (N = m): the bubble
+    without latency is the same (p − 1)/(v·m), a larger N holds more activations, and it absorbs a message
+    latency that depth-first puts on the critical path. The figure's own case, p = 4, v = 2, N = 5, m = 10, is a
+    batch depth-first cannot run (m not a multiple of p)."""
+    p, m, v = 4, 16, 2
+    assert interleaved(p, m, v, group=p).ops == interleaved(p, m, v).ops
+    depth, breadth = (simulate(interleaved(p, m, v, group=n)) for n in (p, m))
+    assert depth.bubble_ratio == pytest.approx(breadth.bubble_ratio) == pytest.approx(bubble_ratio(p, m, v))
+    assert breadth.peak_activations[0] > depth.peak_activations[0]
+    slow_depth, slow_breadth = (simulate(interleaved(p, m, v, group=n), p2p=0.3) for n in (p, m))
+    assert slow_breadth.bubble_ratio < slow_depth.bubble_ratio
+    llama = simulate(interleaved(4, 10, 2, group=5))
+    assert llama.bubble_ratio == pytest.approx(bubble_ratio(4, 10, 2))
+    with pytest.raises(ValueError, match="microbatches=10 must be a multiple of pp=4"):
+        interleaved(4, 10, 2)
+    with pytest.raises(ValueError, match="group=3 micro-batches per chunk must be from pp=4 to microbatches=10"):
+        interleaved(4, 10, 2, group=3)

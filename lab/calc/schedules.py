@@ -138,24 +138,32 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return Schedule("1f1b", p, m, 1, tuple(tuple(_one_f_one_b_rank(p, m, r)) for r in range(p)))
 
 
-def interleaved(p: int, m: int, v: int) -> Schedule:
+def interleaved(p: int, m: int, v: int, group: int | None = None) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's order): forwards walk micro-batches in groups
-    of p, through chunk 0, then chunk 1, ...; backwards likewise, from the last chunk down. Rank r warms up
-    with 2(p - r - 1) + (v - 1)·p forwards. Needs m to be a multiple of p."""
+    of `group` (default p), through chunk 0, then chunk 1, ...; backwards likewise, from the last chunk down.
+    Rank r warms up with 2(p - r - 1) + (v - 1)·group forwards. Needs m to be a multiple of the group.
+
+    The group is Llama 3's knob N (Llama 3 paper, §3.3.2, Figure 6): N = p is Megatron's depth-first order,
+    which finishes each micro-batch soonest; N = m is breadth-first (Lamy-Poirier 2022), which runs every
+    micro-batch through a chunk before the next chunk. A larger N holds more activations in the warm-up but
+    gives a message N - p slots of slack before it is needed, and lets m be any multiple of N, not of p."""
     _check(p, m, v)
-    if m % p:
+    if group is None and m % p:
         raise ValueError(f"microbatches={m} must be a multiple of pp={p} for the interleaved schedule")
+    group = p if group is None else group
+    if not isinstance(group, int) or isinstance(group, bool) or not p <= group <= m or m % group:
+        raise ValueError(f"group={group!r} micro-batches per chunk must be from pp={p} to microbatches={m} and "
+                         f"divide microbatches (for the interleaved schedule)")
     total = m * v
 
     def unit(k: int, backward: bool) -> Op:  # the k-th forward (or backward) of a rank
-        group = k // p
-        chunk = group % v
-        microbatch = (k // (p * v)) * p + k % p
+        chunk = (k // group) % v
+        microbatch = (k // (group * v)) * group + k % group
         return Op(B, microbatch, v - 1 - chunk) if backward else Op(F, microbatch, chunk)
 
     ranks = []
     for r in range(p):
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        warmup = min((p - r - 1) * 2 + (v - 1) * group, total)
         ops = [unit(k, False) for k in range(warmup)]
         for i in range(total - warmup):
             ops += [unit(warmup + i, False), unit(i, True)]

@@ -14,7 +14,14 @@ gradients, what B must not do: compute a weight gradient (hooks on the parameter
 
 The AFAB exercise's driver (`run_afab`) draws every stage's weights and the batch from a seed on every rank,
 keeps its own stage, runs the student's step inside `count_collectives` and reports the loss, the gradients and
-the messages. The check runs the whole model on the whole batch in one process, float64.
+the messages. The check runs the whole model on the whole batch in one process, float64. The 1F1B exercise
+(`06.one_f_one_b_ranks`) builds on it: its driver (`run_one_f_one_b`) draws the same model with AFAB's
+`make_model` and also counts, with a hook on each stage output, the micro-batches in flight. Both run their ranks
+with a deadline: a pipeline that deadlocks is stopped within seconds, and the check says which rank waited in
+which send or receive (the flight recorder's lines, which the sandbox keeps).
+
+The worked problems (`06.problems`) are plain Python of random numbers, compared with `lab.calc` — the
+simulator's measurements where it has them.
 
 torch and `lab.calc` are imported inside the functions: `lab.check` of other chapters loads this module too.
 """

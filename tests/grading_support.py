@@ -61,24 +61,26 @@ class Chapter:
 
     def grade(self, exercise_id: str, replace: list[tuple[str, str]] = (), *, secret: str | None = None,
               only: Collection[str] | None = None, notebook=None, wall_s: float | None = None) -> ExerciseResult:
-        """Grade `exercise_id`'s cell of `notebook` (the solutions by default) after the cells it requires, with
-        each (old, new) of `replace` applied to its own cell, running only the checks named in `only` (all when
-        None)."""
+        """Grade `exercise_id`'s answer cells of `notebook` (the solutions by default) after the cells it requires,
+        with each (old, new) of `replace` applied in the one cell that holds `old` (a chapter's problems span a cell
+        each), running only the checks named in `only` (all when None)."""
         notebook = self.solutions if notebook is None else notebook
         ex = checks.get(exercise_id)
         if only is not None:
             ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
         parts = [part for i in ex.requires for part in answer_parts(notebook, i)]
-        (label, source), = answer_parts(notebook, exercise_id)
+        own = answer_parts(notebook, exercise_id)
         for old, new in replace:
-            assert source.count(old) == 1, f"mutant does not apply once: {old!r} in the {exercise_id} solution"
-            source = source.replace(old, new)
-        return run_exercise(ex, [*parts, (label, source)], secret=secret, wall_s=wall_s or self.wall_s)
+            hits = [i for i, (_, source) in enumerate(own) if old in source]
+            assert len(hits) == 1 and own[hits[0]][1].count(old) == 1, \
+                f"mutant does not apply once: {old!r} in the {exercise_id} solution"
+            label, source = own[hits[0]]
+            own[hits[0]] = (label, source.replace(old, new))
+        return run_exercise(ex, [*parts, *own], secret=secret, wall_s=wall_s or self.wall_s)
 
     def cell(self, exercise_id: str) -> str:
-        """The source of `exercise_id`'s solution cell."""
-        (_, source), = answer_parts(self.solutions, exercise_id)
-        return source
+        """The source of `exercise_id`'s solution cells, one after the other."""
+        return "\n".join(source for _, source in answer_parts(self.solutions, exercise_id))
 
 
 def chapter_tests(chapter: Chapter) -> dict[str, Callable]:

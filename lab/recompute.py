@@ -68,6 +68,11 @@ def example_input(batch: int, seq: int, d_model: int, seed: int, *, requires_gra
     return x.requires_grad_(requires_grad)
 
 
+def cotangent(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The gradient `gradients` feeds the output with (fp32), drawn from seed + 1: the JAX track uses it too."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1))
+
+
 def gradients(fn: Callable[[torch.Tensor], torch.Tensor], block: nn.Module, x: torch.Tensor,
               seed: int) -> dict[str, list[float] | None]:
     """Run fn(x) (the block, or the block wrapped) with torch seeded by `seed` (dropout's draws), backpropagate
@@ -78,8 +83,7 @@ def gradients(fn: Callable[[torch.Tensor], torch.Tensor], block: nn.Module, x: t
     torch.manual_seed(seed)
     y = fn(x)
     if y.requires_grad:  # a wrapper that cut the weights off the graph leaves nothing to backpropagate
-        cotangent = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).to(y.dtype)
-        y.backward(cotangent)
+        y.backward(cotangent(tuple(y.shape), seed).to(y.dtype))
 
     def flat(t: torch.Tensor | None) -> list[float] | None:
         return None if t is None else t.detach().float().flatten().tolist()

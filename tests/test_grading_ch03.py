@@ -17,8 +17,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from grading_support import chapter_tests
-from test_grading_ch01 import MultiCellChapter  # the problems exercise spans nine answer cells
+from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch03
 from lab.grading.release import release_notebook
@@ -178,7 +177,7 @@ MUTANTS |= {  # the problems: each mistake in every cell where a learner would m
     "problems_mesh_axes_ignored": ("03.problems", [("(n_axes * link_gbs * 1e9)", "(link_gbs * 1e9)")], {P9}),
 }
 
-CHAPTER = MultiCellChapter("03_data_parallel_zero.ipynb", EXERCISES, MUTANTS)
+CHAPTER = Chapter("03_data_parallel_zero.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

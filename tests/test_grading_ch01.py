@@ -6,14 +6,11 @@ a check that goes soft (e.g. a formula that stops distinguishing s from s²) fai
 
 from __future__ import annotations
 
-import dataclasses
-
 from grading_support import Chapter, chapter_tests
 
 from lab.calc.params import count_params
 from lab.grading import checks
 from lab.grading.checks import ch01
-from lab.grading.notebook import answer_parts
 from lab.grading.runner import run_exercise, seed
 
 EXERCISES = ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu",
@@ -156,26 +153,7 @@ MUTANTS |= {  # the problems (one exercise over ten cells): each mistake in ever
 }
 
 
-class MultiCellChapter(Chapter):
-    """A chapter whose problems exercise spans several answer cells: each (old, new) of a mutant applies in the
-    one cell that holds `old`, and every cell is graded together."""
-
-    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
-        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
-        if len(parts) == 1:
-            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
-        ex = checks.get(exercise_id)
-        if only is not None:
-            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
-        for old, new in replace:
-            hits = [i for i, (_, source) in enumerate(parts) if old in source]
-            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
-            label, source = parts[hits[0]]
-            parts[hits[0]] = (label, source.replace(old, new))
-        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
-
-
-CHAPTER = MultiCellChapter("01_memory_and_compute.ipynb", EXERCISES, MUTANTS, wall_s=30, said=("returned", "raised"),
+CHAPTER = Chapter("01_memory_and_compute.ipynb", EXERCISES, MUTANTS, wall_s=30, said=("returned", "raised"),
                   released_stubs=False)  # tests/test_grading_cli.py grades the released chapter-01 notebook
 globals().update(chapter_tests(CHAPTER))
 

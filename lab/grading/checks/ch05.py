@@ -478,7 +478,7 @@ PROBLEMS = exercise("05.problems", entry=(
     "ring_over_ulysses", "ulysses_max_context", "attention_share_at", "attention_mlp_crossover", "allgather_kv_mb"))
 TOLERANCE = 0.01
 NO_KV_TWO = Mistake(0.5, "K without V", "a K/V block is two tensors, K and V: 2·b·c·G·d·β bytes")
-CAUSAL_HALF = Mistake(2.0, "the full s × s matrix", "under a causal mask only the lower triangle is computed: half "
+CAUSAL_HALF = Mistake(0.5, "the full s × s matrix", "under a causal mask only the lower triangle is computed: half "
                                                     "of 4·s²·H·d")
 
 

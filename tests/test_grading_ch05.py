@@ -12,16 +12,12 @@ the wrong order or paired wrongly — and only the checks that must catch it are
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 from grading_support import Chapter, chapter_tests
 
-from lab.grading import checks
 from lab.grading.checks import ch05
-from lab.grading.notebook import answer_parts
-from lab.grading.runner import run_exercise
 
 EXERCISES = ("05.lse_merge", "05.zigzag_assignment", "05.ring_forward", "05.ring_backward", "05.causal_work",
              "05.problems")
@@ -165,26 +161,7 @@ MUTANTS |= {  # the problems: each mistake in every cell where a learner would m
 }
 
 
-class Chapter05(Chapter):
-    """The problems exercise spans ten answer cells: each (old, new) of a mutant applies in the one cell that
-    holds `old`, and the cells are graded together."""
-
-    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
-        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
-        if len(parts) == 1:
-            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
-        ex = checks.get(exercise_id)
-        if only is not None:
-            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
-        for old, new in replace:
-            hits = [i for i, (_, source) in enumerate(parts) if old in source]
-            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
-            label, source = parts[hits[0]]
-            parts[hits[0]] = (label, source.replace(old, new))
-        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
-
-
-CHAPTER = Chapter05("05_context_parallel.ipynb", EXERCISES, MUTANTS)
+CHAPTER = Chapter("05_context_parallel.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -14,16 +14,12 @@ by the wrong count, a router left unsynced — and only the checks that must cat
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 from grading_support import Chapter, chapter_tests
 
-from lab.grading import checks
 from lab.grading.checks import ch07
-from lab.grading.notebook import answer_parts
-from lab.grading.runner import run_exercise
 
 EXERCISES = ("07.top_k_routing", "07.balancing_loss", "07.capacity", "07.dispatch_plan", "07.ep_forward",
              "07.ep_backward", "07.problems")
@@ -176,26 +172,7 @@ MUTANTS |= {  # the problems: each mistake in every cell where a learner would m
 }
 
 
-class Chapter07(Chapter):
-    """The problems exercise spans nine answer cells: each (old, new) of a mutant applies in the one cell that
-    holds `old`, and every cell is graded together. (The same as chapter 02's: a candidate for grading_support.)"""
-
-    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
-        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
-        if len(parts) == 1:
-            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
-        ex = checks.get(exercise_id)
-        if only is not None:
-            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
-        for old, new in replace:
-            hits = [i for i, (_, source) in enumerate(parts) if old in source]
-            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
-            label, source = parts[hits[0]]
-            parts[hits[0]] = (label, source.replace(old, new))
-        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
-
-
-CHAPTER = Chapter07("07_expert_parallel.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
+CHAPTER = Chapter("07_expert_parallel.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -5,6 +5,7 @@
 #   make test              create/refresh .venv and run everything (lint, unit, multi-rank, notebooks, browser)
 #   make test-fast         everything except the notebooks and the browser lane
 #   make test-browser      only the real-browser lane (needs /usr/bin/chromium)
+#   make test-jax          only the JAX track (tests/test_jaxtrack_*.py, in processes of their own)
 #   make doctor            what this machine can run
 
 PYTHON ?= python3
@@ -19,7 +20,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || e
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 BROWSER_FLAG := $(if $(NO_BROWSER),--no-browser)
 
-.PHONY: venv course test test-fast test-notebooks test-browser lint doctor clean
+.PHONY: venv course test test-fast test-jax test-notebooks test-browser lint doctor clean
 
 venv: $(VENV)/.installed
 
@@ -36,14 +37,19 @@ course: venv
 lint: venv
 	$(PY) -m ruff check .
 
-# The browser lane runs first so that the main suite's summary is the last line printed.
+# The browser and JAX lanes run first so that the main suite's summary is the last line printed. The JAX track's
+# tests get their own processes: the main suite's workers fork ranks, which is unsafe once JAX has started.
 test: lint
 	@if [ -x /usr/bin/chromium ]; then $(MAKE) --no-print-directory test-browser; \
 	else echo "SKIPPED the browser lane: /usr/bin/chromium not found (apt-get install chromium)"; fi
-	$(PY) -m pytest -n 2 -m "not browser" $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-jax
+	$(PY) -m pytest -n 2 -m "not browser and not jax" $(PYTEST_ARGS)
 
-test-fast: lint
-	$(PY) -m pytest -n 2 -m "not browser and not notebooks" $(PYTEST_ARGS)
+test-fast: lint test-jax
+	$(PY) -m pytest -n 2 -m "not browser and not notebooks and not jax" $(PYTEST_ARGS)
+
+test-jax: venv
+	$(PY) -m pytest -n 2 -m jax $(PYTEST_ARGS)
 
 test-browser: venv
 	$(PY) -m pytest -m browser -p no:xdist $(PYTEST_ARGS)

@@ -20,6 +20,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 pytest.register_assert_rewrite("grading_support")  # the chapters' shared grading tests: show what was compared
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The JAX track's tests (tests/test_jaxtrack_*.py) are marked `jax`: `make test` runs them in a lane of their
+    own. Why: JAX starts its thread pools in the process that computes, and a pytest worker that later forks ranks
+    for a torch test could copy a lock one of those threads holds (JAX warns that fork after it "will likely lead
+    to a deadlock"); the rank tests fork from workers where JAX never ran."""
+    for item in items:
+        if item.path.name.startswith("test_jaxtrack_"):
+            item.add_marker(pytest.mark.jax)
+
+
 # --- Jupyter: an isolated environment for kernels and servers (notebook and browser lanes) -------------
 
 @pytest.fixture(scope="session")

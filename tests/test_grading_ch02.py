@@ -13,14 +13,12 @@ the one cell that holds `old`.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 from grading_support import Chapter, chapter_tests
 
 from lab.grading import checks
 from lab.grading.checks import ch02
-from lab.grading.notebook import answer_parts
 from lab.grading.runner import run_exercise, seed
 
 EXERCISES = ("02.ring_all_reduce", "02.reduce_scatter", "02.ring_bytes", "02.alpha_beta", "02.sharded_matmul",
@@ -133,26 +131,7 @@ MUTANTS |= {  # the problems: each mistake in every cell where a learner would m
 }
 
 
-class Chapter02(Chapter):
-    """A chapter whose problems exercise spans several answer cells: each (old, new) of a mutant applies in the
-    one cell that holds `old`, and every cell is graded together."""
-
-    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
-        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
-        if len(parts) == 1:
-            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
-        ex = checks.get(exercise_id)
-        if only is not None:
-            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
-        for old, new in replace:
-            hits = [i for i, (_, source) in enumerate(parts) if old in source]
-            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
-            label, source = parts[hits[0]]
-            parts[hits[0]] = (label, source.replace(old, new))
-        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
-
-
-CHAPTER = Chapter02("02_collectives.ipynb", EXERCISES, MUTANTS)
+CHAPTER = Chapter("02_collectives.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

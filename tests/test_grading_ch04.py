@@ -11,8 +11,7 @@ instead of its replicas — and only the checks that must catch it are run, to k
 from __future__ import annotations
 
 import pytest
-from grading_support import chapter_tests
-from test_grading_ch02 import Chapter02 as MultiCellChapter  # the problems span nine answer cells
+from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch04
 
@@ -147,7 +146,7 @@ MUTANTS |= {  # the problems: each mistake in every cell where a learner would m
 }
 
 
-CHAPTER = MultiCellChapter("04_tensor_sequence_parallel.ipynb", EXERCISES, MUTANTS)
+CHAPTER = Chapter("04_tensor_sequence_parallel.ipynb", EXERCISES, MUTANTS)
 globals().update(chapter_tests(CHAPTER))
 
 

@@ -21,9 +21,7 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading import checks
 from lab.grading.checks import ch06
-from lab.grading.notebook import answer_parts
 from lab.grading.release import release_notebook
-from lab.grading.runner import run_exercise
 
 EXERCISES = ("06.one_f_one_b_order", "06.bubble", "06.peak_activations", "06.split_backward", "06.afab_step",
              "06.one_f_one_b_ranks", "06.problems")
@@ -172,26 +170,7 @@ MUTANTS |= {  # the problems: each mistake in every cell where a learner would m
 }
 
 
-class Chapter06(Chapter):
-    """Chapter 06's problems exercise spans ten answer cells: each (old, new) of a mutant applies in the one cell
-    that holds `old`, and every cell is graded together."""
-
-    def grade(self, exercise_id, replace=(), *, secret=None, only=None, notebook=None, wall_s=None):
-        parts = answer_parts(self.solutions if notebook is None else notebook, exercise_id)
-        if len(parts) == 1:
-            return super().grade(exercise_id, replace, secret=secret, only=only, notebook=notebook, wall_s=wall_s)
-        ex = checks.get(exercise_id)
-        if only is not None:
-            ex = dataclasses.replace(ex, checks=[c for c in ex.checks if c.name in only])
-        for old, new in replace:
-            hits = [i for i, (_, source) in enumerate(parts) if old in source]
-            assert len(hits) == 1 and parts[hits[0]][1].count(old) == 1, f"mutant does not apply once: {old!r}"
-            label, source = parts[hits[0]]
-            parts[hits[0]] = (label, source.replace(old, new))
-        return run_exercise(ex, parts, secret=secret, wall_s=wall_s or self.wall_s)
-
-
-CHAPTER = Chapter06("06_pipeline_parallel.ipynb", EXERCISES, MUTANTS, hangs=HANGS, said=("returned", "raised"))
+CHAPTER = Chapter("06_pipeline_parallel.ipynb", EXERCISES, MUTANTS, hangs=HANGS, said=("returned", "raised"))
 globals().update(chapter_tests(CHAPTER))
 
 
@@ -279,8 +258,6 @@ def test_a_deadlocked_1f1b_is_reported_by_rank_and_operation_within_10_s(monkeyp
     """Both neighbours send first (a blocking dist.send) in the steady state: the check stops the ranks at its
     deadline (gloo's own timeout, half of it, fires first) and says which rank waited in which send — within 10 s
     of the check's start (the sandbox's own start, which imports torch once per grader, is not the check's)."""
-    from lab.grading import checks
-
     exercise_id, replace, (name,) = DEADLOCK
     ex = checks.get(exercise_id)
     index, check = next((i, c) for i, c in enumerate(ex.checks) if c.name == name)

@@ -385,7 +385,7 @@ def checkpoint_frozen_input(student, rng):
 
 PROBLEMS = exercise("01.problems", entry=(
     "model_state_gb", "largest_model", "activation_gib", "selective_saving", "hfu_from_mfu", "training_days",
-    "accumulation_steps", "matmul_intensity", "critical_batch", "tokens_per_s_per_gpu"))
+    "accumulation_steps", "matmul_intensity", "compute_bound_batch", "tokens_per_s_per_gpu"))
 TOLERANCE = 0.01
 GIB_FOR_GB = Mistake(2**30 / 1e9, "GiB taken for GB", "a GB is 1e9 bytes, a GiB 2**30: the problem says which")
 GB_FOR_GIB = Mistake(1e9 / 2**30, "GB taken for GiB", "a GiB is 2**30 bytes, a GB 1e9: the problem says which")
@@ -495,8 +495,8 @@ def p9_critical_batch(student, rng):
     for _ in range(3):
         peak, bandwidth = rng.uniform(1e14, 3e15), rng.uniform(5e11, 1e13)
         chip = Accelerator("p9", peak, None, None, 0, bandwidth, "the problem's numbers")
-        expect_close(student.critical_batch(peak, bandwidth), chip.critical_intensity(),
-                     f"critical_batch(peak_flops={peak:.6g}, hbm_bandwidth={bandwidth:.6g})", TOLERANCE)
+        expect_close(student.compute_bound_batch(peak, bandwidth), chip.critical_intensity(),
+                     f"compute_bound_batch(peak_flops={peak:.6g}, hbm_bandwidth={bandwidth:.6g})", TOLERANCE)
 
 
 @PROBLEMS.check(points=1, hint="each token costs 6N + 12·L·h·s FLOPs; a GPU does MFU · peak FLOP/s of them")

@@ -426,3 +426,17 @@ def test_the_zygote_outlives_the_thread_that_started_it():
     with contextlib.suppress(psutil.TimeoutExpired):  # a SIGKILL from PR_SET_PDEATHSIG would land now
         psutil.Process(first).wait(timeout=0.5)
     assert _zygote(("psutil", "tomli_w")).proc.pid == first, "the zygote died with its starting thread"
+
+
+def test_a_failed_check_names_where_each_hung_rank_waited():
+    """Any chapter's check that reports ranks which raised (`checks.explain`) keeps the recorder's diagnosis: which
+    rank waited in which send or receive — not only the first rank's timeout."""
+    from lab.grading.checks import explain
+    from lab.grading.sandbox import CallError
+
+    hung = CallError("RankError rank 0 failed: RuntimeError: Timed out waiting 3000ms for send operation to complete\n"
+                     "collectives: rank 0 failed in send #1 to rank 1 on world; rank 1 failed in send #1 to rank 0 on "
+                     "world\ncollectives: rank 1 failed in send #1 to rank 0 on world", "", False, "")
+    message = str(explain(hung, "run(...) on 2 ranks", "every rank to finish"))
+    assert "rank 0 failed in send #1 to rank 1" in message and message.count("rank 1 failed in send #1") == 1
+    assert message.endswith("expected every rank to finish")

@@ -284,7 +284,10 @@ def explain(error: CallError, call: str, expected: str) -> CheckFailed:
     if error.not_attempted:
         raise error
     where = f" ({error.where})" if error.where else ""
-    return CheckFailed(f"{call} raised {error.message[:300]}{where}, expected {expected}",
+    first, _, diagnosis = error.message.partition("\n")  # ranks that hung: where each waited, from the recorder
+    waits = "; ".join(dict.fromkeys(wait for line in diagnosis.splitlines() if line.startswith("collectives: ")
+                                    for wait in line.removeprefix("collectives: ").split("; ")))
+    return CheckFailed(f"{call} raised {first[:300]}{where}{f' — {waits} —' if waits else ''}, expected {expected}",
                        CRASH_HINT if error.where else None)
 
 

@@ -231,8 +231,9 @@ class MoE(nn.Module):
     model, replicated like the router), updated outside autograd after each step.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer  # the block it sits in: a log of `load` per layer names it
         self.top_k, self.n_experts = cfg.top_k, cfg.n_experts
         self.gating, self.capacity_factor = cfg.moe_gating, cfg.capacity_factor
         self.renormalize, self.route_scale = cfg.renormalizes_gates, cfg.moe_route_scale
@@ -325,7 +326,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoE(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = MoE(cfg, layer) if cfg.is_moe_layer(layer) else FeedForward(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache | None = None
                 ) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """DeepSeek-V3's auxiliary-loss-free balancing (`MoE.routing_bias`, `lab.parallel.ep.balance_routing`): the bias
 changes which experts are chosen and never the gates, its updates move the load towards balance, and on several
-ranks every replica takes the same step (DeepSeek-V3 technical report, arXiv:2412.19437, §2.1.2, eq. 16)."""
+ranks every replica takes the same step (DeepSeek-V3 technical report, arXiv:2412.19437, §2.1.2, eq. 16). And each
+MoE layer knows its block, for a log of the load per layer."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from lab.config import ModelConfig
+from lab.config import PRESETS, ModelConfig
 from lab.distributed import run
-from lab.model import MoE
+from lab.model import MoE, build_model
 from lab.parallel.ep import balance_routing
 
 N_EXPERTS, D_MODEL = 8, 16
@@ -104,3 +107,9 @@ def test_every_rank_takes_the_step_of_the_summed_load():
     assert not torch.equal(alone[0], alone[1])  # each rank alone would step its own way
     moe.update_routing_bias(load, rate=0.5)
     assert biases[0] == moe.routing_bias.tolist()
+
+
+def test_each_moe_layer_knows_its_block():
+    cfg = dataclasses.replace(PRESETS["tiny-moe"], n_dense_layers=1)  # DeepSeek-V3's shape: dense blocks first
+    layers = [m.layer for m in build_model(cfg).modules() if isinstance(m, MoE)]  # on meta: nothing allocated
+    assert layers == list(range(1, cfg.n_layers))

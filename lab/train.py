@@ -57,6 +57,7 @@ class StepLog:
     # mixture-of-experts models only: assignments per expert over all layers and ranks, their max/mean (1 when
     # balanced), those dropped by the capacity limit, and the load-balancing loss (1 when balanced)
     expert_load: list[int] | None = None
+    expert_load_per_layer: dict[str, list[int]] | None = None  # the same for each MoE layer, keyed by its block
     load_imbalance: float | None = None
     dropped_tokens: int | None = None
     aux_loss: float | None = None
@@ -359,6 +360,7 @@ class MoEStats:
 
     def reset(self) -> None:
         self.load = torch.zeros(self.cfg.n_experts, dtype=torch.double)
+        self.layer_load = torch.zeros(self.cfg.n_layers, self.cfg.n_experts, dtype=torch.double)  # row: a block
         self.dropped = self.aux = self.layer_forwards = 0.0
 
     def router_loss(self, module: nn.Module) -> torch.Tensor:
@@ -367,6 +369,7 @@ class MoEStats:
         layers = [m for m in module.modules() if isinstance(m, MoE)]
         for m in layers:
             self.load += m.load.cpu().double()
+            self.layer_load[m.layer] += m.load.cpu().double()
             self.dropped += m.dropped
             self.aux += m.aux_loss.item()
             self.layer_forwards += 1
@@ -374,12 +377,15 @@ class MoEStats:
         return self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
 
     def summary(self) -> dict:
-        totals = torch.cat([self.load, torch.tensor([self.dropped, self.aux, self.layer_forwards])])
+        totals = torch.cat([self.layer_load.flatten(), self.load,
+                            torch.tensor([self.dropped, self.aux, self.layer_forwards])])
         if dist.is_initialized():  # every rank routed its own tokens through its own layers...
             dist.all_reduce(totals)
             totals[:-2] /= self.tp  # ...except the TP ranks of one group, which route the same ones
-        load = totals[:-3]
+        per_layer, load = totals[:self.layer_load.numel()].view_as(self.layer_load), totals[self.layer_load.numel():-3]
         return {"expert_load": [round(n) for n in load.tolist()], "load_imbalance": (load.max() / load.mean()).item(),
+                "expert_load_per_layer": {str(i): [round(n) for n in row.tolist()] for i, row in enumerate(per_layer)
+                                          if self.cfg.is_moe_layer(i)},
                 "dropped_tokens": round(totals[-3].item()), "aux_loss": (totals[-2] / totals[-1]).item()}
 
 

@@ -93,6 +93,10 @@ def test_expert_and_pipeline_parallel_carry_the_router_losses_through_the_stages
     for step, (a, b) in enumerate(zip(reference, logs, strict=True), start=1):
         assert (b.expert_load, b.dropped_tokens) == (a.expert_load, a.dropped_tokens), f"step {step}"
         assert b.aux_loss == pytest.approx(a.aux_loss, rel=1e-5), f"step {step}"
+        # each layer's load, though the layers live on two stages; the layers add up to the whole
+        assert b.expert_load_per_layer == a.expert_load_per_layer and len(b.expert_load_per_layer) == 4, f"step {step}"
+        assert [sum(loads) for loads in zip(*b.expert_load_per_layer.values(), strict=True)] == b.expert_load
+        assert all(0 < sum(loads) <= 8 * 32 * 2 for loads in b.expert_load_per_layer.values())  # a layer's tokens x k
     assert reference[-1].dropped_tokens > 0  # the capacity limit is exercised
     assert sum(logs[-1].expert_load) + logs[-1].dropped_tokens == 8 * 32 * 2 * 4  # tokens x top_k x layers
 

@@ -9,6 +9,9 @@ an all-reduce that XLA inserts for you — the behaviour the chapters want to sh
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 
 def simulated_devices(n: int = 8) -> list:
     """Make JAX see `n` CPU devices and return them; call before any other JAX computation."""
@@ -36,3 +39,15 @@ def make_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     from jax.sharding import AxisType
 
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(rf"=\s.*?\b({'|'.join(COLLECTIVES)})(?:-start)?\(")
+
+
+def collectives_in(compiled) -> Counter:
+    """How many of each collective a compiled program holds (`jax.jit(f).lower(...).compile()`, or its HLO text):
+    what XLA decided to communicate, read from the program itself rather than assumed. An async pair
+    (`all-gather-start` / `-done`) counts once."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    return Counter(_COLLECTIVE.findall(text))

@@ -3,7 +3,6 @@ in shard_map) equals PyTorch's x @ w and the plain all-gather-then-matmul pinned
 its compiled program has collective-permutes and no all-gather; the SP MLP pinned with constraints equals PyTorch's
 MLP and leaves its output split along the sequence."""
 
-import re
 from collections import Counter
 
 import pytest
@@ -13,7 +12,7 @@ jax = pytest.importorskip("jax")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from lab.jaxsim import make_mesh, simulated_devices  # noqa: E402
+from lab.jaxsim import collectives_in, make_mesh, simulated_devices  # noqa: E402
 from lab.jaxtrack.collective_matmul import (  # noqa: E402
     allgather_then_matmul,
     collective_matmul,
@@ -24,9 +23,7 @@ SEQ, D_MODEL, D_FF = 40, 12, 24  # the sequence and F multiples of 8 devices; D 
 
 
 def _collectives(fn, *args) -> Counter:
-    hlo = jax.jit(fn).lower(*args).compile().as_text()
-    return Counter(re.findall(r"=\s.*?\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-                              r"(?:-start)?\(", hlo))
+    return collectives_in(jax.jit(fn).lower(*args).compile())
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ FSDP2 calls `reshard_after_forward=False`): one all-gather and one reduce-scatte
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
@@ -26,8 +25,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lab.jaxsim import collectives_in
+
 Params = dict[str, jax.Array]  # "w1", "w3": (d_ff, d_model); "w2": (d_model, d_ff), as lab.model.FeedForward
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
 def feed_forward(params: Params, x: jax.Array) -> jax.Array:
@@ -60,6 +60,4 @@ def fsdp_step(mesh: Mesh, sharded: tuple[str, ...] = ("w1", "w3", "w2")) -> Call
 
 def compiled_collectives(step: Callable, *args: jax.Array) -> Counter:
     """How many of each collective the program XLA compiled for `step(*args)` contains (from its HLO text)."""
-    hlo = step.lower(*args).compile().as_text()
-    ops = "|".join(COLLECTIVES)
-    return Counter(re.findall(rf"=\s.*?\b({ops})(?:-start)?\(", hlo))
+    return collectives_in(step.lower(*args).compile())

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lab.jaxtrack.fsdp import feed_forward
+
 Params = dict[str, jax.Array]  # "router": (E, d); "w1", "w3": (E, f, d); "w2": (E, d, f)
 
 
@@ -46,10 +48,8 @@ def route(logits: jax.Array, top_k: int, gating: str) -> tuple[jax.Array, jax.Ar
 
 def experts_forward(params: Params, rows: jax.Array) -> jax.Array:
     """Each local expert, `lab.model.FeedForward` (w2(silu(w1·x) * w3·x)), on its own rows: rows (L, R, d) and
-    weights stacked on the expert axis L, one batched matmul per weight."""
-    hidden = jax.nn.silu(jnp.einsum("lrd,lfd->lrf", rows, params["w1"])) * jnp.einsum("lrd,lfd->lrf", rows,
-                                                                                       params["w3"])
-    return jnp.einsum("lrf,ldf->lrd", hidden, params["w2"])
+    weights stacked on the expert axis L; `vmap` turns the one-expert function into batched matmuls."""
+    return jax.vmap(feed_forward)({name: params[name] for name in ("w1", "w3", "w2")}, rows)
 
 
 def capacity_of(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:

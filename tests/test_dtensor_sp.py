@@ -19,35 +19,6 @@ from lab.distributed import run
 CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2, vocab_size=96, d_ff=80)
 
 
-def torch_sp_plan(model) -> dict:
-    """TorchTitan's TP + SP plan for `lab.model.Transformer`: the residual stream stays sharded along the sequence
-    (Shard(1)); each attention/MLP input is all-gathered (PrepareModuleInput), each row layer reduce-scatters back
-    to Shard(1); the norms run on the sequence shard; the logits stay sharded along the vocabulary for
-    `loss_parallel`."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
-    for i in model.layers:
-        block = f"layers.{i}."
-        plan.update({block + "attn_norm": SequenceParallel(), block + "ffn_norm": SequenceParallel(),
-                     # Attention.forward(x, cos, sin, cache): only x is gathered
-                     block + "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                                        desired_input_layouts=(Replicate(), None, None, None)),
-                     block + "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                     block + "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-                     block + "ffn.w2": RowwiseParallel(output_layouts=Shard(1))})
-        plan.update({block + name: ColwiseParallel() for name in ("attn.wq", "attn.wk", "attn.wv", "ffn.w1", "ffn.w3")})
-    return plan
-
-
 def _lab_and_dtensor(tokens: torch.Tensor, targets: torch.Tensor) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -55,7 +26,12 @@ def _lab_and_dtensor(tokens: torch.Tensor, targets: torch.Tensor) -> dict:
 
     from lab.distributed import Mesh
     from lab.model import build_model, materialize
-    from lab.parallel.tp import apply_tensor_parallel, sync_tensor_parallel_grads, vocab_parallel_cross_entropy
+    from lab.parallel.tp import (
+        apply_tensor_parallel,
+        sync_tensor_parallel_grads,
+        torch_sp_plan,
+        vocab_parallel_cross_entropy,
+    )
 
     mesh = Mesh(tp=dist.get_world_size())
     ours = apply_tensor_parallel(materialize(build_model(CFG), seed=1), mesh.tp_group, sequence_parallel=True)

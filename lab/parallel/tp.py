@@ -232,3 +232,32 @@ def torch_tp_plan(model: Transformer) -> dict:
         plan.update({f"layers.{i}.ffn.{n}": ColwiseParallel() for n in ("w1", "w3")})
         plan.update({f"layers.{i}.attn.wo": RowwiseParallel(), f"layers.{i}.ffn.w2": RowwiseParallel()})
     return plan
+
+
+def torch_sp_plan(model: Transformer) -> dict:
+    """TorchTitan's TP + SP plan, `torch_tp_plan` plus sequence parallelism: the residual stream stays sharded
+    along the sequence (Shard(1)); each attention/MLP input is all-gathered (PrepareModuleInput), each row layer
+    reduce-scatters back to Shard(1); the norms run on the sequence shard; the logits stay sharded along the
+    vocabulary for `loss_parallel` (run the loss inside `with loss_parallel():`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i in model.layers:
+        block = f"layers.{i}."
+        plan.update({block + "attn_norm": SequenceParallel(), block + "ffn_norm": SequenceParallel(),
+                     # Attention.forward(x, cos, sin, cache): only x is gathered
+                     block + "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                        desired_input_layouts=(Replicate(), None, None, None)),
+                     block + "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                     block + "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+                     block + "ffn.w2": RowwiseParallel(output_layouts=Shard(1))})
+        plan.update({block + name: ColwiseParallel() for name in ("attn.wq", "attn.wk", "attn.wv", "ffn.w1", "ffn.w3")})
+    return plan

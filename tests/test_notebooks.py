@@ -44,8 +44,11 @@ def _params(marks: list[pytest.MarkDecorator]) -> list:
 
 
 def _first_error(nb: nbformat.NotebookNode, rel: str) -> str | None:
-    """The failing cell's source and traceback, which is what one needs to fix a notebook."""
+    """The failing cell's source and traceback, which is what one needs to fix a notebook. A cell tagged
+    `raises-exception` (an exercise's "try it" cell, run on the released stub) may raise: it is not the one."""
     for index, cell in enumerate(nb.cells):
+        if "raises-exception" in cell.get("metadata", {}).get("tags", []):
+            continue
         for output in cell.get("outputs", []):
             if output.output_type == "error":
                 traceback = _ANSI.sub("", "\n".join(output.traceback))

@@ -30,6 +30,10 @@ RIGHT = ("def mfu(cfg, seq_len, tokens, step_time_s, n_gpus, peak):\n"
          "(step_time_s * n_gpus * peak)\n")
 WRONG = "def mfu(*args):\n    return 0.0\n"
 
+# Chapter 01's torch-free exercises: every case of the class grades them all, and its torch exercises would only
+# make the class slower to grade, not the attacks harder to catch.
+TORCH_FREE = ("01.param_count", "01.state_bytes", "01.activation_bytes", "01.max_micro_batch", "01.mfu")
+
 CASES = {  # name: (mfu cell source, words the reason or message must contain)
     "reads_a_solution_file": (f"import json\nnb = json.load(open({str(SOLUTION)!r}))\n"
                               "exec(''.join(c['source'] for c in nb['cells'] if 'mfu' in c['metadata'].get('lab', {})"
@@ -99,7 +103,7 @@ def test_adversarial_class(tmp_path):
     old_tempdir, check_source = tempfile.tempdir, CHECK_SOURCE.read_bytes()
     tempfile.tempdir = str(tmp_path)  # every sandbox directory (so every sandbox's command line) is under tmp_path
     try:
-        exercises = [e for e in checks.load_all().values() if e.chapter == "01"]
+        exercises = [checks.get(i) for i in TORCH_FREE]  # the attacks are on 01.mfu; the rest must stay whole
         submissions = sorted((p.stem, p) for p in tmp_path.glob("*.ipynb"))
         results = {r.student: r for r in grade_all(submissions, exercises, jobs=2, progress=False, wall_s=10,
                                                     locked=reference_checksums(REPO / "solutions"),
@@ -110,7 +114,7 @@ def test_adversarial_class(tmp_path):
                  if str(tmp_path) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
     assert not survivors, f"processes left behind: {survivors}"
     assert CHECK_SOURCE.read_bytes() == check_source and not (REPO / "results.json").exists()
-    assert results["honest"].total == results["honest"].max_points == 16
+    assert results["honest"].total == results["honest"].max_points == 14
     broken = results["not_json"]
     assert broken.total == 0 and all("not valid JSON" in e.reason for e in broken.exercises)
     wrong = []

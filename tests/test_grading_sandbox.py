@@ -125,8 +125,10 @@ def test_adversarial_class(tmp_path):
         text = " | ".join([mfu.reason, *(c.message for c in mfu.checks)])
         if mfu.points != 0 or not any(w in text for w in words.split("|")):
             wrong.append(f"{case}: {mfu.points} points on 01.mfu; expected {words!r} in: {text}")
-        if any(e.points != e.max_points for e in by_id.values()):
-            wrong.append(f"{case}: cost other exercises points")
+        lost = {e.id: e.reason or [c.message for c in e.checks if c.status != "passed"]
+                for e in by_id.values() if e.points != e.max_points}
+        if lost:
+            wrong.append(f"{case}: cost other exercises points: {lost}")
     assert not wrong, "\n".join(wrong)
 
 

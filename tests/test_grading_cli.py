@@ -259,3 +259,23 @@ def test_returned_and_expected_values_print_at_one_precision():
         expect_allclose([1.0, 0.3012345678], [1.0, 0.3], "g()")
     assert str(failed.value) == "g() returned [1.0, 0.301235] (2 values), expected [1.0, 0.3] (2 values): first " \
                                 "difference at element 1, 0.301235 instead of 0.3"
+
+
+def test_the_closing_check_regrades_only_changed_cells(monkeypatch):
+    """`lab.check()` at a notebook's end reuses the verdict of every exercise whose cells are unchanged since its own
+    `lab.check("...")` (the same public inputs give the same verdict), and grades again the one that changed; naming
+    an exercise always grades it again."""
+    namespace = _kernel(SOLUTION)
+    graded = []
+    real = learner.run_exercise
+    monkeypatch.setattr(learner, "run_exercise", lambda ex, *a, **k: graded.append(ex.id) or real(ex, *a, **k))
+    monkeypatch.setattr(learner, "_VERDICTS", {})
+    assert learner.check("01.state_bytes", namespace=namespace).points == 1
+    assert learner.check("01.state_bytes", namespace=namespace).points == 1 and graded == ["01.state_bytes"] * 2
+    graded.clear()  # named, an exercise is graded afresh (a learner retrying); the closing check reuses it
+    _run_cell(namespace, "def param_count(cfg):\n    return 0\n")
+    closing = {r.id: r for r in learner.check(namespace=namespace).results}
+    assert graded.count("01.state_bytes") == 0 and graded.count("01.param_count") == 1, graded
+    assert closing["01.state_bytes"].points == 1 and closing["01.param_count"].points == 0
+    assert closing["01.mfu"].reason.startswith("builds on 01.param_count")  # written into a copy, not the memory
+    assert not learner._VERDICTS[next(k for k in learner._VERDICTS if k[0] == "01.mfu")].reason

@@ -5,11 +5,16 @@ exercise's function is found through the function itself (IPython keeps every ce
 written to a file and run in the same sandbox the instructor's grader uses, with the same checks — except
 the hidden ones, and with public inputs (the grader's come from the class secret). Nothing runs in the
 kernel: a learner's endless loop or crash costs a row in the table, not the kernel.
+
+A kernel remembers each verdict by the exact cells it graded: the notebook's closing `lab.check()` re-grades only
+the exercises whose cells changed since their own `lab.check("...")` (public inputs make a verdict repeatable),
+so "Your score" comes at once instead of grading every exercise twice. Naming an exercise always grades it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import linecache
 import sys
 import types
@@ -19,6 +24,8 @@ from typing import Any
 from lab.grading import checks, report
 from lab.grading.checks import Exercise
 from lab.grading.runner import ExerciseResult, not_graded, note_dependencies, run_exercise
+
+_VERDICTS: dict[tuple, ExerciseResult] = {}  # (exercise, the cells graded, timeout) -> what they scored
 
 
 class Report:
@@ -85,8 +92,13 @@ def check(exercise: str | None = None, *, timeout: float = 60.0, namespace: dict
     results, hidden = [], 0.0
     for ex in selected:
         parts, why_not = _kernel_parts(namespace, ex, known)
-        result = (not_graded(ex, why_not, hidden=False, not_attempted=True) if why_not else
-                  run_exercise(ex, parts, hidden=False, wall_s=timeout))
+        if why_not:
+            result = not_graded(ex, why_not, hidden=False, not_attempted=True)
+        else:
+            key = (ex.id, tuple(parts), timeout)
+            if exercise is not None or key not in _VERDICTS:  # one exercise named: always graded afresh
+                _VERDICTS[key] = run_exercise(ex, parts, hidden=False, wall_s=timeout)
+            result = copy.deepcopy(_VERDICTS[key])  # note_dependencies below writes into it
         results.append(result)
         hidden += sum(c.points for c in ex.checks if c.hidden)
     note_dependencies(results, known)

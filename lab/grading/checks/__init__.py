@@ -278,15 +278,22 @@ def per_rank(results: Any, world: int, what: str) -> list[dict]:
     return results
 
 
+def where_ranks_waited(error: CallError) -> str:
+    """Where each rank of a multi-rank call that hung waited ("rank 0 failed in send #1 to rank 1 on world; ..."),
+    each rank once, from the flight recorder's "collectives:" lines the sandbox keeps after the first line; "" if
+    none were recorded."""
+    diagnosis = error.message.partition("\n")[2]
+    return "; ".join(dict.fromkeys(wait for line in diagnosis.splitlines() if line.startswith("collectives: ")
+                                   for wait in line.removeprefix("collectives: ").split("; ")))
+
+
 def explain(error: CallError, call: str, expected: str) -> CheckFailed:
     """A call that raised (a rank that crashed or waited forever, a shape that did not fit) as a failed check
     that says what was due; an answer left as released stays "not attempted"."""
     if error.not_attempted:
         raise error
     where = f" ({error.where})" if error.where else ""
-    first, _, diagnosis = error.message.partition("\n")  # ranks that hung: where each waited, from the recorder
-    waits = "; ".join(dict.fromkeys(wait for line in diagnosis.splitlines() if line.startswith("collectives: ")
-                                    for wait in line.removeprefix("collectives: ").split("; ")))
+    first, waits = error.message.partition("\n")[0], where_ranks_waited(error)
     return CheckFailed(f"{call} raised {first[:300]}{where}{f' — {waits} —' if waits else ''}, expected {expected}",
                        CRASH_HINT if error.where else None)
 

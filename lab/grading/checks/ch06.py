@@ -46,6 +46,7 @@ from lab.grading.checks import (
     generator,
     per_rank,
     point_to_point_sent,
+    where_ranks_waited,
 )
 from lab.grading.sandbox import CallError
 
@@ -427,8 +428,7 @@ def _rank_failure(error: CallError, call: str) -> CheckFailed:
     first, _, diagnosis = error.message.partition("\n")
     if error.not_attempted or not (diagnosis or "timed out" in first.lower()):
         return explain(error, call, "every rank to finish")
-    waits = "; ".join(dict.fromkeys(wait for line in diagnosis.splitlines()  # each rank once, though several lines
-                                    for wait in line.removeprefix("collectives: ").split("; "))) or "not recorded"
+    waits = where_ranks_waited(error) or "not recorded"
     return CheckFailed(f"{call} hung — {waits} — and raised {first[:200]}, expected every rank to finish", HANG_HINT)
 
 

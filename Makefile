@@ -7,6 +7,9 @@
 #   make test-browser      only the real-browser lane (needs /usr/bin/chromium)
 #   make test-jax          only the JAX track (tests/test_jaxtrack_*.py, in processes of their own)
 #   make doctor            what this machine can run
+#   make bench-gpu         on NVIDIA GPUs: parity tests under CUDA/NCCL, MFU, bandwidth, every benchmark's GPU column
+#                          (JSON records under benchmarks/results/); one clear line and exit 2 without a GPU
+#   make record-gpu        on NVIDIA GPUs: the memory snapshot and profiler traces chapters 01-03 show
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +23,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || e
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 BROWSER_FLAG := $(if $(NO_BROWSER),--no-browser)
 
-.PHONY: venv course test test-fast test-jax test-notebooks test-browser lint doctor clean
+.PHONY: venv course test test-fast test-jax test-notebooks test-browser lint doctor bench-gpu record-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -56,6 +59,12 @@ test-browser: venv
 
 doctor: venv
 	$(PY) -m lab doctor
+
+bench-gpu: venv
+	$(PY) benchmarks/gpu_lane.py bench $(GPU_ARGS)
+
+record-gpu: venv
+	$(PY) benchmarks/gpu_lane.py record $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache tests/browser/artifacts

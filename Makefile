@@ -2,10 +2,11 @@
 #
 #   make course            create .venv if needed and open JupyterLab on the course
 #   make course NO_BROWSER=1 PORT=8899   ... without opening a browser (prints the URL)
-#   make test              create/refresh .venv and run everything (lint, unit, multi-rank, notebooks, browser)
+#   make test              create/refresh .venv and run everything (lint, unit, multi-rank, notebooks, site, browser)
 #   make test-fast         everything except the notebooks and the browser lane
 #   make test-browser      only the real-browser lane (needs /usr/bin/chromium)
 #   make test-jax          only the JAX track (tests/test_jaxtrack_*.py, in processes of their own)
+#   make site              the course as web pages in site/ (open site/index.html), from the chapters `make test` ran
 #   make doctor            what this machine can run
 #   make bench-gpu         on NVIDIA GPUs: parity tests under CUDA/NCCL, MFU, bandwidth, every benchmark's GPU column
 #                          (JSON records under benchmarks/results/); one clear line and exit 2 without a GPU
@@ -23,7 +24,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || e
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 BROWSER_FLAG := $(if $(NO_BROWSER),--no-browser)
 
-.PHONY: venv course test test-fast test-jax test-notebooks test-browser lint doctor bench-gpu record-gpu clean
+.PHONY: venv course test test-fast test-jax test-notebooks test-browser site lint doctor bench-gpu record-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -40,13 +41,22 @@ course: venv
 lint: venv
 	$(PY) -m ruff check .
 
-# The browser and JAX lanes run first so that the main suite's summary is the last line printed. The JAX track's
-# tests get their own processes: the main suite's workers fork ranks, which is unsafe once JAX has started.
+# Lint, the JAX lane, the main suite (its notebook tests save the executed chapters under build/executed/), the site
+# built from those, then the browser lane (JupyterLab, and the site's pages). The JAX track's tests get their own
+# processes: the main suite's workers fork ranks, which is unsafe once JAX has started. A failing main suite or site
+# still lets the lanes after it run, and fails `make test` at the end, where the main suite's summary is printed again.
 test: lint
-	@if [ -x /usr/bin/chromium ]; then $(MAKE) --no-print-directory test-browser; \
-	else echo "SKIPPED the browser lane: /usr/bin/chromium not found (apt-get install chromium)"; fi
 	$(MAKE) --no-print-directory test-jax
-	$(PY) -m pytest -n 2 -m "not browser and not jax" $(PYTEST_ARGS)
+	@mkdir -p build; \
+	{ $(PY) -m pytest -n 2 -m "not browser and not jax" $(PYTEST_ARGS); echo $$? > build/main-suite.rc; } \
+		| tee build/main-suite.log; \
+	status=$$(cat build/main-suite.rc); \
+	$(MAKE) --no-print-directory site || status=1; \
+	if [ -x /usr/bin/chromium ]; then $(MAKE) --no-print-directory test-browser || status=1; \
+	else echo "SKIPPED the browser lane: /usr/bin/chromium not found (apt-get install chromium)"; fi; \
+	echo "main suite (-m 'not browser and not jax'), exit status $$(cat build/main-suite.rc):"; \
+	grep -E '^=+ .* in [0-9.]+s' build/main-suite.log | tail -n 1; \
+	exit $$status
 
 test-fast: lint test-jax
 	$(PY) -m pytest -n 2 -m "not browser and not notebooks and not jax" $(PYTEST_ARGS)
@@ -56,6 +66,26 @@ test-jax: venv
 
 test-browser: venv
 	$(PY) -m pytest -m browser -p no:xdist $(PYTEST_ARGS)
+
+# site/ from build/executed/chapters/ (lab/site.py says in one line what is missing). The widgets' renderer
+# (@jupyter-widgets/html-manager) and MathJax come from the npm registry, unpacked once into build/site-vendor/, so
+# that the pages load nothing from a CDN.
+HTML_MANAGER := @jupyter-widgets/html-manager@1.0.15
+MATHJAX := mathjax@3.2.2
+SITE_VENDOR := build/site-vendor
+
+site: venv $(SITE_VENDOR)/.installed
+	$(PY) -m lab site
+
+$(SITE_VENDOR)/.installed: Makefile
+	@command -v npm >/dev/null || { echo "make site: npm not found (apt-get install npm): it fetches $(HTML_MANAGER) and $(MATHJAX)"; exit 2; }
+	rm -rf $(SITE_VENDOR) && mkdir -p $(SITE_VENDOR)/html-manager $(SITE_VENDOR)/mathjax
+	cd $(SITE_VENDOR) && npm pack --silent $(HTML_MANAGER) $(MATHJAX) >/dev/null
+	tar xzf $(SITE_VENDOR)/jupyter-widgets-html-manager-*.tgz -C $(SITE_VENDOR)/html-manager --strip-components=2 \
+		--exclude='*.map' --exclude='*amd*' package/dist
+	tar xzf $(SITE_VENDOR)/mathjax-*.tgz -C $(SITE_VENDOR)/mathjax --strip-components=2 package/es5/tex-svg-full.js
+	rm $(SITE_VENDOR)/*.tgz
+	touch $@
 
 doctor: venv
 	$(PY) -m lab doctor

@@ -5,6 +5,9 @@ new chapter is tested as soon as its file exists. Each runs with nbclient in thi
 of this interpreter (see the `jupyter_env` fixture), with its folder as working directory, within a
 time budget: 90 s for a chapter (the issues' "runs in CI in < 90 s"), 300 s for an exercise notebook, or
 `{"lab": {"timeout": N}}` in the notebook's metadata.
+
+A chapter that runs is saved, outputs and widget state included, under build/executed/chapters/: `make site`
+(lab/site.py) converts those copies into the course's web pages, so no notebook is executed twice.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(path for folder in ("chapters", "solutions", "exercises")
                    for path in (REPO / folder).glob("*.ipynb"))
 DEFAULT_TIMEOUT_S = {"chapters": 90, "solutions": 300, "exercises": 300}
+EXECUTED = REPO / "build" / "executed"  # git-ignored; lab/site.py reads it
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks
 
 
@@ -114,8 +118,23 @@ def test_notebook_runs(path: Path, jupyter_env: dict[str, str], monkeypatch: pyt
                 break
     finally:
         record_property("wall_s", (f"notebook  {rel}", time.perf_counter() - start))
+    if path.parent.name == "chapters":
+        _save_executed(nb, EXECUTED / rel, keep=not failure)
     if failure:
         pytest.fail(failure, pytrace=False)
+
+
+def _save_executed(nb: nbformat.NotebookNode, target: Path, keep: bool) -> None:
+    """Write the executed chapter (nbclient stored its widget state in metadata.widgets) for `make site`; after a
+    failure remove the earlier copy instead, so the site is never built from a chapter older than the tests ran.
+    Written to a temporary name first: `make site` must never read a half-written file."""
+    if not keep:
+        target.unlink(missing_ok=True)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    nbformat.write(nb, partial)
+    partial.replace(target)
 
 
 @pytest.mark.parametrize("path", _params([]))

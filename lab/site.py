@@ -1,0 +1,167 @@
+"""`python -m lab site`: the course as a static web site, from the chapter notebooks the test suite executed.
+
+    python -m lab site                 build/executed/chapters/*.ipynb -> site/   (`make site` runs this)
+
+Nothing is executed here: tests/test_notebooks.py saves every chapter it runs, outputs and widget state included
+(nbclient stores the state), under build/executed/chapters/. A missing or stale copy is one line and exit 2.
+
+Why nbconvert's HTMLExporter with one small template (site.html.j2): it comes with JupyterLab (jupyter_server
+requires it), renders outputs as JupyterLab's own "lab" template does, embeds plots as PNG data, and writes the
+saved widget state into the page, where @jupyter-widgets/html-manager draws the calculators as they were left. A
+book builder (Jupyter Book, Sphinx with myst-nb) would bring a second toolchain for the same exporter and the
+same html-manager, and a theme to keep.
+
+Offline: the "lab" template fetches require.js, MathJax and the html-manager from CDNs. The site's template loads
+none of them: html-manager's standalone dist/embed.js (no require.js needed) and MathJax 3's es5/tex-svg-full.js
+(fonts inside the one file) are copied from `--vendor`, which `make site` unpacks from the npm packages
+@jupyter-widgets/html-manager and mathjax (versions pinned in the Makefile).
+
+The site mirrors the repository, so a link between notebooks keeps working once .ipynb becomes .html:
+site/index.html (course/syllabus.md and the list of pages), site/chapters/*.html, site/exercises/*.html with
+the *.ipynb beside them to download (the released stubs of exercises/, never solutions/), site/static/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+REPO = Path(__file__).resolve().parents[1]
+EXECUTED = REPO / "build" / "executed"
+VENDOR = REPO / "build" / "site-vendor"
+# What `make course` serves (its default PORT); each page links its notebook there.
+LAB_URL = "http://localhost:8888/lab/tree/"
+RUN_THE_TESTS = ("run `make test`, or only the chapters: "
+                 ".venv/bin/python -m pytest -n 2 tests/test_notebooks.py -k chapters/")
+# a relative Markdown link to a notebook: [text](../exercises/05_context_parallel.ipynb#part)
+_NOTEBOOK_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s#]+)\.ipynb")
+
+
+@dataclass
+class Page:
+    source: str  # the notebook's path in the repository, e.g. "chapters/01_memory_and_compute.ipynb"
+    nb: nbformat.NotebookNode
+    title: str
+
+    @property
+    def html(self) -> str:
+        return self.source.removesuffix(".ipynb") + ".html"
+
+
+def _title(nb: nbformat.NotebookNode, fallback: str) -> str:
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and (heading := re.search(r"^#\s+(.+)$", cell.source, re.MULTILINE)):
+            return heading.group(1).strip()
+    return fallback
+
+
+def _executed_chapters(repo: Path, executed: Path) -> list[Page]:
+    """The executed copy of every chapter in repo/chapters/; ValueError (one line) naming those missing or stale."""
+    pages, missing, stale = [], [], []
+    for path in sorted((repo / "chapters").glob("*.ipynb")):
+        rel = path.relative_to(repo).as_posix()
+        if not (executed / rel).exists():
+            missing.append(rel)
+            continue
+        nb = nbformat.read(executed / rel, as_version=4)
+        if [c.source for c in nb.cells] != [c.source for c in nbformat.read(path, as_version=4).cells]:
+            stale.append(rel)
+        pages.append(Page(rel, nb, _title(nb, path.stem)))
+    if missing or stale:
+        said = [f"no executed copy of {', '.join(missing)}"] if missing else []
+        said += [f"the executed copy of {', '.join(stale)} is older than the notebook"] if stale else []
+        raise ValueError(f"{'; '.join(said)} (in {executed}): {RUN_THE_TESTS}")
+    if not pages:
+        raise ValueError(f"no chapter notebooks in {repo / 'chapters'}")
+    return pages
+
+
+def _exercises(repo: Path) -> list[Page]:
+    paths = sorted((repo / "exercises").glob("*.ipynb"))
+    return [Page(p.relative_to(repo).as_posix(), nbformat.read(p, as_version=4), _title(nbformat.read(p, 4), p.stem))
+            for p in paths]
+
+
+def _index(repo: Path, chapters: list[Page], exercises: list[Page]) -> Page:
+    """The syllabus, then a link to every page: one markdown notebook, converted like the others."""
+    by_stem = {Path(page.source).stem: page for page in exercises}
+    lines = ["## Read the course", ""]
+    for page in chapters:
+        line = f"- [{page.title}]({page.html})"
+        if (exercise := by_stem.get(Path(page.source).stem)) is not None:
+            line += f" · exercises: [read]({exercise.html}), [download]({exercise.source})"
+        lines.append(line)
+    cells = [nbformat.v4.new_markdown_cell((repo / "course" / "syllabus.md").read_text()),
+             nbformat.v4.new_markdown_cell("\n".join(lines))]
+    return Page("index.ipynb", nbformat.v4.new_notebook(cells=cells), "Ultra-Scale Lab")
+
+
+def _exporter():
+    from nbconvert import HTMLExporter
+
+    return HTMLExporter(template_name="lab", extra_template_paths=[str(Path(__file__).parent)],
+                        template_file="site.html.j2", exclude_input_prompt=True, exclude_output_prompt=True)
+
+
+def _write(exporter, page: Page, out: Path, nav: dict[str, dict | None]) -> Path:
+    nb = nbformat.from_dict(page.nb)  # a copy: links to notebooks become links to their pages
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = _NOTEBOOK_LINK.sub(r"](\1.html", cell.source)
+    depth = page.source.count("/")
+    site = {**nav, "root": "../" * depth, "source": page.source, "lab_url": LAB_URL + page.source,
+            "widgets": "widgets" in nb.metadata, "download": page.source.startswith("exercises/")}
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": page.title}, "site": site})
+    target = out / page.html
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(body, encoding="utf-8")
+    return target
+
+
+def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path = VENDOR) -> list[Path]:
+    """Write the site into `out` (emptied first); return the pages written. ValueError (one line) when an
+    input is missing."""
+    for needed in ("html-manager/embed.js", "mathjax/tex-svg-full.js"):
+        if not (vendor / needed).exists():
+            raise ValueError(f"{vendor / needed} is missing: `make site` unpacks it from the npm registry")
+    chapters, exercises = _executed_chapters(repo, executed), _exercises(repo)
+    index = _index(repo, chapters, exercises)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(vendor, out / "static", ignore=shutil.ignore_patterns("*.map", ".*"))
+    exporter = _exporter()
+    link = lambda page: {"html": page.html, "title": page.title} if page else None  # noqa: E731
+    pages = [_write(exporter, index, out, {"next": link(chapters[0])})]
+    for i, page in enumerate(chapters):
+        before, after = chapters[i - 1] if i else None, chapters[i + 1] if i + 1 < len(chapters) else None
+        pages.append(_write(exporter, page, out, {"prev": link(before), "next": link(after)}))
+    for page in exercises:
+        chapter = next((c for c in chapters if Path(c.source).name == Path(page.source).name), None)
+        pages.append(_write(exporter, page, out, {"up": link(chapter)}))
+        shutil.copy2(repo / page.source, out / page.source)  # the download
+    return pages
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lab site", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "site", help="where to write (default site/)")
+    parser.add_argument("--executed", type=Path, default=EXECUTED, help="the executed chapters' folder")
+    parser.add_argument("--vendor", type=Path, default=VENDOR, help="html-manager/ and mathjax/ (see `make site`)")
+    args = parser.parse_args(argv)
+    try:
+        pages = build(args.out, executed=args.executed, vendor=args.vendor)
+    except ValueError as error:
+        print(f"python -m lab site: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(pages)} pages: open {args.out / 'index.html'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,8 +20,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-import tomli_w
-
 ATTENTION_KINDS = ("gqa", "mla")
 MOE_GATINGS = ("softmax", "sigmoid")
 MOE_GATE_NORMS = ("auto", "none", "topk")  # see ModelConfig.renormalizes_gates
@@ -423,6 +421,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def save_config(config: Config, path: str | Path) -> None:
+    import tomli_w  # only writing needs it: a GPU image with torch but without tomli_w still reads configs
+
     Path(path).write_text(tomli_w.dumps(config.to_dict()))
 
 

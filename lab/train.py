@@ -311,6 +311,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             par.after_step()  # the masters rounded into the model's weights; ZeRO-1/2 all-gather
             scheduler.step()
             par.zero_grad()
+            if device.type == "cuda":  # kernels run asynchronously: the step ends when the GPU's work does
+                torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             fp16 = {"loss_scale": scale, "skipped": not stepped} if scaler.enabled else {}

@@ -20,6 +20,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 pytest.register_assert_rewrite("grading_support")  # the chapters' shared grading tests: show what was compared
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/gpu; run by make bench-gpu), skipped elsewhere")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The JAX track's tests (tests/test_jaxtrack_*.py) are marked `jax`: `make test` runs them in a lane of their
     own. Why: JAX starts its thread pools in the process that computes, and a pytest worker that later forks ranks

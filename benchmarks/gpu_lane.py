@@ -1,0 +1,625 @@
+"""The GPU lane: what only NVIDIA GPUs can show, in one command, kept as JSON records.
+
+    make bench-gpu                      # python benchmarks/gpu_lane.py bench
+    make record-gpu                     # python benchmarks/gpu_lane.py record
+    python benchmarks/gpu_lane.py bench --parts correctness mfu --out /tmp/gpu --budget-s 300
+
+Nothing on a CPU machine can say whether the course's promise holds on NCCL and CUDA: this lane checks it and
+measures what the chapters quote. Without a GPU it prints one line and exits 2.
+
+bench, in order (each part in a process of its own, with a time limit, so one crash or hang costs only its part):
+  correctness  pytest over tests/gpu (fp32 parity with the CPU, activation bytes against `lab.calc.memory`, bf16
+               training, and every `lab.train` layout the machine has GPUs for under NCCL against one GPU), the
+               Triton kernels' tests and the FP8 tests, compiled on this GPU
+  mfu          `lab.train` on Llama 3.2 1B on one GPU in bf16: MFU = model FLOPs per step (`lab.calc.flops`, 6N plus
+               attention) / (median steady step time x the device's dense bf16 peak from `lab.calc.hardware`)
+  nccl         benchmarks/collectives.py on NCCL: bus bandwidth of torch's and lab's collectives (>= 2 GPUs)
+  kernels, fp8, serving, dp_zero
+               the GPU columns of benchmarks/kernels.py (Triton vs torch), fp8_gemm.py (FP8 vs bf16 GEMMs),
+               serving.py (the inference engine's throughput) and dp_zero.py (lab's DP/ZeRO vs DDP/FSDP2, >= 2 GPUs)
+record: the recordings chapters 01-03 show
+  memory       the memory timeline of three training steps by category (`lab.profiling`, the CPU figure of chapter
+               01, now on the GPU), and a CUDA allocator snapshot for https://pytorch.org/memory_viz
+  trace        a profiler trace of two training steps (chrome://tracing, https://ui.perfetto.dev) and its kernel table
+  ddp_trace    DDP's bucketed all-reduce overlapping backward, on NCCL (>= 2 GPUs)
+
+The document written to --out (benchmarks/results/ by default), `<date>-<device>-<command>.json`, holds the
+environment (devices, driver, torch, CUDA, NCCL, Triton) and one record per part: status (pass, fail, skip,
+timeout), wall time, and what it measured. `validate` is its schema; tests/test_gpu_lane.py checks it on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gzip
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SCHEMA = "lab-gpu-lane/1"
+STATUSES = ("pass", "fail", "skip", "timeout")
+# part: (time limit in seconds, GPUs it needs)
+BENCH_PARTS = {"correctness": (200, 1), "mfu": (150, 1), "nccl": (150, 2), "kernels": (150, 1),
+               "fp8": (120, 1), "serving": (120, 1), "dp_zero": (200, 2)}
+RECORD_PARTS = {"memory": (90, 1), "trace": (60, 1), "ddp_trace": (90, 2)}
+ALL_PARTS = {**BENCH_PARTS, **RECORD_PARTS}
+MFU_WARMUP_STEPS = 2  # the first steps build CUDA contexts, cuBLAS plans and the allocator's pools
+NO_GPU = "{command} needs an NVIDIA GPU: {why}. Run it on a machine where nvidia-smi lists one."
+
+
+def gpu_problem() -> str | None:
+    """Why this machine cannot run the lane, in a few words, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is a CPU build"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+    return None
+
+
+# --- the environment ----------------------------------------------------------------------------------------
+
+
+def _driver_version() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True, timeout=30)
+    return done.stdout.splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _lab_commit() -> str | None:
+    if os.environ.get("LAB_COMMIT"):
+        return os.environ["LAB_COMMIT"]
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def environment() -> dict:
+    """Who measured: the devices, the driver and every version a number depends on."""
+    import torch
+
+    from lab.calc.hardware import device_accelerator
+
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        chip = device_accelerator(props.name)
+        devices.append({"name": props.name, "memory_bytes": props.total_memory,
+                        "capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
+                        "peak_bf16_flops": chip.peak_flops("bf16") if chip else None})
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    return {"devices": devices, "driver": _driver_version(), "host": platform.node(),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+                         "triton": triton_version, "lab_commit": _lab_commit()}}
+
+
+# --- the document and its schema ----------------------------------------------------------------------------
+
+
+def document(command: str, env: dict, parts: list[dict]) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"schema": SCHEMA, "command": command, "date": now, "environment": env, "parts": parts}
+
+
+def validate(doc: dict) -> list[str]:
+    """What is wrong with a lane document, one line each (empty when it is well formed)."""
+    problems = []
+    for key, kind in (("schema", str), ("command", str), ("date", str), ("environment", dict), ("parts", list)):
+        if not isinstance(doc.get(key), kind):
+            problems.append(f"{key}: must be a {kind.__name__}, got {type(doc.get(key)).__name__}")
+    if problems:
+        return problems
+    if doc["schema"] != SCHEMA:
+        problems.append(f"schema: {doc['schema']!r} is not {SCHEMA!r}")
+    if doc["command"] not in ("bench", "record"):
+        problems.append(f"command: {doc['command']!r} must be 'bench' or 'record'")
+    env = doc["environment"]
+    for key in ("devices", "driver", "versions"):
+        if key not in env:
+            problems.append(f"environment.{key}: missing")
+    for key in ("torch", "cuda", "nccl", "triton", "python", "lab_commit"):
+        if key not in env.get("versions", {}):
+            problems.append(f"environment.versions.{key}: missing")
+    for i, part in enumerate(doc["parts"]):
+        where = f"parts[{i}] ({part.get('name', '?')})"
+        if part.get("name") not in ALL_PARTS:
+            problems.append(f"{where}: name must be one of {', '.join(ALL_PARTS)}")
+        if part.get("status") not in STATUSES:
+            problems.append(f"{where}: status {part.get('status')!r} must be one of {', '.join(STATUSES)}")
+        if not isinstance(part.get("wall_s"), (int, float)) or part["wall_s"] < 0:
+            problems.append(f"{where}: wall_s must be a number >= 0")
+        if part.get("status") in ("skip", "fail", "timeout") and not part.get("reason"):
+            problems.append(f"{where}: a {part.get('status')} part must say why (reason)")
+        if part.get("name") == "mfu" and part.get("status") == "pass":
+            for key in ("mfu", "step_s", "tokens_per_step", "model_flops_per_step", "peak_flops"):
+                if not isinstance(part.get("metrics", {}).get(key), (int, float)):
+                    problems.append(f"{where}: metrics.{key} must be a number")
+    return problems
+
+
+# --- the MFU arithmetic -------------------------------------------------------------------------------------
+
+
+def mfu_of_run(step_seconds: list[float], model_cfg, seq: int, tokens_per_step: int, peak_flops: float,
+               warmup: int = MFU_WARMUP_STEPS) -> dict:
+    """Model FLOPs utilisation of a one-GPU run from its step times: the model's FLOPs per step (6N plus attention,
+    `lab.calc.flops.training_flops`; recomputation would not count) over the median steady step time x the peak."""
+    from lab.calc.flops import training_flops
+
+    if len(step_seconds) <= warmup:
+        raise ValueError(f"{len(step_seconds)} steps: MFU needs more than the {warmup} warm-up steps")
+    if not peak_flops > 0:
+        raise ValueError(f"peak_flops={peak_flops!r} must be > 0 (FLOP/s)")
+    step_s = statistics.median(step_seconds[warmup:])
+    flops = training_flops(model_cfg, seq, tokens=tokens_per_step).model_flops
+    return {"mfu": flops / (step_s * peak_flops), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+            "tokens_per_step": tokens_per_step, "model_flops_per_step": flops, "peak_flops": peak_flops,
+            "steady_steps": len(step_seconds) - warmup}
+
+
+def _peak_flops(device: str) -> float | None:
+    import torch
+
+    from lab.calc.hardware import device_accelerator
+
+    if device != "cuda":
+        return None
+    chip = device_accelerator(torch.cuda.get_device_name())
+    return chip.peak_flops("bf16") if chip else None
+
+
+def part_mfu(args: argparse.Namespace) -> dict:
+    """Train the MFU model for a few steps with `lab.train`'s own loop; the device's peak comes from the table."""
+    import torch
+
+    from lab.config import load_config
+    from lab.train import run
+
+    config = load_config(None, [f"model.preset='{args.mfu_model}'", f"train.seq_len={args.mfu_seq}",
+                                f"train.global_batch={args.mfu_mbs * args.mfu_accum}",
+                                f"parallel.grad_accum={args.mfu_accum}", f"train.steps={args.mfu_steps}",
+                                "train.warmup_steps=1", f"train.precision='{args.mfu_precision}'",
+                                f"train.device='{args.device}'"])
+    peak = args.peak_flops or _peak_flops(args.device)
+    if peak is None:
+        return {"status": "skip", "reason": "no dense bf16 peak for this device in lab.calc.hardware "
+                                            "(give --peak-flops)"}
+    attention = _attention_backend(args.device)
+    logs = run(config, 1, verbose=False)
+    tokens = config.train.global_batch * config.train.seq_len
+    metrics = mfu_of_run([tokens / log.tokens_per_s for log in logs], config.model, config.train.seq_len, tokens, peak)
+    metrics.update(model=args.mfu_model, seq=args.mfu_seq, micro_batch=args.mfu_mbs, grad_accum=args.mfu_accum,
+                   precision=args.mfu_precision, attention=attention,
+                   peak_memory_bytes=max((log.peak_bytes or 0) for log in logs),
+                   losses=[round(log.loss, 4) for log in logs])
+    if args.device == "cuda":
+        metrics["device"] = torch.cuda.get_device_name()
+    goal = args.mfu_goal
+    status = "pass" if metrics["mfu"] >= goal else "fail"
+    reason = None if status == "pass" else f"MFU {metrics['mfu']:.1%} is under the goal of {goal:.0%}"
+    return {"status": status, "metrics": metrics, **({"reason": reason} if reason else {})}
+
+
+def _attention_backend(device: str) -> str:
+    """Whether SDPA's flash kernel takes the model's grouped-query attention (it falls back to slower kernels)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device != "cuda":
+        return "cpu"
+    q = torch.randn(1, 32, 256, 64, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(1, 8, 256, 64, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        return "flash (GQA)"
+    except RuntimeError as error:
+        return f"not flash: {str(error).splitlines()[0][:200]}"
+
+
+# --- parts that run pytest or a benchmark script --------------------------------------------------------------
+
+
+def _child(command: list[str], timeout_s: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, **(env or {})})
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def junit_summary(xml_text: str) -> dict:
+    """Counts and the failing tests' ids and first message lines of a pytest --junitxml report."""
+    root = ET.fromstring(xml_text)
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    failed = []
+    for case in root.iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                message = (child.get("message") or child.text or "").strip().splitlines()
+                failed.append(f"{case.get('classname')}::{case.get('name')}: {message[0][:300] if message else ''}")
+    skipped = sorted({(child.get("message") or "").strip()[:200] for case in root.iter("testcase")
+                      for child in case if child.tag == "skipped"})
+    return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+            "failed": failed, "skip_reasons": skipped}
+
+
+def part_correctness(args: argparse.Namespace, timeout_s: float) -> dict:
+    tests = ["tests/gpu", *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_kernels_*.py")),
+             "tests/test_fp8.py"]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        done = _child([sys.executable, "-m", "pytest", *tests, "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+                       "-rs", f"--junitxml={report}"], timeout_s)
+        if not report.exists():
+            return {"status": "fail", "reason": f"pytest wrote no report (exit {done.returncode})",
+                    "log_tail": _tail(done.stdout + done.stderr)}
+        summary = junit_summary(report.read_text())
+    bad = summary["failures"] + summary["errors"]
+    return {"status": "pass" if bad == 0 and done.returncode == 0 else "fail", "metrics": summary,
+            **({"reason": f"{bad} of {summary['tests']} tests failed"} if bad else {}),
+            "log_tail": _tail(done.stdout, 25)}
+
+
+def _script(name: str, extra: list[str], timeout_s: float, with_json: bool = True) -> dict:
+    """Run benchmarks/<name>.py; its --json records (when it writes them) or its printed table come back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "records.json"
+        command = [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *extra,
+                   *(["--json", str(out)] if with_json else [])]
+        done = _child(command, timeout_s)
+        records = json.loads(out.read_text()) if out.exists() else None
+    result = {"status": "pass" if done.returncode == 0 else "fail", "command": " ".join(command[1:]),
+              "log_tail": _tail(done.stdout + ("\n" + done.stderr if done.returncode else ""), 60)}
+    if done.returncode:
+        result["reason"] = f"exit {done.returncode}: {_tail(done.stderr, 1)[:300]}"
+    if records is not None:
+        result["records"] = records
+    return result
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def part_script(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
+    gpus = _gpus()
+    if name == "kernels":
+        return _script("kernels", ["--lane", "gpu", "--no-interpreter"], timeout_s)
+    if name == "fp8":
+        return _script("fp8_gemm", ["--lane", "gpu", "--sizes", "1024", "2048", "4096", "8192", "16384"], timeout_s)
+    if name == "serving":
+        return _script("serving", ["--lane", "gpu", "--presets", "llama3-1b"], timeout_s)
+    worlds = [str(w) for w in (2, 4, 8) if w <= gpus]
+    if name == "nccl":
+        return _script("collectives", ["--backend", "nccl", "--world", *worlds, "--max-mb", "256"], timeout_s,
+                       with_json=False)
+    if name == "dp_zero":
+        return _script("dp_zero", ["--backend", "nccl", "--world", *worlds, "--d-model", "2048", "--layers", "8",
+                                   "--vocab", "32000", "--seq-len", "1024", "--batch", str(4 * int(worlds[-1]))],
+                       timeout_s, with_json=False)
+    raise ValueError(f"part={name!r} is not a benchmark script part")
+
+
+# --- recordings -----------------------------------------------------------------------------------------------
+
+
+def _record_model(device: str):
+    """A model big enough for the GPU's timeline to show its phases, small enough to record in seconds."""
+    import torch
+
+    from lab.config import ModelConfig
+    from lab.model import build_model, materialize
+    from lab.parallel.optim import adamw
+
+    cfg = ModelConfig.from_preset("tiny", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4,
+                                  d_ff=2816, max_seq_len=1024)
+    if device == "cpu":  # the CPU path exists for the tests: a tiny shape
+        cfg = ModelConfig.from_preset("tiny")
+    model = materialize(build_model(cfg), device, seed=0)
+    optimizer = adamw(model.parameters(), 3e-4, 0.1)
+    seq, mbs = (1024, 8) if device == "cuda" else (32, 2)
+    tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device, generator=None)
+    return cfg, model, optimizer, tokens, seq, mbs
+
+
+def part_memory(args: argparse.Namespace) -> dict:
+    import torch
+
+    from lab.profiling import language_model_step, memory_timeline
+
+    cfg, model, optimizer, tokens, seq, mbs = _record_model(args.device)
+    step = language_model_step(model, optimizer, tokens, tokens.roll(-1, 1))
+    timeline = memory_timeline(step, steps=3, device=args.device)
+    metrics = {"model": dataclasses.asdict(cfg), "seq": seq, "micro_batch": mbs, "precision": "fp32",
+               "timeline": thin(dataclasses.asdict(timeline)),
+               "peak_bytes_by_step": [timeline.peak(k) for k in (1, 2, 3)]}
+    files = []
+    if args.device == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        snapshot = Path(args.out) / f"{args.stem}-memory-snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(snapshot))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        files.append(_gzip(snapshot))
+        metrics["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return {"status": "pass", "metrics": metrics, "files": files}
+
+
+def thin(timeline: dict, points: int = 1500) -> dict:
+    """Keep about `points` samples of a memory timeline (every allocation is one), keeping each stretch's highest
+    total so that no peak is lost: a file a chapter can load, and the same plot."""
+    times = timeline["times_ms"]
+    if len(times) <= points:
+        return timeline
+    columns = timeline["bytes_by_category"]
+    totals = [sum(col[i] for col in columns.values()) for i in range(len(times))]
+    size = -(-len(times) // points)
+    keep = [max(range(i, min(i + size, len(times))), key=totals.__getitem__) for i in range(0, len(times), size)]
+    return {**timeline, "times_ms": [times[i] for i in keep],
+            "bytes_by_category": {name: [col[i] for i in keep] for name, col in columns.items()}}
+
+
+def part_trace(args: argparse.Namespace) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lab.profiling import language_model_step
+
+    _, model, optimizer, tokens, _, _ = _record_model(args.device)
+    step = language_model_step(model, optimizer, tokens, tokens.roll(-1, 1))
+    step()  # warm-up: cuBLAS handles, the allocator's pools, the optimizer's states
+    on_gpu = args.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    wall_s = time.perf_counter() - start
+    trace = Path(args.out) / f"{args.stem}-trace.json"
+    prof.export_chrome_trace(str(trace))
+    rows = kernel_table(prof.key_averages(), on_gpu)
+    busy_s = sum(r["total_ms"] for r in rows) / 1000 if on_gpu else None
+    return {"status": "pass", "files": [_gzip(trace)],
+            "metrics": {"steps": 2, "wall_s": wall_s, "kernel_busy_s": busy_s, "top_ops": rows[:20]}}
+
+
+def kernel_table(averages, on_gpu: bool) -> list[dict]:
+    """The profiler's ops by their own time, longest first: GPU kernels on a GPU, CPU ops otherwise."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for event in averages:
+        if on_gpu and event.device_type != DeviceType.CUDA:
+            continue  # a CPU op: its device time is its kernels', which are rows of their own
+        total_us = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+                    if on_gpu else event.self_cpu_time_total)
+        if total_us > 0:
+            rows.append({"name": event.key[:120], "calls": event.count, "total_ms": total_us / 1000})
+    return sorted(rows, key=lambda r: -r["total_ms"])
+
+
+def _gzip(path: Path) -> str:
+    packed = path.with_name(path.name + ".gz")
+    with path.open("rb") as src, gzip.open(packed, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return packed.name
+
+
+def _ddp_trace_rank(out: str, stem: str, device: str) -> dict | None:
+    """Two DDP steps on every rank, profiled; rank 0 writes the trace in which the all-reduce of each bucket
+    starts while backward still computes (torch's DDP: lab's engines are compared with it in chapter 03)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    from lab.profiling import language_model_step
+
+    rank = dist.get_rank()
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    _, model, _, tokens, _, _ = _record_model(device if device == "cpu" else f"cuda:{rank}")
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
+    step = language_model_step(ddp, optimizer, tokens, tokens.roll(-1, 1))
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    if rank != 0:
+        return None
+    trace = Path(out) / f"{stem}-ddp-trace.json"
+    prof.export_chrome_trace(str(trace))
+    rows = kernel_table(prof.key_averages(), device == "cuda")
+    collective = re.compile(r"nccl|allreduce|all_reduce", re.IGNORECASE)
+    return {"file": _gzip(trace), "top_ops": rows[:20],
+            "collective_ms": sum(r["total_ms"] for r in rows if collective.search(r["name"]))}
+
+
+def part_ddp_trace(args: argparse.Namespace) -> dict:
+    from lab.distributed.launch import run
+
+    world = 2
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    result = run(_ddp_trace_rank, world, str(args.out), args.stem, args.device, backend=backend, timeout_s=240)[0]
+    return {"status": "pass", "files": [result.pop("file")], "metrics": {"world": world, "backend": backend, **result}}
+
+
+# --- orchestration --------------------------------------------------------------------------------------------
+
+
+IN_PROCESS = {"mfu": part_mfu, "memory": part_memory, "trace": part_trace, "ddp_trace": part_ddp_trace}
+
+
+def run_part(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
+    """One part, in a child process of its own where it touches the GPU: a record, whatever happened."""
+    start = time.perf_counter()
+    need = ALL_PARTS[name][1]
+    gpus = _gpus() if args.device == "cuda" else need  # the tests run every part on the CPU
+    try:
+        if gpus < need:
+            result = {"status": "skip", "reason": f"needs {need} GPUs, this machine has {gpus}"}
+        elif name in IN_PROCESS:
+            result = _in_child(name, args, timeout_s)
+        elif name == "correctness":
+            result = part_correctness(args, timeout_s)
+        else:
+            result = part_script(name, args, timeout_s)
+    except subprocess.TimeoutExpired:
+        result = {"status": "timeout", "reason": f"stopped after its {timeout_s:.0f} s"}
+    return {"name": name, **result, "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def _in_child(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "part.json"
+        command = [sys.executable, __file__, "_part", name, "--out", str(args.out), "--stem", args.stem,
+                   "--json", str(out), "--device", args.device, *_mfu_flags(args)]
+        done = _child(command, timeout_s)
+        if not out.exists():
+            return {"status": "fail", "reason": f"exit {done.returncode}: {_tail(done.stderr, 1)[:300]}",
+                    "log_tail": _tail(done.stdout + done.stderr)}
+        return json.loads(out.read_text())
+
+
+def _mfu_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--mfu-model", args.mfu_model, "--mfu-seq", str(args.mfu_seq), "--mfu-mbs", str(args.mfu_mbs),
+             "--mfu-accum", str(args.mfu_accum), "--mfu-steps", str(args.mfu_steps),
+             "--mfu-precision", args.mfu_precision, "--mfu-goal", str(args.mfu_goal)]
+    return flags + (["--peak-flops", str(args.peak_flops)] if args.peak_flops else [])
+
+
+def lane(command: str, args: argparse.Namespace) -> dict:
+    parts = args.parts or list(BENCH_PARTS if command == "bench" else RECORD_PARTS)
+    deadline = time.monotonic() + args.budget_s
+    records = []
+    for name in parts:
+        left = deadline - time.monotonic()
+        if left < 20:
+            records.append({"name": name, "status": "skip", "wall_s": 0.0,
+                            "reason": f"the lane's budget (--budget-s {args.budget_s:.0f}) was spent"})
+        else:
+            records.append(run_part(name, args, min(ALL_PARTS[name][0], left)))
+        last = records[-1]
+        print(f"{name:12s} {last['status']:8s} {last['wall_s']:7.1f} s  {last.get('reason', '')}", flush=True)
+    doc = document(command, environment(), records)
+    problems = validate(doc)
+    if problems:  # the lane's own bug: say it, keep the document
+        print("the document does not match its schema:\n  " + "\n  ".join(problems), file=sys.stderr)
+    path = Path(args.out) / f"{args.stem}-{command}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")
+    return doc
+
+
+def _stem() -> str:
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-")
+    return f"{datetime.date.today().isoformat()}-{slug}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("bench", "record", "_part"))
+    parser.add_argument("part", nargs="?", help=argparse.SUPPRESS)  # _part's part
+    parser.add_argument("--parts", nargs="+", metavar="PART", help=f"bench: {', '.join(BENCH_PARTS)}; "
+                                                                    f"record: {', '.join(RECORD_PARTS)}")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--budget-s", type=float, default=3600.0, help="stop starting parts after this long")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the tests run the parts on "cpu"
+    parser.add_argument("--stem", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    mfu = parser.add_argument_group("mfu part")
+    mfu.add_argument("--mfu-model", default="llama3-1b")
+    mfu.add_argument("--mfu-seq", type=int, default=2048)
+    mfu.add_argument("--mfu-mbs", type=int, default=4, help="sequences per micro-batch")
+    mfu.add_argument("--mfu-accum", type=int, default=4, help="micro-batches per step")
+    mfu.add_argument("--mfu-steps", type=int, default=8)
+    mfu.add_argument("--mfu-precision", default="bf16")
+    mfu.add_argument("--mfu-goal", type=float, default=0.45)
+    mfu.add_argument("--peak-flops", type=float, help="the device's dense peak in FLOP/s (default: lab.calc.hardware)")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Bad input: one line naming the value and what is valid."""
+    valid = BENCH_PARTS if args.command == "bench" else RECORD_PARTS
+    if args.command == "_part":
+        valid = ALL_PARTS
+    for name in args.parts or []:
+        if name not in valid:
+            raise ValueError(f"--parts {name!r}: {args.command} has {', '.join(valid)}")
+    for flag in ("mfu_seq", "mfu_mbs", "mfu_accum"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    if args.mfu_steps <= MFU_WARMUP_STEPS:
+        raise ValueError(f"--mfu-steps={args.mfu_steps} must be > {MFU_WARMUP_STEPS} (the warm-up steps)")
+    if not 0 < args.mfu_goal <= 1:
+        raise ValueError(f"--mfu-goal={args.mfu_goal} must be in (0, 1]")
+    if args.budget_s <= 0:
+        raise ValueError(f"--budget-s={args.budget_s} must be > 0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as error:
+        print(f"gpu_lane: {error}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and (why := gpu_problem()):
+        target = {"bench": "make bench-gpu", "record": "make record-gpu"}.get(args.command, "gpu_lane")
+        print(NO_GPU.format(command=target, why=why), file=sys.stderr)
+        return 2
+    args.stem = args.stem or _stem()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.command == "_part":
+        result = IN_PROCESS[args.part](args)
+        args.json.write_text(json.dumps(result))
+        return 0
+    doc = lane(args.command, args)
+    return 0 if all(p["status"] in ("pass", "skip") for p in doc["parts"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

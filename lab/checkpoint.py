@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from lab.distributed import all_gather_single
 from lab.parallel.placement import placement_of
 from lab.parallel.zero import Zero
 from lab.precision.loss_scale import DynamicLossScaler
@@ -221,7 +222,7 @@ def _piece_ranges(unit) -> list[tuple[int, int, nn.Parameter]]:
 @torch.no_grad()
 def _zero_state(par, optimizer: torch.optim.Optimizer, loading: bool):
     engine: Zero = par.engine
-    names = {param: name for name, param in named_parameters(par)}
+    names = {engine.full_of.get(param, param): name for name, param in named_parameters(par)}  # ZeRO-3: pieces
     pieces = _zero_pieces(engine)
     tensors, boxes, flats = {}, {}, []
     steps: dict[nn.Parameter, torch.Tensor] = {}
@@ -241,7 +242,7 @@ def _zero_state(par, optimizer: torch.optim.Optimizer, loading: bool):
                         shards[s][lo:hi] = state[s]
                     steps[param] = state["step"]
             for kind in kinds:
-                dist.all_gather_into_tensor(full[kind], shards[kind], group=engine.group)
+                all_gather_single(full[kind], shards[kind], group=engine.group)
         flats.append((unit, full))
         for param, offset in unit.offsets.items():
             keys, box = _keys(names[param]), _box(param)

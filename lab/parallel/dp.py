@@ -7,8 +7,8 @@ reproduces a single-process run step for step.
 
 Three ways to average, each a small class with the same training loop (ZeRO in `lab.parallel.zero` too):
 
-    dp = BucketedDP(model, group, bucket_mb=25)
-    optimizer = adamw(dp.parameters(), lr=3e-3, weight_decay=0.1)      # lab.parallel.optim
+    dp = BucketedDP(model, group, bucket_mb=25)       # any nn.Module; rank 0's weights are broadcast here
+    optimizer = adamw(dp.parameters(), lr=3e-3, weight_decay=0.1)      # or any torch.optim.Optimizer
     for i, (x, y) in enumerate(micro_batches):
         with dp.backward_context(last_micro_batch=i == len(micro_batches) - 1):
             (loss_fn(model(x), y) / len(micro_batches)).backward()
@@ -16,11 +16,16 @@ Three ways to average, each a small class with the same training loop (ZeRO in `
     norm = clip_grad_norm(dp.parameters(), 1.0)       # global norm, as torch.nn.utils.clip_grad_norm_
     optimizer.step()
     dp.after_step()                                   # ZeRO-1/2: all-gather the updated shards
-    dp.zero_grad()
+    dp.zero_grad()                                    # or optimizer.zero_grad() / model.zero_grad(): as good
 
 The engines only reduce gradients: the optimizer is the caller's, built over `dp.parameters()` — the tensors
 this rank updates (whole parameters here; ZeRO's shard pieces) — so that every layout and mixed precision
-share one optimizer step.
+share one optimizer step. Any `torch.optim.Optimizer` will do (`torch.optim.AdamW(dp.parameters(),
+betas=(0.9, 0.999))`); `lab.parallel.optim.adamw` is lab.train's, with its betas and its decay groups.
+
+DDP's contract, for any model: wrapping broadcasts the parameters and buffers of the group's first rank, so the
+replicas start equal however each rank initialised them; clearing the gradients the ordinary way
+(`optimizer.zero_grad()`, `model.zero_grad()`) is enough, also where they live in buckets.
 
 - `NaiveDP`: compute, then communicate — one all-reduce per parameter after the whole backward pass.
 - `OverlappedDP`: a hook per parameter launches its all-reduce as soon as its gradient is ready, while
@@ -48,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab.parallel.placement import placement_of
 from lab.precision.master import reduced_gradient
 
 
@@ -60,6 +66,24 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+@torch.no_grad()
+def broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Copy the parameters and buffers of `group`'s first rank into every other rank's `module`, as DDP does when
+    it wraps a model: replicas that start apart would never meet again. An expert's weight (expert parallelism)
+    is skipped: the ranks of `group` hold different experts. One broadcast per dtype, of everything flattened."""
+    tensors = [p for p in module.parameters() if not placement_of(p).expert] + list(module.buffers())
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in same_kind])
+            dist.broadcast(flat, src=source, group=group)
+            for t, value in zip(same_kind, flat.split([t.numel() for t in same_kind]), strict=True):
+                t.copy_(value.view_as(t))
 
 
 @torch.no_grad()
@@ -95,16 +119,21 @@ def gradient_buffer(param: nn.Parameter, reduce_dtype: torch.dtype) -> torch.Ten
 
 
 class DataParallel:
-    """What every variant here and ZeRO (`lab.parallel.zero`) share: a rank group, and the `no_sync` switch.
+    """What every variant here and ZeRO (`lab.parallel.zero`) share: a rank group, the initial broadcast and the
+    `no_sync` switch.
 
     The rest of the interface — `finish`, `parameters`, `after_step`, `zero_grad`, `resident_tensors` — is the
     loop in this module's docstring; each subclass decides when to communicate.
     """
 
+    broadcasts = True  # rank 0's weights are copied to the others at wrap time (False: the engine does it itself)
+
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
                  reduce_dtype: torch.dtype = torch.float32) -> None:
         self.model, self.group, self.reduce_dtype = model, group, reduce_dtype
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if self.world > 1 and self.broadcasts:
+            broadcast_from_first_rank(model, group)
         self.sync = True  # False inside no_sync(): accumulate locally, communicate nothing
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -136,6 +165,9 @@ class NaiveDP(DataParallel):
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
                  reduce_dtype: torch.dtype = torch.float32) -> None:
         super().__init__(model, group, reduce_dtype)
+        # Parameters whose `main_grad` still holds the gradient `finish()` handed out: the next gradient autograd
+        # delivers replaces it, so that the user's own zero_grad() (which cannot see `main_grad`) is enough
+        self.handed_out: set[nn.Parameter] = set()
         self._register_hooks()
 
     def _register_hooks(self) -> None:
@@ -147,7 +179,8 @@ class NaiveDP(DataParallel):
 
     @torch.no_grad()
     def _to_main_grad(self, param: nn.Parameter) -> None:
-        if getattr(param, "main_grad", None) is None:
+        if getattr(param, "main_grad", None) is None or param in self.handed_out:
+            self.handed_out.discard(param)
             param.main_grad = param.grad.to(self.reduce_dtype)
         else:
             param.main_grad.add_(param.grad)
@@ -158,6 +191,7 @@ class NaiveDP(DataParallel):
         `main_grad` in `reduce_dtype`) is the average over ranks."""
         if self.world > 1:
             all_reduce_gradients(self.params, self.group, self.reduce_dtype)
+        self.handed_out = set(self.params)
 
     def parameters(self) -> list[torch.Tensor]:
         """What this rank's optimizer updates: every trainable parameter."""
@@ -167,10 +201,12 @@ class NaiveDP(DataParallel):
         """Nothing to do: every rank updated the same full parameters."""
 
     def zero_grad(self) -> None:
+        """Drop the gradients. Optional: the user's `optimizer.zero_grad()` or `model.zero_grad()` is enough."""
         for param in self.params:
             param.grad = None
             if param.dtype != self.reduce_dtype:
                 param.main_grad = None
+        self.handed_out.clear()
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -217,6 +253,7 @@ class OverlappedDP(NaiveDP):
         for handle in self.handles:
             handle.wait()
         self.handles.clear()
+        self.handed_out = set(self.params)
         if self.world > 1 and launched != len(self.params):
             raise RuntimeError(f"{len(self.params) - launched} of {len(self.params)} parameters got no gradient on "
                                f"this rank: OverlappedDP needs every parameter used in every step (use BucketedDP)")
@@ -255,6 +292,11 @@ class BucketedDP(NaiveDP):
     averaged `main_grad` for the optimizer (no copy); a parameter of another dtype than the buckets' (a bf16
     one, fp32 buckets) leaves it in `main_grad`, for its fp32 master weight.
 
+    The user's ordinary `optimizer.zero_grad()` clears the buckets too: it sets `.grad` to None, so the next
+    gradient autograd delivers for that parameter is a new tensor, which then *replaces* the bucket's old value
+    (`handed_out`); `zero_grad(set_to_none=False)` zeroes the bucket views in place, and autograd accumulates
+    into them. Clearing nothing accumulates over steps, as torch does.
+
     Buckets go out strictly in index order on every rank, as in torch DDP's reducer: a rank whose data left
     a parameter without a gradient (an unused or conditionally used layer) holds back its bucket and every
     later one until `finish()`, which sends them with the missing gradients as zeros. Launching a later
@@ -291,7 +333,13 @@ class BucketedDP(NaiveDP):
 
     @torch.no_grad()
     def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
+        if param.grad.data_ptr() == param.main_grad.data_ptr():
+            pass  # .grad is still finish()'s bucket view: autograd has accumulated into the bucket itself
+        elif param in self.handed_out:
+            param.main_grad.copy_(param.grad)  # .grad was cleared since finish(): the bucket's old value goes
+        else:
+            param.main_grad.add_(param.grad)
+        self.handed_out.discard(param)
         param.grad = None  # the gradient now lives in the bucket; free autograd's copy
         if self.sync:
             bucket.ready += 1
@@ -309,6 +357,8 @@ class BucketedDP(NaiveDP):
             bucket.handle = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def finish(self) -> None:
+        for param in self.handed_out:  # no gradient this step: a zero one, not the last step's
+            param.main_grad.zero_()
         for bucket in self.buckets[self.next_bucket:]:  # held back by a parameter without gradient: send now
             self._all_reduce(bucket)
         for bucket in self.buckets:
@@ -319,12 +369,14 @@ class BucketedDP(NaiveDP):
         for param in self.params:
             if param.dtype == param.main_grad.dtype:
                 param.grad = param.main_grad
+        self.handed_out = set(self.params)
 
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
         for bucket in self.buckets:
             bucket.buffer.zero_()
+        self.handed_out.clear()
 
 
 class TorchDDP(NaiveDP):

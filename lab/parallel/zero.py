@@ -14,35 +14,62 @@ rank. ZeRO shards them over the dp ranks, in three stages:
            just before its forward, freed after it, gathered again just before its backward and freed once
            its gradient is reduce-scattered: 3x the parameters' bytes on the wire instead of 2x.
 
-The unit of sharding is one transformer block, plus a root unit for everything else (embedding, final norm,
-output layer), which stays gathered through the whole forward and the whole backward, as FSDP's root does.
+The units of sharding are chosen by a policy, as FSDP2's `fully_shard` is applied per submodule: `units=` a
+module type (lab's `Block` by default: one transformer block per unit), a tuple of types, or a function of a
+submodule saying whether it is a unit; a root unit holds everything left (embedding, final norm, output layer).
+Stages 1-2 also take a plain list of parameters (one unit, like torch's `ZeroRedundancyOptimizer`).
 A unit's parameters are copied into one flat buffer padded so that dp divides its length (parameter counts
 rarely divide evenly), and the model's parameters become views of it. ZeRO-3 frees the buffer by resizing
 its storage to zero bytes (FSDP1's trick): the parameter tensors — and the views autograd saved for
 backward — stay valid objects, and see the values again once the buffer is gathered again.
 
-The optimizer is the caller's (torch's AdamW in `lab.train`), built over `Zero.parameters()`: one Parameter
-per piece (a parameter ∩ this rank's shard), views of the shard, so the update lands in it in place; weight
-decay applies to pieces of ≥2-D parameters only, and any LR scheduler can drive it. Clipping needs the
-*global* gradient norm: each piece's placement says it lives on this rank only, so the squares of every
-rank's shard add up to the norm in one all-reduce of a number (`lab.parallel.optim.clip_grad_norm`).
+The optimizer is the caller's — any `torch.optim.Optimizer` (lab.train's is `lab.parallel.optim.adamw`) —
+built over `Zero.parameters()`: one Parameter per piece (a parameter ∩ this rank's shard, flattened), views of
+the shard, so the update lands in it in place. `piece.flat_range` is its (start, end) in `param.flatten()`,
+`piece.decays` whether it is a piece of a ≥2-D parameter (lab's AdamW decays only those); any LR scheduler can
+drive it. Clipping needs the *global* gradient norm: each piece's placement says it lives on this rank only, so
+the squares of every rank's shard add up to the norm in one all-reduce of a number
+(`lab.parallel.optim.clip_grad_norm`).
+
+Where the gradients are, after `finish()`: each piece's `.grad` (`main_grad` for a bf16 piece) is the average
+over ranks of its slice of the gradient. ZeRO-3 also keeps FSDP's contract (FSDP1's `use_orig_params`): outside
+its forward the module's parameters *are* this rank's pieces — `model.named_parameters()` yields each parameter's
+piece, empty where the shard holds none of it — so `torch.optim.AdamW(model.parameters())` and a look at
+`param.grad` work as in FSDP2 (whose shards are dim-0 rows of each parameter rather than flat slices);
+`full_parameters()` gathers the full values. Stages 1-2 keep the whole parameters on the module, as DDP does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab.distributed import all_gather_single, reduce_scatter_single
 from lab.model import Block
-from lab.parallel.dp import BucketedDP, DataParallel, NaiveDP, OverlappedDP, storage_bytes
+from lab.parallel.dp import BucketedDP, DataParallel, NaiveDP, OverlappedDP, broadcast_from_first_rank, storage_bytes
 from lab.parallel.placement import place, placement_of, set_replicas
 
 DP_MODES = {"naive": NaiveDP, "overlapped": OverlappedDP, "bucketed": BucketedDP}
+
+# Which submodules are sharding units: a module type, a tuple of types, or a function of a submodule
+UnitPolicy = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool]
+
+
+def sharding_units(model: nn.Module, units: UnitPolicy) -> list[nn.Module]:
+    """The submodules of `model` that the policy `units` selects, in module order. A module inside a selected one
+    belongs to that unit (the outermost wins), as a parameter belongs to one unit only."""
+    selects = (lambda m: isinstance(m, units)) if isinstance(units, type | tuple) else units
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is not model and selects(module) and not any(name.startswith(f"{c}.") for c, _ in chosen):
+            chosen.append((name, module))
+    return [module for _, module in chosen]
 
 
 class Unit:
@@ -70,6 +97,7 @@ class Unit:
         self.grad: torch.Tensor | None = torch.zeros_like(self.full, dtype=reduce_dtype) if stage == 1 else None
         self.ready = 0  # parameters whose gradient of this backward pass is in `grad`
         self.reduced = False  # reduce-scatter launched this step
+        self.handed_out = False  # `grad` holds the sum finish() reduced (ZeRO-1 keeps the buffer between steps)
         self.gathered, self.in_backward = stage < 3, False
         self.gather_handle: dist.Work | None = None
         self.next_forward: Unit | None = None  # the unit to prefetch while this one computes (ZeRO-3)
@@ -89,46 +117,72 @@ class Unit:
 class Zero(DataParallel):
     """ZeRO stage 1, 2 or 3 over the ranks of `group`, with the training loop of `lab.parallel.dp`.
 
+    `model` is any module, its units chosen by `units` (see `UnitPolicy`; lab's `Block` by default, also inside
+    a pipeline rank's chunks), or for stages 1-2 a plain list of parameters. Rank 0's values are broadcast first.
     `prefetch` (stage 3) starts gathering the next unit — in forward order, then in backward order —
     while the current one computes, so that its all-gather overlaps compute instead of waiting.
     Under `no_sync()` the full gradients of every unit accumulate locally until the last micro-batch (memory
     traded for communication, as FSDP2's `set_requires_gradient_sync(False)` does). Every parameter must get
-    a gradient in every backward pass: a unit is complete when all of its parameters have one.
+    a gradient in every backward pass: a unit is complete when all of its parameters have one. Each `finish()`
+    hands out that step's gradient, whether or not gradients were cleared since the last one.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, stage: int, prefetch: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model: nn.Module | Iterable[nn.Parameter], group: dist.ProcessGroup | None, stage: int,
+                 prefetch: bool = True, reduce_dtype: torch.dtype = torch.float32, units: UnitPolicy = Block) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage!r} must be 1, 2 or 3 (stage 0 is plain data parallelism)")
+        if not isinstance(model, nn.Module):
+            if stage == 3:
+                raise ValueError("stage=3 needs the module (it gathers each unit before its forward): a list of "
+                                 "parameters takes stage 1 or 2")
+            model = nn.ParameterList(model)  # the same Parameter objects, named "0", "1", ...
         super().__init__(model, group, reduce_dtype)
         self.stage, self.prefetch = stage, prefetch
-        blocks = [m for m in model.modules() if isinstance(m, Block)]  # also in a pipeline rank's chunks
-        in_blocks = {p for block in blocks for p in block.parameters()}
-        owners = [(model, [p for p in self.params if p not in in_blocks])]  # the root: all outside the blocks
-        owners += [(block, [p for p in block.parameters() if p.requires_grad]) for block in blocks]
+        modules = sharding_units(model, units)
+        owners, claimed = [], set()
+        for module in modules:  # a parameter shared by two units (tied) belongs to the first
+            owners.append((module, [p for p in module.parameters() if p.requires_grad and p not in claimed]))
+            claimed.update(owners[-1][1])
+        owners.insert(0, (model, [p for p in self.params if p not in claimed]))  # the root: everything left
         owners = [(module, params) for module, params in owners if params]
+        self.names = dict(model.named_parameters())  # the full parameters, by name (ZeRO-3 puts pieces in place)
         self.units = [Unit(params, dist.get_rank(group), self.world, stage, reduce_dtype) for _, params in owners]
         self._in_flight: tuple[Unit, dist.Work] | None = None  # the reduce-scatter still running
+        self.pieces_elsewhere: list[tuple[nn.Parameter, torch.Tensor]] = []  # ZeRO-3's empty pieces, for .grad
         for unit in self.units:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, unit))
-        if stage == 3:
-            self._shard_parameters([module for module, _ in owners])
         # The optimizer sees one Parameter per piece of this rank's shard: views, so its update lands in the
         # shard. A piece keeps its parameter's placement (held by 1/world of the ranks that held the parameter)
         # and whether it decays (a piece of a matrix does).
         self.pieces = []
+        self.local: dict[nn.Parameter, nn.Parameter] = {}  # each parameter's piece (ZeRO-3 puts it on the module)
         for unit in self.units:
             for shard, grad, param in unit.pieces():
                 piece = nn.Parameter(shard)
                 spot = placement_of(param)
                 place(piece, dataclasses.replace(spot, replicas=spot.replicas // self.world if spot.replicas else 1))
                 piece.decays = param.dim() >= 2
+                start = max(unit.offsets[param], unit.start) - unit.offsets[param]
+                piece.flat_range = (start, start + piece.numel())  # its slice of param.flatten()
                 self.pieces.append((piece, grad))
+                self.local[param] = piece
+        if stage == 3:
+            self._shard_parameters(model, [module for module, _ in owners])
+        self.full_of = {piece: param for param, piece in self.local.items()}  # a piece's full parameter
 
     # --- ZeRO-3: gather each unit just in time, free it right after ----------------------------------------
 
-    def _shard_parameters(self, modules: list[nn.Module]) -> None:
+    def _shard_parameters(self, model: nn.Module, modules: list[nn.Module]) -> None:
+        for unit in self.units:  # a parameter of which this rank holds nothing: an empty piece on the module
+            for param in unit.params:
+                if param not in self.local:
+                    self.local[param] = nn.Parameter(unit.shard[:0])
+                    self.local[param].flat_range = (0, 0)
+                    self.pieces_elsewhere.append((self.local[param], unit.shard_grad[:0]))
+        # where each parameter is registered: (module, attribute), several places for a tied weight
+        self.slots = {p: [(m, name) for m in model.modules() for name, q in m._parameters.items() if q is p]
+                      for unit in self.units for p in unit.params}
         root_first = modules[0] is self.model
         backward = self.units[:1] + self.units[:0:-1] if root_first else self.units[::-1]
         for order, attribute in ((self.units, "next_forward"), (backward, "next_backward")):
@@ -136,15 +190,23 @@ class Zero(DataParallel):
                 setattr(unit, attribute, following)
         for unit, module in zip(self.units, modules, strict=True):
             self._free(unit)
+            self._put_on_module(unit, full=False)
             module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
             module.register_forward_hook(functools.partial(self._after_forward, unit))
+
+    def _put_on_module(self, unit: Unit, full: bool) -> None:
+        """The module's parameters: the full ones (views of the gathered buffer) for the unit's forward, this
+        rank's pieces the rest of the time. Autograd keeps the full ones it saved, whatever the module holds."""
+        for param in unit.params:
+            for module, name in self.slots[param]:
+                module._parameters[name] = param if full else self.local[param]
 
     def _gather(self, unit: Unit | None, wait: bool = True) -> None:
         if unit is None:
             return
         if not unit.gathered:
             unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-            unit.gather_handle = dist.all_gather_into_tensor(unit.full, unit.shard, group=self.group, async_op=True)
+            unit.gather_handle = all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
             unit.gathered = True
         if wait and unit.gather_handle is not None:
             unit.gather_handle.wait()
@@ -155,6 +217,7 @@ class Zero(DataParallel):
         unit.gathered = False
 
     def _before_forward(self, unit: Unit, module: nn.Module, args: tuple) -> None:
+        self._put_on_module(unit, full=True)
         if unit.in_backward:  # activation checkpointing recomputes the forward inside backward: already gathered
             return
         self._gather(unit)
@@ -162,6 +225,7 @@ class Zero(DataParallel):
             self._gather(unit.next_forward, wait=False)
 
     def _after_forward(self, unit: Unit, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self._put_on_module(unit, full=False)
         if unit.in_backward:
             return
         if isinstance(output, torch.Tensor) and output.requires_grad:  # its gradient arrives just before backward
@@ -180,6 +244,9 @@ class Zero(DataParallel):
     def _on_grad_ready(self, unit: Unit, param: nn.Parameter) -> None:
         if unit.grad is None:
             unit.grad = torch.zeros(unit.full.shape, dtype=unit.reduce_dtype, device=unit.full.device)
+        elif unit.handed_out:  # ZeRO-1's full buffer still holds the step finish() reduced: start from zero
+            unit.grad.zero_()
+        unit.handed_out = False
         offset = unit.offsets[param]
         unit.grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
@@ -195,7 +262,7 @@ class Zero(DataParallel):
     def _reduce_scatter(self, unit: Unit) -> None:
         self._wait_reduce_scatter()  # one in flight at a time: ZeRO-2/3 free a unit's full gradient soon after
         unit.grad.div_(self.world)
-        handle = dist.reduce_scatter_tensor(unit.shard_grad, unit.grad, group=self.group, async_op=True)
+        handle = reduce_scatter_single(unit.shard_grad, unit.grad, group=self.group, async_op=True)
         self._in_flight, unit.reduced = (unit, handle), True
 
     def _wait_reduce_scatter(self) -> None:
@@ -219,8 +286,8 @@ class Zero(DataParallel):
                 self._reduce_scatter(unit)
         self._wait_reduce_scatter()
         for unit in self.units:
-            unit.reduced = False
-        for piece, grad in self.pieces:  # a bf16 piece cannot hold an fp32 .grad: main_grad, as in lab.parallel.dp
+            unit.reduced, unit.handed_out = False, True
+        for piece, grad in self.pieces + self.pieces_elsewhere:  # a bf16 piece cannot hold an fp32 .grad: main_grad
             if piece.dtype == grad.dtype:
                 piece.grad = grad
             else:
@@ -234,17 +301,16 @@ class Zero(DataParallel):
         """Stages 1-2 all-gather the updated shards into the full parameters (stage 3 gathers them when the next
         forward needs them)."""
         if self.stage < 3:
-            handles = [dist.all_gather_into_tensor(unit.full, unit.shard, group=self.group, async_op=True)
+            handles = [all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
                        for unit in self.units]
             for handle in handles:
                 handle.wait()
 
     def zero_grad(self) -> None:
-        for piece, _ in self.pieces:
+        """Drop the pieces' gradients. Optional: `optimizer.zero_grad()` does the same, and the next backward
+        starts ZeRO-1's full gradient buffers from zero either way."""
+        for piece, _ in self.pieces + self.pieces_elsewhere:
             piece.grad = None
-        if self.stage == 1:
-            for unit in self.units:
-                unit.grad.zero_()
 
     def resident_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor | None]]:
         """The tensors held right now as parameters (full buffers while gathered, shards), gradients (full flat
@@ -263,10 +329,10 @@ class Zero(DataParallel):
             full = unit.full
             if self.stage == 3:
                 full = torch.empty(unit.full.shape, dtype=unit.full.dtype, device=unit.full.device)
-                dist.all_gather_into_tensor(full, unit.shard, group=self.group)
+                all_gather_single(full, unit.shard, group=self.group)
             for param, offset in unit.offsets.items():
                 values[param] = full[offset:offset + param.numel()].view(param.shape).clone()
-        return {name: values[param] for name, param in self.model.named_parameters() if param in values}
+        return {name: values[param] for name, param in self.names.items() if param in values}
 
 
 class TorchFSDP2(NaiveDP):
@@ -274,11 +340,14 @@ class TorchFSDP2(NaiveDP):
     root, parameters as DTensors sharded on dim 0 — behind the same loop, for side-by-side checks and
     benchmarks. Accumulation: `set_requires_gradient_sync(False)` keeps unsharded gradients, as `no_sync` does."""
 
+    broadcasts = False  # done in __init__, before the parameters become shards
+
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        broadcast_from_first_rank(model, group)  # before fully_shard: afterwards each rank holds different shards
         for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -307,9 +376,9 @@ class TorchFSDP2(NaiveDP):
 
 def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zero: int = 0,
                        dp_mode: str = "bucketed", bucket_mb: float = 25.0,
-                       reduce_dtype: torch.dtype = torch.float32) -> NaiveDP | Zero:
-    """Plain data parallelism (`dp_mode`) for zero=0, else ZeRO-`zero`, over `group`, summing gradients in
-    `reduce_dtype`.
+                       reduce_dtype: torch.dtype = torch.float32, units: UnitPolicy = Block) -> NaiveDP | Zero:
+    """Plain data parallelism (`dp_mode`) for zero=0, else ZeRO-`zero` with sharding `units`, over `group`,
+    summing gradients in `reduce_dtype`.
 
     Works for a single process too (zero=0, no process group): nothing is communicated. ZeRO needs an
     initialised process group.
@@ -317,7 +386,7 @@ def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zer
     if zero:
         if not dist.is_initialized():
             raise ValueError(f"zero={zero} needs a process group: start ranks with lab.distributed.run or torchrun")
-        return Zero(model, group, zero, reduce_dtype=reduce_dtype)
+        return Zero(model, group, zero, reduce_dtype=reduce_dtype, units=units)
     if dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode={dp_mode!r} must be one of {', '.join(map(repr, DP_MODES))}")
     options = {"bucket_mb": bucket_mb} if dp_mode == "bucketed" else {}

@@ -53,9 +53,9 @@ sys.path.insert(0, str(REPO))
 SCHEMA = "lab-gpu-lane/1"
 STATUSES = ("pass", "fail", "skip", "timeout")
 # part: (time limit in seconds, GPUs it needs)
-BENCH_PARTS = {"correctness": (200, 1), "mfu": (150, 1), "nccl": (150, 2), "kernels": (150, 1),
-               "fp8": (120, 1), "serving": (120, 1), "dp_zero": (200, 2)}
-RECORD_PARTS = {"memory": (90, 1), "trace": (60, 1), "ddp_trace": (90, 2)}
+BENCH_PARTS = {"correctness": (170, 1), "mfu": (150, 1), "nccl": (150, 2), "kernels": (120, 1),
+               "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2)}
+RECORD_PARTS = {"memory": (60, 1), "trace": (45, 1), "ddp_trace": (90, 2)}
 ALL_PARTS = {**BENCH_PARTS, **RECORD_PARTS}
 MFU_WARMUP_STEPS = 2  # the first steps build CUDA contexts, cuBLAS plans and the allocator's pools
 NO_GPU = "{command} needs an NVIDIA GPU: {why}. Run it on a machine where nvidia-smi lists one."

@@ -1,0 +1,147 @@
+"""The GPU lane's logic, on a CPU: the one-line refusal, argument handling, the MFU arithmetic, the document's schema,
+and its parts run end to end on the CPU (the same code that runs on a GPU, with device="cpu")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_lane  # noqa: E402
+
+from lab.calc.flops import mfu as calc_mfu  # noqa: E402
+from lab.calc.flops import training_flops  # noqa: E402
+from lab.config import ModelConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("command, target", [("bench", "make bench-gpu"), ("record", "make record-gpu")])
+def test_without_a_gpu_it_prints_one_line_and_exits_2(command, target):
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_lane.py"), command], capture_output=True,
+                          text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{target} needs an NVIDIA GPU: "), done.stderr
+
+
+def test_make_targets_run_the_lane():
+    makefile = (REPO / "Makefile").read_text()
+    for command in ("bench", "record"):
+        recipe = makefile.split(f"\n{command}-gpu:")[1].split("\n\n")[0]
+        assert f"benchmarks/gpu_lane.py {command}" in recipe
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--parts", "memory"], "--parts 'memory': bench has correctness, mfu, nccl"),
+    (["record", "--parts", "mfu"], "--parts 'mfu': record has memory, trace, ddp_trace"),
+    (["bench", "--mfu-steps", "2"], "--mfu-steps=2 must be > 2"),
+    (["bench", "--mfu-mbs", "0"], "--mfu-mbs=0 must be >= 1"),
+    (["bench", "--mfu-goal", "45"], "--mfu-goal=45.0 must be in (0, 1]"),
+    (["bench", "--budget-s", "0"], "--budget-s=0.0 must be > 0"),
+])
+def test_bad_arguments_are_one_line(capsys, argv, message):
+    assert gpu_lane.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_mfu_is_the_model_flops_over_the_median_steady_step_times_the_peak():
+    cfg, seq, tokens, peak = ModelConfig.from_preset("llama3-1b"), 2048, 16 * 2048, 989e12
+    # the two warm-up steps are slow; with them the median would be 1.2 s, without them it is 1.0 s
+    metrics = gpu_lane.mfu_of_run([9.0, 8.0, 1.0, 0.9, 1.2, 1.0, 1.3], cfg, seq, tokens, peak)
+    assert metrics["step_s"] == 1.0
+    estimate = training_flops(cfg, seq, tokens=tokens)
+    assert metrics["mfu"] == pytest.approx(calc_mfu(estimate, 1.0, 1, peak))
+    # Llama 3.2 1B (1.2355e9 parameters, 16 layers, d_model 2048) at 2048 tokens: 6N + 12·L·d·s FLOPs per token (PaLM,
+    # appendix B), 8.2e9; 32,768 tokens in 1 s on a 989 TFLOP/s H100 is 27%
+    assert metrics["model_flops_per_step"] / tokens == pytest.approx(6 * 1.2355e9 + 12 * 16 * 2048 * 2048, rel=0.005)
+    assert metrics["mfu"] == pytest.approx(0.27, abs=0.01)
+    with pytest.raises(ValueError, match="more than the 2 warm-up steps"):
+        gpu_lane.mfu_of_run([1.0, 1.0], cfg, seq, tokens, peak)
+
+
+def test_the_peak_is_the_tables_dense_bf16_for_the_device(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert gpu_lane._peak_flops("cuda") == pytest.approx(989e12, rel=0.01)  # H100 SXM datasheet, dense bf16
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 PCIe")
+    assert gpu_lane._peak_flops("cuda") is None  # not in the table: the part says so instead of guessing
+
+
+def _good_document() -> dict:
+    env = {"devices": [{"name": "NVIDIA H100 80GB HBM3"}], "driver": "580.1", "host": "h",
+           "versions": {"python": "3.12", "torch": "2.11", "cuda": "13.0", "nccl": "2.27.7", "triton": "3.6",
+                        "lab_commit": "abc"}}
+    parts = [{"name": "mfu", "status": "pass", "wall_s": 40.0,
+              "metrics": {"mfu": 0.41, "step_s": 0.8, "tokens_per_step": 32768, "model_flops_per_step": 3e14,
+                          "peak_flops": 989e12}},
+             {"name": "nccl", "status": "skip", "wall_s": 0.0, "reason": "needs 2 GPUs, this machine has 1"}]
+    return gpu_lane.document("bench", env, parts)
+
+
+@pytest.mark.parametrize("break_it, problem", [
+    (lambda d: d["parts"][1].pop("reason"), "parts[1] (nccl): a skip part must say why"),
+    (lambda d: d["parts"][0].update(status="ok"), "parts[0] (mfu): status 'ok' must be one of"),
+    (lambda d: d["parts"][0]["metrics"].pop("mfu"), "parts[0] (mfu): metrics.mfu must be a number"),
+    (lambda d: d["environment"]["versions"].pop("nccl"), "environment.versions.nccl: missing"),
+    (lambda d: d["parts"][0].update(name="mystery"), "parts[0] (mystery): name must be one of"),
+    (lambda d: d.update(schema="lab-gpu-lane/0"), "schema: 'lab-gpu-lane/0' is not"),
+])
+def test_the_schema_accepts_a_good_document_and_names_what_is_wrong(break_it, problem):
+    doc = _good_document()
+    assert gpu_lane.validate(doc) == []
+    json.loads(json.dumps(doc))  # plain JSON
+    break_it(doc)
+    problems = gpu_lane.validate(doc)
+    assert len(problems) == 1 and problems[0].startswith(problem), problems
+
+
+def test_junit_summary_counts_and_names_the_failures():
+    xml = """<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">
+      <testcase classname="tests.gpu.test_cuda" name="test_a"/>
+      <testcase classname="tests.gpu.test_cuda" name="test_b"><failure message="assert 1 == 2">tb</failure></testcase>
+      <testcase classname="tests.gpu.test_cuda" name="test_c"><skipped message="needs 2 GPUs"/></testcase>
+      <testcase classname="tests.test_kernels_matmul" name="test_d"/></testsuite></testsuites>"""
+    summary = gpu_lane.junit_summary(xml)
+    assert (summary["passed"], summary["failures"], summary["skipped"]) == (2, 1, 1)
+    assert summary["failed"] == ["tests.gpu.test_cuda::test_b: assert 1 == 2"]
+    assert summary["skip_reasons"] == ["needs 2 GPUs"]
+
+
+def test_thinning_a_memory_timeline_keeps_its_peak():
+    n = 10_000
+    timeline = {"times_ms": [i / 10 for i in range(n)], "phases": [],
+                "bytes_by_category": {"activation": [i % 997 for i in range(n)], "parameter": [5] * n}}
+    timeline["bytes_by_category"]["activation"][4321] = 10**6
+    thin = gpu_lane.thin(timeline, points=500)
+    assert len(thin["times_ms"]) <= 500
+    totals = [a + p for a, p in zip(*thin["bytes_by_category"].values(), strict=True)]
+    assert max(totals) == 10**6 + 5 and 432.1 in thin["times_ms"]
+
+
+def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
+    """mfu (lab.train's loop, the tiny model) and ddp_trace (two gloo ranks under DDP, profiled): the code a GPU
+    machine runs, with device="cpu"."""
+    tiny = ["--device", "cpu", "--out", str(tmp_path), "--stem", "cpu-test"]
+    assert gpu_lane.main(["bench", "--parts", "mfu", *tiny, "--mfu-model", "tiny", "--mfu-seq", "32",
+                          "--mfu-mbs", "2", "--mfu-accum", "2", "--mfu-steps", "4", "--mfu-precision", "fp32",
+                          "--peak-flops", "1e11", "--mfu-goal", "1e-6"]) == 0
+    assert gpu_lane.main(["record", "--parts", "ddp_trace", *tiny]) == 0
+    bench = json.loads((tmp_path / "cpu-test-bench.json").read_text())
+    record = json.loads((tmp_path / "cpu-test-record.json").read_text())
+    assert gpu_lane.validate(bench) == [] and gpu_lane.validate(record) == []
+    mfu = bench["parts"][0]["metrics"]
+    assert mfu["tokens_per_step"] == 2 * 2 * 32 and 0 < mfu["mfu"] < 1 and len(mfu["losses"]) == 4
+    ddp = record["parts"][0]
+    assert ddp["status"] == "pass" and ddp["metrics"]["backend"] == "gloo"
+    assert (tmp_path / ddp["files"][0]).stat().st_size > 1000
+    names = " ".join(row["name"] for row in ddp["metrics"]["top_ops"])
+    assert "backward" in names

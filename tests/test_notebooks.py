@@ -106,6 +106,8 @@ def test_notebook_runs(path: Path, jupyter_env: dict[str, str], monkeypatch: pyt
                        record_property) -> None:
     for name, value in jupyter_env.items():
         monkeypatch.setenv(name, value)
+    # JupyterLab's backend, not jupyter_env's Agg: plt.show() must leave its PNG in the outputs that `make site` shows
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     rel = _rel(path)
     start = time.perf_counter()
     try:

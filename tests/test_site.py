@@ -1,0 +1,211 @@
+"""`make site` (lab/site.py) writes a page for every chapter, links that all resolve, and no solution.
+
+The site is built once for the module from a small course in a temp folder: three chapters copied from one tiny
+notebook executed here the way tests/test_notebooks.py runs them (a plot and a slider, so the page holds a PNG and
+saved widget state), chapter 01's real exercise notebook with its solutions beside it, the real syllabus, and
+stand-ins for the JavaScript that `make site` unpacks from npm (what the pages load is the browser lane's case).
+"""
+
+from __future__ import annotations
+
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import nbformat
+import pytest
+from test_notebooks import _execute, _save_executed
+
+from lab import site
+from lab.grading.notebook import BEGIN, END
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTERS = ["00_first", "01_memory_and_compute", "02_last"]
+EXERCISE = "exercises/01_memory_and_compute.ipynb"
+TINY = """import ipywidgets as widgets
+import matplotlib.pyplot as plt
+
+plt.plot([0, 1, 2], [2, 0, 1])
+plt.show()
+widgets.IntSlider(value=3, min=1, max=8, description="ranks")"""
+
+
+class _Page(HTMLParser):
+    """The ids of one page, and every href/src in it (script bodies, e.g. the widget state JSON, are not markup)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.refs: list[tuple[str, str]] = []  # (tag, href or src)
+        self.rel: dict[str, str] = {}  # rel="next" -> its href (the first one: the top navigation)
+        self.images: list[str] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        self.ids.update(value for key, value in attrs if key in ("id", "name") and value)
+        self.refs += [(tag, attributes[key]) for key in ("href", "src") if attributes.get(key)]
+        if tag == "a" and attributes.get("rel") and attributes.get("href"):
+            self.rel.setdefault(attributes["rel"], attributes["href"])
+        if tag == "img":
+            self.images.append(attributes.get("src") or "")
+
+
+def broken_links(root: Path) -> list[str]:
+    """Every href/src of every page under `root` that names a missing file, or a missing anchor in a page."""
+    pages = {path: _Page(path.read_text(encoding="utf-8")) for path in root.rglob("*.html")}
+    broken = []
+    for path, page in pages.items():
+        for _, ref in page.refs:
+            url = urlsplit(ref)
+            if url.scheme:  # http(s) (the JupyterLab link), data: (the plots): not files of the site
+                continue
+            target = (path.parent / unquote(url.path)).resolve() if url.path else path
+            if not target.exists():
+                broken.append(f"{path.relative_to(root)}: {ref} (no such file)")
+            # nbconvert writes heading ids percent-encoded; a browser matches the fragment as written, then decoded
+            elif url.fragment and target.suffix == ".html" and not {url.fragment, unquote(url.fragment)} & pages[
+                    target].ids:
+                broken.append(f"{path.relative_to(root)}: {ref} (no such anchor)")
+    return broken
+
+
+def outside_loads(root: Path) -> list[str]:
+    """Scripts, styles and images a page would fetch from another host (a CDN)."""
+    return [f"{path.relative_to(root)}: <{tag}> {ref}" for path in root.rglob("*.html")
+            for tag, ref in _Page(path.read_text(encoding="utf-8")).refs
+            if tag in ("script", "link", "img", "iframe") and urlsplit(ref).scheme not in ("", "data")]
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory: pytest.TempPathFactory, jupyter_env: dict[str, str]) -> Path:
+    """A small course: repo/ (chapters, exercises, solutions, syllabus), executed/, vendor/; the site in site/."""
+    root = tmp_path_factory.mktemp("course")
+    repo, executed, vendor = root / "repo", root / "executed", root / "vendor"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(TINY)])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name, value in {**jupyter_env, "MPLBACKEND": "module://matplotlib_inline.backend_inline"}.items():
+            monkeypatch.setenv(name, value)
+        (repo / "chapters").mkdir(parents=True)
+        path = repo / "chapters" / "tiny.ipynb"
+        nbformat.write(nb, path)
+        assert _execute(nb, path, "tiny.ipynb") is None
+    for i, name in enumerate(CHAPTERS):
+        after = f"[the next chapter]({CHAPTERS[i + 1]}.ipynb)" if i + 1 < len(CHAPTERS) else "the end"
+        intro = (f"# Chapter {i}: {name}\n\nOn to {after}, or [the exercises](../{EXERCISE}), "
+                 "or [down the page](#The-plot).\n\n## The plot")
+        chapter = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(intro), *nb.cells],
+                                           metadata=nb.metadata)
+        clean = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(intro),
+                                                nbformat.v4.new_code_cell(TINY)])
+        nbformat.write(clean, repo / "chapters" / f"{name}.ipynb")
+        _save_executed(chapter, executed / "chapters" / f"{name}.ipynb", keep=True)
+    path.unlink()
+    for folder in ("exercises", "solutions"):
+        (repo / folder).mkdir()
+        shutil.copy(REPO / folder / Path(EXERCISE).name, repo / folder)
+    (repo / "course").mkdir()
+    shutil.copy(REPO / "course" / "syllabus.md", repo / "course")
+    for stand_in in ("html-manager/embed.js", "mathjax/tex-svg-full.js"):
+        (vendor / stand_in).parent.mkdir(parents=True, exist_ok=True)
+        (vendor / stand_in).write_text("// a stand-in\n")
+    site.build(root / "site", repo=repo, executed=executed, vendor=vendor)
+    return root
+
+
+def test_every_chapter_has_a_page_and_the_index_links_it(course: Path) -> None:
+    index = _Page((course / "site" / "index.html").read_text())
+    linked = {ref for tag, ref in index.refs if tag == "a"}
+    for name in CHAPTERS:
+        assert (course / "site" / "chapters" / f"{name}.html").is_file(), name
+        assert f"chapters/{name}.html" in linked, name
+    assert "Syllabus" in (course / "site" / "index.html").read_text()
+
+
+def test_every_link_resolves_and_nothing_loads_from_outside(course: Path) -> None:
+    assert broken_links(course / "site") == []
+    assert outside_loads(course / "site") == []
+
+
+def test_next_and_prev_walk_the_chapters_in_order(course: Path) -> None:
+    def rel(path: Path, name: str) -> str | None:
+        href = _Page(path.read_text()).rel.get(name)
+        return None if href is None else (path.parent / href).resolve().relative_to(course / "site").as_posix()
+
+    walked, page = [], course / "site" / "index.html"
+    while (after := rel(page, "next")) is not None:
+        walked.append(after)
+        assert rel(course / "site" / after, "prev") == (walked[-2] if len(walked) > 1 else None)
+        page = course / "site" / after
+        assert len(walked) <= len(CHAPTERS)
+    assert walked == [f"chapters/{name}.html" for name in CHAPTERS]
+
+
+def test_a_chapter_page_holds_its_plot_its_widget_state_and_the_way_to_jupyterlab(course: Path) -> None:
+    html = (course / "site" / "chapters" / "00_first.html").read_text()
+    assert [src[:22] for src in _Page(html).images] == ["data:image/png;base64,"]
+    assert 'type="application/vnd.jupyter.widget-state+json"' in html
+    assert 'type="application/vnd.jupyter.widget-view+json"' in html
+    assert "live in JupyterLab" in html and "make course" in html
+    assert 'href="http://localhost:8888/lab/tree/chapters/00_first.ipynb"' in html
+
+
+def _solution_only_lines(solution: Path, exercise: Path) -> set[str]:
+    """Lines inside a solution region of `solution` that the released `exercise` does not have anywhere."""
+    def code(path: Path) -> list[str]:
+        return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+    released = {line.strip() for source in code(exercise) for line in source.splitlines()}
+    inside, lines = False, set()
+    for source in code(solution):
+        for line in source.splitlines():
+            if line.strip() in (BEGIN, END):
+                inside = line.strip() == BEGIN
+            elif inside and line.strip() and line.strip() not in released:
+                lines.add(line.strip())
+    return lines
+
+
+class _Text(HTMLParser):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self.feed(text)
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append(data)
+
+
+def test_exercise_pages_hold_the_stubs_and_no_solution(course: Path) -> None:
+    name = Path(EXERCISE).name
+    solution_lines = _solution_only_lines(course / "repo" / "solutions" / name, course / "repo" / EXERCISE)
+    assert len(solution_lines) > 5  # the check below has something to find
+    text = "".join(_Text((course / "site" / EXERCISE.replace(".ipynb", ".html")).read_text()).parts)
+    text_lines = {line.strip() for line in text.splitlines()}
+    assert "NotImplementedError" in text
+    assert sorted(solution_lines & text_lines) == []
+    assert (course / "site" / EXERCISE).read_bytes() == (course / "repo" / EXERCISE).read_bytes()
+
+
+def test_a_missing_or_stale_executed_chapter_is_one_line_naming_it(course: Path, tmp_path: Path) -> None:
+    executed = tmp_path / "executed"
+    shutil.copytree(course / "executed", executed)
+    (executed / "chapters" / "02_last.ipynb").unlink()
+    stale = nbformat.read(executed / "chapters" / "00_first.ipynb", as_version=4)
+    stale.cells[0].source += "\nAn older sentence."
+    nbformat.write(stale, executed / "chapters" / "00_first.ipynb")
+    with pytest.raises(ValueError) as error:
+        site.build(tmp_path / "site", repo=course / "repo", executed=executed, vendor=course / "vendor")
+    said = str(error.value)
+    assert "\n" not in said and "make test" in said
+    assert "no executed copy of chapters/02_last.ipynb" in said
+    assert "chapters/00_first.ipynb is older than the notebook" in said
+    assert not (tmp_path / "site").exists()
+
+
+def test_the_command_says_what_is_missing_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert site.main(["--out", str(tmp_path / "site"), "--executed", str(tmp_path / "none"),
+                      "--vendor", str(tmp_path / "none")]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "make site" in said

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+from nbconvert import HTMLExporter
 
 REPO = Path(__file__).resolve().parents[1]
 EXECUTED = REPO / "build" / "executed"
@@ -83,9 +84,9 @@ def _executed_chapters(repo: Path, executed: Path) -> list[Page]:
 
 
 def _exercises(repo: Path) -> list[Page]:
-    paths = sorted((repo / "exercises").glob("*.ipynb"))
-    return [Page(p.relative_to(repo).as_posix(), nbformat.read(p, as_version=4), _title(nbformat.read(p, 4), p.stem))
-            for p in paths]
+    """The released stubs, as they are (not executed): what a learner downloads."""
+    notebooks = {path: nbformat.read(path, as_version=4) for path in sorted((repo / "exercises").glob("*.ipynb"))}
+    return [Page(path.relative_to(repo).as_posix(), nb, _title(nb, path.stem)) for path, nb in notebooks.items()]
 
 
 def _index(repo: Path, chapters: list[Page], exercises: list[Page]) -> Page:
@@ -102,14 +103,12 @@ def _index(repo: Path, chapters: list[Page], exercises: list[Page]) -> Page:
     return Page("index.ipynb", nbformat.v4.new_notebook(cells=cells), "Ultra-Scale Lab")
 
 
-def _exporter():
-    from nbconvert import HTMLExporter
-
+def _exporter() -> HTMLExporter:
     return HTMLExporter(template_name="lab", extra_template_paths=[str(Path(__file__).parent)],
                         template_file="site.html.j2", exclude_input_prompt=True, exclude_output_prompt=True)
 
 
-def _write(exporter, page: Page, out: Path, nav: dict[str, dict | None]) -> Path:
+def _write(exporter: HTMLExporter, page: Page, out: Path, nav: dict[str, dict | None]) -> Path:
     nb = nbformat.from_dict(page.nb)  # a copy: links to notebooks become links to their pages
     for cell in nb.cells:
         if cell.cell_type == "markdown":

@@ -65,11 +65,14 @@ def sharding_units(model: nn.Module, units: UnitPolicy) -> list[nn.Module]:
     """The submodules of `model` that the policy `units` selects, in module order. A module inside a selected one
     belongs to that unit (the outermost wins), as a parameter belongs to one unit only."""
     selects = (lambda m: isinstance(m, units)) if isinstance(units, type | tuple) else units
-    chosen: list[tuple[str, nn.Module]] = []
+    chosen, inside = [], None  # named_modules() walks depth first: a unit's submodules follow it
     for name, module in model.named_modules():
-        if module is not model and selects(module) and not any(name.startswith(f"{c}.") for c, _ in chosen):
-            chosen.append((name, module))
-    return [module for _, module in chosen]
+        if inside is not None and name.startswith(inside):
+            continue
+        if module is not model and selects(module):
+            chosen.append(module)
+            inside = f"{name}."
+    return chosen
 
 
 class Unit:
@@ -181,8 +184,11 @@ class Zero(DataParallel):
                     self.local[param].flat_range = (0, 0)
                     self.pieces_elsewhere.append((self.local[param], unit.shard_grad[:0]))
         # where each parameter is registered: (module, attribute), several places for a tied weight
-        self.slots = {p: [(m, name) for m in model.modules() for name, q in m._parameters.items() if q is p]
-                      for unit in self.units for p in unit.params}
+        self.slots: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and param in self.local:
+                    self.slots.setdefault(param, []).append((module, name))
         root_first = modules[0] is self.model
         backward = self.units[:1] + self.units[:0:-1] if root_first else self.units[::-1]
         for order, attribute in ((self.units, "next_forward"), (backward, "next_backward")):

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from lab import collectives as lc
 from lab.collectives.p2p import REDUCE_OPS
-from lab.distributed import run
+from lab.distributed import all_gather_single, reduce_scatter_single, run
 from lab.distributed.comm import count_collectives
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,7 +28,7 @@ def _op_data(t: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def _reduce_scatter(input: torch.Tensor):
-    return lambda output, op: dist.reduce_scatter_tensor(output, input, op=op)
+    return lambda output, op: reduce_scatter_single(output, input, op=op)
 
 
 def _torch_reduce(collective, t: torch.Tensor, op: str) -> torch.Tensor:
@@ -66,7 +66,7 @@ def _check_all_ops(numel: int, dtype: torch.dtype) -> list[str]:
     expect("tree_broadcast", lc.tree_broadcast(x.clone(), src=root), theirs)
 
     theirs = torch.empty(world * numel, dtype=dtype)
-    dist.all_gather_into_tensor(theirs, x)
+    all_gather_single(theirs, x)
     expect("ring_all_gather", lc.ring_all_gather(torch.empty(world * numel, dtype=dtype), x), theirs)
 
     gathered = [torch.empty(numel, dtype=dtype) for _ in range(world)]

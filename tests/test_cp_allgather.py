@@ -40,4 +40,4 @@ def test_allgather_attention_equals_full_attention(layout, cp, seq):
         got = unshard_sequence([tensors[i] for tensors, _ in results], layout, dim=2)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     calls = results[0][1]
-    assert (calls.get("all_gather_into_tensor"), calls.get("reduce_scatter_tensor")) == (2, 2), calls
+    assert (calls.get("all_gather_single"), calls.get("reduce_scatter_single")) == (2, 2), calls

@@ -1,10 +1,12 @@
 """The collective counter: calls and bytes per operation and per group; torch restored afterwards."""
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from lab.distributed import count_collectives, run
+from lab.distributed import all_gather_single, count_collectives, reduce_scatter_single, run
 
 
 def _counted_ops():
@@ -12,8 +14,8 @@ def _counted_ops():
     pair = dist.new_group([0, 1])
     with count_collectives() as counts:
         dist.all_reduce(torch.ones(10))                                  # 40 bytes
-        dist.all_gather_into_tensor(torch.empty(4), torch.ones(2))       # the input shard: 8 bytes
-        dist.reduce_scatter_tensor(torch.empty(3), torch.ones(6))        # the whole input: 24 bytes
+        all_gather_single(torch.empty(4), torch.ones(2))                 # the input shard: 8 bytes
+        reduce_scatter_single(torch.empty(3), torch.ones(6))             # the whole input: 24 bytes
         dist.all_reduce(torch.ones(5, dtype=torch.float64), group=pair)  # 40 bytes, on the pair
         ops = [dist.P2POp(dist.isend, torch.ones(7), peer), dist.P2POp(dist.irecv, torch.empty(7), peer)]
         for request in dist.batch_isend_irecv(ops):                     # 28 bytes each way
@@ -22,8 +24,9 @@ def _counted_ops():
             dist.send(torch.ones(3), 1)                                  # 12 bytes sent...
         else:
             dist.recv(torch.empty(3), 0)                                 # ...and received
-        if hasattr(dist, "all_gather_single"):                           # torch >= 2.13's new name
-            dist.all_gather_single(torch.empty(2, dtype=torch.float16), torch.ones(1, dtype=torch.float16))  # 2 B
+        with warnings.catch_warnings():  # the name before torch 2.13 (deprecated since): counted under the new one
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_gather_into_tensor(torch.empty(2, dtype=torch.float16), torch.ones(1, dtype=torch.float16))  # 2 B
     by_group = {key: (dict(c.calls), dict(c.bytes)) for key, c in counts.by_group.items()}
     return dict(counts.calls), dict(counts.bytes), by_group, counts.table()
 
@@ -31,13 +34,12 @@ def _counted_ops():
 def test_counts_per_operation_and_group():
     for rank, (calls, nbytes, by_group, table) in enumerate(run(_counted_ops, 2)):
         assert calls["all_reduce"] == 2 and nbytes["all_reduce"] == 80
-        assert calls["all_gather_into_tensor"] == 1 and nbytes["all_gather_into_tensor"] == 8
-        assert calls["reduce_scatter_tensor"] == 1 and nbytes["reduce_scatter_tensor"] == 24
+        assert calls["all_gather_single"] == 2 and nbytes["all_gather_single"] == 8 + 2
+        assert calls["reduce_scatter_single"] == 1 and nbytes["reduce_scatter_single"] == 24
+        assert "all_gather_into_tensor" not in calls
         assert calls["isend"] == calls["irecv"] == 1 and nbytes["isend"] == nbytes["irecv"] == 28
         assert calls["send" if rank == 0 else "recv"] == 1
         assert nbytes["send" if rank == 0 else "recv"] == 12 and ("recv" if rank == 0 else "send") not in calls
-        if "all_gather_single" in calls:
-            assert nbytes["all_gather_single"] == 2
         assert by_group[(0, 1)] == ({"all_reduce": 1}, {"all_reduce": 40})
         world_calls, world_bytes = by_group["world"]
         assert world_bytes["all_reduce"] == 40 and world_bytes["isend"] == 28

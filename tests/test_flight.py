@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lab.distributed import Mesh, RankError, RankTimeout, count_collectives, flight, run
+from lab.distributed import Mesh, RankError, RankTimeout, all_gather_single, count_collectives, flight, run
+from lab.distributed.comm import ALL_GATHER
 from lab.distributed.flight import Entry
 
 TP, WORLD = (0, 1, 2, 3), (0, 1, 2, 3)
@@ -111,7 +112,7 @@ def _record(directory):
     dist.all_reduce(torch.ones(2, 3), group=dist.new_group([0, 1], group_desc="tp"))  # as Mesh names its groups
     dist.all_reduce(torch.ones(4), async_op=True).wait()
     with count_collectives() as counts:  # counting nests inside recording
-        dist.all_gather_into_tensor(torch.empty(4, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        all_gather_single(torch.empty(4, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
         ops = [dist.P2POp(dist.isend, torch.ones(7), peer), dist.P2POp(dist.irecv, torch.empty(7), peer)]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
@@ -138,13 +139,13 @@ def test_the_ring_holds_each_ranks_collectives_in_order(recorded):
     assert first == [
         (1, "all_reduce", "tp", (0, 1), "finished", "float32", "[2, 3]", None),
         (1, "all_reduce", "world", (0, 1), "finished", "float32", "[4]", None),  # async: its future completed
-        (2, "all_gather_into_tensor", "world", (0, 1), "finished", "float64", "[2]", None),
+        (2, ALL_GATHER, "world", (0, 1), "finished", "float64", "[2]", None),  # as this torch names it
         (1, "isend", "world", (0, 1), "issued", "float32", "[7]", 1),  # gloo gives isend no future
         (1, "irecv", "world", (0, 1), "issued", "float32", "[7]", 1),
         (2, "send", "world", (0, 1), "finished", "float32", "[3]", 1),
     ]
     assert [e.seq for e in buffers[0] if e.op == "barrier"] == list(range(3, 23))
-    assert results[0] == results[1] == {"all_gather_into_tensor": 1, "isend": 1, "irecv": 1}
+    assert results[0] == results[1] == {"all_gather_single": 1, "isend": 1, "irecv": 1}
 
 
 def test_a_full_ring_keeps_the_newest_entries(recorded):

@@ -60,7 +60,8 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         {RS_TWO, RS_MORE}),
     "reduce_scatter_in_the_wrong_direction": ("02.reduce_scatter", [RING_DIRECTION], {RS_MORE}),
     "reduce_scatter_calls_the_library": ("02.reduce_scatter", [("    chunks = list(",
-                                                                "    dist.reduce_scatter_tensor(output, input)\n"
+                                                                "    from lab.distributed import reduce_scatter_single\n"
+                                                                "    reduce_scatter_single(output, input)\n"
                                                                 "    return output\n    chunks = list(")],
                                          {RS_P2P}),
     "bytes_all_reduce_without_all_gather": ("02.ring_bytes", [('"all_reduce": 2 * (world_size - 1)',

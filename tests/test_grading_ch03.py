@@ -73,12 +73,12 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "03.zero1", [("make_optimizer([self.shard])", "make_optimizer(self.params)")],
         {"each rank keeps AdamW's two moments for its 1/dp shard only"}),
     "zero1_all_reduce_then_slice": (
-        "03.zero1", [("dist.reduce_scatter_tensor(self.shard.grad, self.flat_grad)",
+        "03.zero1", [("reduce_scatter_single(self.shard.grad, self.flat_grad)",
                       "dist.all_reduce(self.flat_grad)\n"
                       "        self.shard.grad.copy_(self.flat_grad[self.start:self.start + self.shard_numel])")],
         {"one reduce-scatter of the gradients and one all-gather of the parameters per step"}),
     "zero2_all_reduce_then_slice": (  # the right numbers, but every rank receives the whole sum
-        "03.zero2", [("            dist.reduce_scatter_tensor(self.shard.grad, self.grad)\n",
+        "03.zero2", [("            reduce_scatter_single(self.shard.grad, self.grad)\n",
                       "            dist.all_reduce(self.grad)\n"
                       "            self.shard.grad.copy_(self.grad.chunk(self.world)[self.rank])\n")],
         {"per step and unit, one reduce-scatter of the gradient and one all-gather of the parameters, no all-reduce"}),

@@ -87,8 +87,8 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                                   GATHERED_LOGITS)],
         {"only all-reduces of a few numbers per token: the logits are never gathered"}),
     "sp_reduce_scatter_on_the_wrong_dimension": (  # the mutant: blocks of the batch, not of the sequence
-        "04.sequence_parallel", [("dist.reduce_scatter_tensor(out, full, group=group)",
-                                  "dist.reduce_scatter_tensor(out, x.contiguous(), group=group)")],
+        "04.sequence_parallel", [("reduce_scatter_single(out, full, group=group)",
+                                  "reduce_scatter_single(out, x.contiguous(), group=group)")],
         {"forward: each rank holds its sequence block of x + MLP(norm(x)) (2 ranks)"}),
     "sp_gather_backward_keeps_its_slice": (  # the gradient's partial sums are never summed over ranks
         "04.sequence_parallel", [("        return reduce_scatter_sequence(grad, ctx.group), None\n",

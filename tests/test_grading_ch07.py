@@ -121,7 +121,8 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         {EP_TWO, EP_IMBALANCED, EP_SIGMOID}),
     "ep_counts_all_gathered": (  # the right answer, with an all-gather of every rank's counts
         "07.ep_forward", [(COUNTS_SENT, "everyone = torch.empty(ep, n_experts, dtype=torch.int64)\n"
-                                        "    dist.all_gather_into_tensor(everyone.view(-1), counts)\n"
+                                        "    from lab.distributed import all_gather_single\n"
+                                        "    all_gather_single(everyone.view(-1), counts)\n"
                                         "    mine = dist.get_rank() * local\n"
                                         "    arriving = everyone[:, mine:mine + local].contiguous()")],
         {EP_BYTES}),

@@ -61,8 +61,8 @@ def test_naive_communicates_after_backward_and_bucketed_during_it():
 @pytest.mark.parametrize("kind", ["zero3", "zero3-no-prefetch"])
 def test_zero3_gathers_twice_and_reduce_scatters_once_per_unit(kind):
     units = CONFIG.n_layers + 1  # every block, and the root (embedding, final norm, output layer)
-    assert len(_spans(kind, "comm", "all_gather_into_tensor")) == 2 * units
-    assert len(_spans(kind, "comm", "reduce_scatter_tensor")) == units
+    assert len(_spans(kind, "comm", "all_gather_single")) == 2 * units
+    assert len(_spans(kind, "comm", "reduce_scatter_single")) == units
     assert all(s.lane == "wait" for s in _spans(kind, "wait"))
 
 

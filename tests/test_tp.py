@@ -109,8 +109,8 @@ def test_collective_counts_match_the_theory():
     assert backward == {"all_reduce": 2 * layers + 1}
     forward, backward = run(_collectives_per_step, 2, True)[0]
     # SP: every all-reduce becomes an all-gather / reduce-scatter pair around the sharded regions
-    assert forward == {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 1}
-    assert backward == {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 1}
+    assert forward == {"reduce_scatter_single": 2 * layers + 1, "all_gather_single": 2 * layers + 1}
+    assert backward == {"reduce_scatter_single": 2 * layers + 1, "all_gather_single": 2 * layers + 1}
 
 
 def _cross_entropy(logits, targets):

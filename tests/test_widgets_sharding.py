@@ -82,5 +82,5 @@ def test_cases_on_real_ranks_equal_the_full_product(a, b, calls):
 def test_reduce_scatter_on_real_ranks():
     results = run_matmul_case((None, "X"), ("X", None), world_size=2, reduce_scatter=True)
     for result in results:
-        assert result["max_error"] < 1e-5 and result["calls"] == {"reduce_scatter_tensor": 1}
+        assert result["max_error"] < 1e-5 and result["calls"] == {"reduce_scatter_single": 1}
         assert result["local_c"] == (8, 8)

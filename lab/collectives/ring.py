@@ -82,7 +82,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGr
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Like `dist.reduce_scatter_tensor`: `input` holds W equal blocks; rank r gets the reduced block r."""
+    """Like `dist.reduce_scatter_single`: `input` holds W equal blocks; rank r gets the reduced block r."""
     rank, world, _ = group_info(group)
     if input.numel() != output.numel() * world:
         raise ValueError(f"input has {input.numel()} elements; it must have world_size*output = "
@@ -98,7 +98,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "su
 
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Like `dist.all_gather_into_tensor`: `output` is W copies' worth; block r comes from rank r."""
+    """Like `dist.all_gather_single`: `output` is W copies' worth; block r comes from rank r."""
     rank, world, _ = group_info(group)
     if output.numel() != input.numel() * world:
         raise ValueError(f"output has {output.numel()} elements; it must have world_size*input = "

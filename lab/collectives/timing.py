@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lab import collectives as lc
+from lab.distributed import all_gather_single, reduce_scatter_single
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -26,9 +27,9 @@ def _calls(op: str, nbytes: int, device: torch.device) -> tuple[Callable[[], Non
     shard = nbytes // 4 // world
     full, part = torch.ones(shard * world, device=device), torch.empty(shard, device=device)
     if op == "reduce_scatter":
-        return lambda: lc.ring_reduce_scatter(part, full), lambda: dist.reduce_scatter_tensor(part, full)
+        return lambda: lc.ring_reduce_scatter(part, full), lambda: reduce_scatter_single(part, full)
     if op == "all_gather":
-        return lambda: lc.ring_all_gather(full, part), lambda: dist.all_gather_into_tensor(full, part)
+        return lambda: lc.ring_all_gather(full, part), lambda: all_gather_single(full, part)
     raise ValueError(f"op={op!r} must be one of {', '.join(OPS)}")
 
 

@@ -5,7 +5,7 @@ the tensor per rank"; tests and notebooks check them by counting:
 
     with count_collectives() as counts:
         train_step()
-    counts.calls["all_reduce"], counts.bytes["reduce_scatter_tensor"], counts.by_group[(0, 1)].bytes
+    counts.calls["all_reduce"], counts.bytes["reduce_scatter_single"], counts.by_group[(0, 1)].bytes
     print(counts.table())
 
 The context manager temporarily replaces the functions of `torch.distributed` (`dist.all_reduce`, ...)
@@ -13,6 +13,11 @@ with counting wrappers, and restores them on exit, also after an exception; cont
 context's calls are counted by the outer one too). Only code that looks the function up on the module at
 call time (`dist.all_reduce(...)`, as all of `lab` does) is counted — not `from torch.distributed import
 all_reduce` done before the context, and not torch internals such as DDP's reducer or FSDP2.
+
+torch 2.13 renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to `all_gather_single` and
+`reduce_scatter_single` and warns (FutureWarning) on every call of the old names; torch 2.5-2.12 have only the
+old ones. `all_gather_single` and `reduce_scatter_single` here call whichever this torch has, and every count
+is kept under the new name, whichever name the code called: a count reads the same on every torch.
 
 Bytes are those of the tensor each rank hands to the operation — its own contribution:
 - all_reduce, broadcast, reduce, gather: the tensor;
@@ -36,6 +41,27 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+# torch's current name of each collective that torch 2.13 renamed; `record` counts the old name under it
+RENAMED = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                      group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work | None:
+    """`output_tensor` (W times `input_tensor`'s size) receives every rank's `input_tensor`, rank r's in block r:
+    torch's `all_gather_single`, or its pre-2.13 name `all_gather_into_tensor`. Looked up on `torch.distributed`
+    at call time, so that `count_collectives` and the flight recorder see the call."""
+    return getattr(dist, ALL_GATHER)(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                          group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work | None:
+    """`input` holds W equal blocks; rank r's `output` receives block r reduced over the ranks: torch's
+    `reduce_scatter_single`, or its pre-2.13 name `reduce_scatter_tensor` (looked up at call time, as above)."""
+    return getattr(dist, REDUCE_SCATTER)(output, input, op=op, group=group, async_op=async_op)
+
 
 # operation -> the name of its argument whose bytes are counted (None: counts no bytes)
 PAYLOAD_ARGUMENT = {
@@ -77,6 +103,7 @@ class CollectiveCounts(OpCounts):
     by_group: dict[str | tuple[int, ...], OpCounts] = field(default_factory=dict)
 
     def record(self, op: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+        op = RENAMED.get(op, op)
         for counts in (self, self.by_group.setdefault(group_key(group), OpCounts())):
             counts.calls[op] += 1
             counts.bytes[op] += nbytes

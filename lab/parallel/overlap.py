@@ -34,13 +34,15 @@ from torch import nn
 
 from lab.config import ModelConfig
 from lab.data import SyntheticTokens, shard_rows
+from lab.distributed.comm import ALL_GATHER, REDUCE_SCATTER, RENAMED
 from lab.model import build_model, materialize
 from lab.parallel.dp import BucketedDP, NaiveDP, OverlappedDP
 from lab.parallel.optim import adamw
 from lab.parallel.zero import Zero
 
-TIMED_OPS = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
-             "reduce_scatter_tensor": "reduce-scatter"}  # operation -> its name in the legend
+# operation (as this torch names what `lab.distributed` calls) -> its name in the legend. Spans are labelled with
+# torch's current name ("all_gather_single"), as `count_collectives` counts them, on every torch.
+TIMED_OPS = {"all_reduce": "all-reduce", ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter"}
 KINDS = ("naive", "overlapped", "bucketed", "zero1", "zero2", "zero3", "zero3-no-prefetch")
 LR, WEIGHT_DECAY = 3e-3, 0.1
 
@@ -85,10 +87,12 @@ class StepRecorder:
     """Hooks on a model's blocks and parameters, and wrappers around the collectives, that write `Span`s.
 
     The hooks are registered after the engine's own, so a gradient hook fires once the engine has already
-    launched whatever that gradient completed. Nothing is recorded outside `recording()`.
+    launched whatever that gradient completed; on the full parameters, which autograd fills (ZeRO-3's module
+    holds its pieces, `engine.full_of`). Nothing is recorded outside `recording()`.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, engine: NaiveDP | Zero) -> None:
+        full_of = getattr(engine, "full_of", {})
         self.spans: list[Span] = []
         self.origin: float | None = None
         self._forward_start: dict[str, float] = {}
@@ -99,7 +103,7 @@ class StepRecorder:
                 name, time.perf_counter()))
             block.register_forward_hook(lambda _m, _a, _o, name=name: self.add(
                 "compute", f"fwd L{name}", self._forward_start[name], time.perf_counter()))
-            for param in (p for p in block.parameters() if p.requires_grad):
+            for param in (full_of.get(p, p) for p in block.parameters() if p.requires_grad):
                 param.register_post_accumulate_grad_hook(lambda _p, name=name: self._on_grad(name))
         self._sizes = {name: sum(p.requires_grad for p in block.parameters()) for name, block in model.layers.items()}
 
@@ -125,16 +129,18 @@ class StepRecorder:
         self.add("compute", "bwd embedding", edges[-1], end)
 
     def _timed(self, op: str, original: Callable) -> Callable:
+        label = RENAMED.get(op, op)
+
         def wrapper(*args, async_op: bool = False, **kwargs):
             tensor = args[1] if op != "all_reduce" and len(args) > 1 else args[0] if args else None
             nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
             launched = time.perf_counter()
             work = original(*args, async_op=async_op, **kwargs)
             if async_op:
-                return _TimedWork(work, self, op, nbytes, launched)
+                return _TimedWork(work, self, label, nbytes, launched)
             end = time.perf_counter()  # a blocking call: all of it is waiting
-            self.add("comm", op, launched, end, nbytes)
-            self.add("wait", op, launched, end, nbytes)
+            self.add("comm", label, launched, end, nbytes)
+            self.add("wait", label, launched, end, nbytes)
             return work
 
         return wrapper
@@ -173,7 +179,7 @@ def step_timeline(kind: str, config: ModelConfig | None = None, batch: int = 8, 
     model = materialize(build_model(config), seed=0)
     engine = make_engine(kind, model, bucket_mb)
     optimizer = adamw(engine.parameters(), LR, WEIGHT_DECAY)
-    recorder = StepRecorder(model)
+    recorder = StepRecorder(model, engine)
     data = SyntheticTokens(config.vocab_size, seq_len, batch, seed=0)
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(steps):
@@ -193,7 +199,7 @@ def step_timeline(kind: str, config: ModelConfig | None = None, batch: int = 8, 
 
 
 _COLOURS = {"fwd": "#90caf9", "bwd": ("#1565c0", "#42a5f5"), "all_reduce": "#ef6c00",
-            "all_gather_into_tensor": "#2e7d32", "reduce_scatter_tensor": "#6a1b9a", "wait": "#c62828"}
+            "all_gather_single": "#2e7d32", "reduce_scatter_single": "#6a1b9a", "wait": "#c62828"}
 
 
 def plot_timelines(timelines: dict[str, dict], ax=None, title: str = "one training step, rank 0"):
@@ -229,6 +235,7 @@ def plot_timelines(timelines: dict[str, dict], ax=None, title: str = "one traini
               Patch(color=_COLOURS["bwd"][0], label="backward (per block)"),
               Patch(facecolor="none", edgecolor=_COLOURS["wait"], hatch="////", label="blocked on communication")]
     shown = {Span(*s).label for t in timelines.values() for s in t["spans"] if s[0] == "comm"}
-    legend += [Patch(color=_COLOURS[op], label=name) for op, name in TIMED_OPS.items() if op in shown]
+    legend += [Patch(color=_COLOURS[RENAMED.get(op, op)], label=name) for op, name in TIMED_OPS.items()
+               if RENAMED.get(op, op) in shown]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return ax

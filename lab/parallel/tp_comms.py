@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lab.distributed import all_gather_single, reduce_scatter_single
+
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
@@ -32,7 +34,7 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
     local = x.movedim(1, 0).contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    all_gather_single(out, local, group=group)
     # Contiguous once here: otherwise each column linear (wq, wk, wv; w1, w3) flattens the strided view into a
     # copy of its own and saves it for backward, holding 3 (then 2) copies of the gathered activations.
     return out.movedim(0, 1).contiguous()
@@ -45,7 +47,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     if full.shape[0] % world:
         raise ValueError(f"sequence length {full.shape[0]} must be divisible by tp={world} for sequence parallelism")
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, full, group=group)
+    reduce_scatter_single(out, full, group=group)
     return out.movedim(0, 1)
 
 

@@ -16,6 +16,7 @@ def _collective_rank(name: str, numel: int) -> dict:
     import torch.distributed as dist
 
     from lab import collectives as lc
+    from lab.distributed import all_gather_single, reduce_scatter_single
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.arange(numel, dtype=torch.float32) + 10 * rank
@@ -37,7 +38,7 @@ def _collective_rank(name: str, numel: int) -> dict:
     elif name == "all_gather":
         before, ours, theirs = mine, torch.empty(world * numel), torch.empty(world * numel)
         lc.ring_all_gather(ours, mine)
-        dist.all_gather_into_tensor(theirs, mine)
+        all_gather_single(theirs, mine)
     elif name == "scatter":
         full = torch.arange(world * numel, dtype=torch.float32)
         before = full if rank == 0 else torch.full((world * numel,), float("nan"))
@@ -49,7 +50,7 @@ def _collective_rank(name: str, numel: int) -> dict:
         before = torch.arange(world * numel, dtype=torch.float32) + 100 * rank
         ours, theirs = torch.empty(numel), torch.empty(numel)
         lc.ring_reduce_scatter(ours, before)
-        dist.reduce_scatter_tensor(theirs, before)
+        reduce_scatter_single(theirs, before)
     elif name == "all_to_all":
         before = torch.arange(world * numel, dtype=torch.float32) + 100 * rank
         ours, theirs = torch.empty(world * numel), torch.empty(world * numel)

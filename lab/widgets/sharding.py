@@ -67,7 +67,7 @@ def _matmul_rank(a: Spec, b: Spec, shape: tuple[int, int, int], reduce_scatter: 
     import torch
     import torch.distributed as dist
 
-    from lab.distributed import count_collectives
+    from lab.distributed import count_collectives, reduce_scatter_single
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = {"X": world}
@@ -98,7 +98,7 @@ def _matmul_rank(a: Spec, b: Spec, shape: tuple[int, int, int], reduce_scatter: 
         c = local_a @ local_b
         if plan.case == 3 and plan.out[1] == a[1]:  # reduce-scatter along K
             out = torch.empty(c.shape[1] // world, c.shape[0])
-            dist.reduce_scatter_tensor(out, c.t().contiguous())  # splits dim 0: K, once transposed
+            reduce_scatter_single(out, c.t().contiguous())  # splits dim 0: K, once transposed
             c = out.t()
         elif plan.case == 3:
             dist.all_reduce(c)

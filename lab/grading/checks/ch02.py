@@ -3,7 +3,7 @@
 The two multi-rank exercise cells end with a given driver (`run_ring`, `run_reduce_scatter`): on every rank it
 fills a random tensor from a seed and the rank, calls the student's collective inside `count_collectives`, and
 reports the tensor afterwards and the messages it counted. The checks rebuild the same tensors here, reduce them
-with torch (what `dist.all_reduce` and `dist.reduce_scatter_tensor` compute) and count what the ring must send
+with torch (what `dist.all_reduce` and `dist.reduce_scatter_single` compute) and count what the ring must send
 with `lab.calc.comms`. Sizes are random and, where it matters, not divisible by the world size.
 
 The cost-model exercises are compared with `lab.calc.comms` on random sizes, world sizes, latencies and

@@ -404,7 +404,7 @@ def zero1_parity_two_ranks(student, rng):
 
 
 @ZERO1.check(points=2, hint="pad the flat buffer to dp·ceil(numel/dp): rank r's shard starts at r·shard_numel, "
-                            "exactly where reduce_scatter_tensor and all_gather_into_tensor put it")
+                            "exactly where reduce_scatter_single and all_gather_single put it")
 def zero1_parity_uneven(student, rng):
     """dp=3, a parameter count dp does not divide: the same as one process after every step"""
     _zero1_parity(student, rng, 3)
@@ -421,16 +421,16 @@ def optimizer_states_sharded(student, rng):
                  f"{run['call']}: AdamW's exp_avg + exp_avg_sq bytes on each rank")
 
 
-@ZERO1.check(points=1, hint="the gradient goes out as one reduce_scatter_tensor (each rank receives only its "
-                            "shard's sum), the parameters come back as one all_gather_into_tensor; no all_reduce")
+@ZERO1.check(points=1, hint="the gradient goes out as one reduce_scatter_single (each rank receives only its "
+                            "shard's sum), the parameters come back as one all_gather_single; no all_reduce")
 def zero1_communication(student, rng):
     """one reduce-scatter of the gradients and one all-gather of the parameters per step"""
     dp = rng.choice([2, 3])
     results, run = _zero1(student, rng, dp, steps=1)
     shard = math.ceil(model_numels(run["cfg"])[0] / dp)
     got = results[0].get("collectives") if isinstance(results[0], dict) else None
-    expected = {"all_reduce": [0, 0], "reduce_scatter_tensor": [1, 4 * dp * shard],
-                "all_gather_into_tensor": [1, 4 * shard]}
+    expected = {"all_reduce": [0, 0], "reduce_scatter_single": [1, 4 * dp * shard],
+                "all_gather_single": [1, 4 * shard]}
     got = got if isinstance(got, dict) else {}
     for op, want in expected.items():
         expect_equal(got.get(op, [0, 0]), want, f"{run['call']}: [{op} calls, bytes] in zero.step()")
@@ -469,7 +469,7 @@ def zero2_parity_two_ranks(student, rng):
 
 
 @ZERO2.check(points=2, hint="pad each unit's flat buffer to dp·ceil(numel/dp): rank r's shard starts at "
-                            "r·shard_numel, exactly where reduce_scatter_tensor and all_gather_into_tensor put it")
+                            "r·shard_numel, exactly where reduce_scatter_single and all_gather_single put it")
 def zero2_parity_uneven(student, rng):
     """dp=3, units whose size dp does not divide: the same as one process after every step"""
     _zero2_parity(student, rng, 3)
@@ -494,15 +494,15 @@ def gradient_shards(student, rng):
                                      f"after backward", rel=1e-5, mistakes=_summed(dp, "the unit's flat gradient"))
 
 
-@ZERO2.check(points=1, hint="the gradient goes out as one reduce_scatter_tensor per unit (each rank receives only "
-                            "its shard's sum), the parameters come back as one all_gather_into_tensor; no all_reduce")
+@ZERO2.check(points=1, hint="the gradient goes out as one reduce_scatter_single per unit (each rank receives only "
+                            "its shard's sum), the parameters come back as one all_gather_single; no all_reduce")
 def zero2_communication(student, rng):
     """per step and unit, one reduce-scatter of the gradient and one all-gather of the parameters, no all-reduce"""
     dp = rng.choice([2, 3])
     results, run = _zero2(student, rng, dp, steps=1)
     shards = [-(-n // dp) for n in unit_numels(run["cfg"])]
-    expected = {"all_reduce": [0, 0], "reduce_scatter_tensor": [len(shards), 4 * dp * sum(shards)],
-                "all_gather_into_tensor": [len(shards), 4 * sum(shards)]}
+    expected = {"all_reduce": [0, 0], "reduce_scatter_single": [len(shards), 4 * dp * sum(shards)],
+                "all_gather_single": [len(shards), 4 * sum(shards)]}
     got = (results[0].get("collectives") or [None])[0]
     got = got if isinstance(got, dict) else {}
     for op, want in expected.items():

@@ -34,8 +34,8 @@ from lab.grading.checks import (
     per_rank,
 )
 
-GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
-SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+GATHERS = ("all_gather", "all_gather_single")  # count_collectives counts torch < 2.13's names under the new ones
+SCATTERS = ("reduce_scatter", "reduce_scatter_single")
 
 
 # --- comparing what the ranks report -------------------------------------------------------------------------
@@ -377,8 +377,8 @@ def sp_norm_on_shard(student, rng):
 
 
 @SEQUENCE.check(points=1, hint="an all-reduce moves the same bytes as a reduce-scatter plus an all-gather but "
-                               "leaves the whole activation on every rank: use dist.all_gather_into_tensor and "
-                               "dist.reduce_scatter_tensor, one of each per pass")
+                               "leaves the whole activation on every rank: use all_gather_single and "
+                               "reduce_scatter_single (lab.distributed), one of each per pass")
 def sp_collectives(student, rng):
     """one all-gather and one reduce-scatter forward, the same backward, no all-reduce"""
     results, run = _sp(student, rng, rng.choice([2, 3]))

@@ -92,11 +92,10 @@ def reduced_gradients(kind: str, engine: NaiveDP | Zero, model: Net) -> dict[str
     """Right after `finish()`: (start, end, gradient) of each parameter's local slice of `param.flatten()`,
     read where the contract says — `param.grad` (DDP; ZeRO-3's module parameters, its pieces), or the pieces'
     `.grad` (ZeRO-1/2)."""
-    names = [name for name, _ in Net().named_parameters()]
     if kind.startswith("zero") and kind != "zero3":
-        by_param = dict(zip(engine.names.values(), names, strict=True))
-        return {by_param[engine.full_of[piece]]: (*piece.flat_range, piece.grad.clone().numpy())
-                for piece in engine.parameters()}
+        names = dict(zip(engine.names, (name for name, _ in Net().named_parameters()), strict=True))  # list: "0", ...
+        return {names[name]: (*piece.flat_range, piece.grad.clone().numpy())
+                for name, piece in engine.named_parameters()}
     grads = {}
     for name, param in model.named_parameters():
         start, end = getattr(param, "flat_range", (0, param.numel()))

@@ -303,6 +303,11 @@ class Zero(DataParallel):
         """What this rank's optimizer updates: the pieces of its shards (views: the update lands in the shard)."""
         return [piece for piece, _ in self.pieces]
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(its parameter's name, piece) for each of `parameters()`: parameter groups by name, as over a module."""
+        names = {param: name for name, param in self.names.items()}
+        return [(names[self.full_of[piece]], piece) for piece, _ in self.pieces]
+
     def after_step(self) -> None:
         """Stages 1-2 all-gather the updated shards into the full parameters (stage 3 gathers them when the next
         forward needs them)."""

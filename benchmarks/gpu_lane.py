@@ -57,6 +57,7 @@ BENCH_PARTS = {"correctness": (170, 1), "mfu": (150, 1), "nccl": (150, 2), "kern
                "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2)}
 RECORD_PARTS = {"memory": (60, 1), "trace": (45, 1), "ddp_trace": (90, 2)}
 ALL_PARTS = {**BENCH_PARTS, **RECORD_PARTS}
+PHASES = ("forward", "backward", "optimizer")  # lab.profiling's annotations, also on the GPU's timeline
 MFU_WARMUP_STEPS = 2  # the first steps build CUDA contexts, cuBLAS plans and the allocator's pools
 NO_GPU = "{command} needs an NVIDIA GPU: {why}. Run it on a machine where nvidia-smi lists one."
 
@@ -202,8 +203,8 @@ def part_mfu(args: argparse.Namespace) -> dict:
     config = load_config(None, [f"model.preset='{args.mfu_model}'", f"train.seq_len={args.mfu_seq}",
                                 f"train.global_batch={args.mfu_mbs * args.mfu_accum}",
                                 f"parallel.grad_accum={args.mfu_accum}", f"train.steps={args.mfu_steps}",
-                                "train.warmup_steps=1", f"train.precision='{args.mfu_precision}'",
-                                f"train.device='{args.device}'"])
+                                f"train.warmup_steps={args.mfu_steps}", "train.lr=3e-4",
+                                f"train.precision='{args.mfu_precision}'", f"train.device='{args.device}'"])
     peak = args.peak_flops or _peak_flops(args.device)
     if peak is None:
         return {"status": "skip", "reason": "no dense bf16 peak for this device in lab.calc.hardware "
@@ -218,10 +219,44 @@ def part_mfu(args: argparse.Namespace) -> dict:
                    losses=[round(log.loss, 4) for log in logs])
     if args.device == "cuda":
         metrics["device"] = torch.cuda.get_device_name()
+    metrics["where_the_time_goes"] = _profiled_steps(config, metrics["step_s"], on_gpu=args.device == "cuda")
     goal = args.mfu_goal
     status = "pass" if metrics["mfu"] >= goal else "fail"
     reason = None if status == "pass" else f"MFU {metrics['mfu']:.1%} is under the goal of {goal:.0%}"
     return {"status": status, "metrics": metrics, **({"reason": reason} if reason else {})}
+
+
+KERNEL_KINDS = (("matmul", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|attention"),
+                ("optimizer", r"multi_tensor|adam"), ("communication", r"nccl"))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def _profiled_steps(config, step_s: float, on_gpu: bool, steps: int = 3) -> dict:
+    """Where a step's time goes: the same run profiled for a few steps. The GPU's kernel time per step, by kind,
+    against the unprofiled step time; what is left is time the GPU waited for the host (launches, data, syncs).
+    On a CPU (the tests) the same table of CPU ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lab.train import run
+
+    short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps, warmup_steps=steps))
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        run(short, 1, verbose=False)
+        if on_gpu:
+            torch.cuda.synchronize()
+    rows = kernel_table(prof.key_averages(), on_gpu)
+    by_kind: dict[str, float] = {}
+    for row in rows:
+        by_kind[kernel_kind(row["name"])] = by_kind.get(kernel_kind(row["name"]), 0.0) + row["total_ms"] / steps
+    busy_ms = sum(by_kind.values())
+    return {"kernel_ms_per_step": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "kernel_busy_share": busy_ms / (1000 * step_s), "kernels_per_step": sum(r["calls"] for r in rows) / steps,
+            "top_kernels": [{**r, "total_ms": round(r["total_ms"] / steps, 2), "calls": r["calls"] // steps}
+                            for r in rows[:15]]}
 
 
 def _attention_backend(device: str) -> str:
@@ -267,8 +302,10 @@ def junit_summary(xml_text: str) -> dict:
                 failed.append(f"{case.get('classname')}::{case.get('name')}: {message[0][:300] if message else ''}")
     skipped = sorted({(child.get("message") or "").strip()[:200] for case in root.iter("testcase")
                       for child in case if child.tag == "skipped"})
+    measured = {f"{case.get('name')}.{prop.get('name')}": prop.get("value")  # the tests' record_property
+                for case in root.iter("testcase") for prop in case.iter("property")}
     return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-            "failed": failed, "skip_reasons": skipped}
+            "failed": failed, "skip_reasons": skipped, "measured": measured}
 
 
 def part_correctness(args: argparse.Namespace, timeout_s: float) -> dict:
@@ -276,7 +313,7 @@ def part_correctness(args: argparse.Namespace, timeout_s: float) -> dict:
              "tests/test_fp8.py"]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        done = _child([sys.executable, "-m", "pytest", *tests, "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+        done = _child([sys.executable, "-m", "pytest", *tests, "-p", "no:xdist", "-p", "no:cacheprovider", "-v",
                        "-rs", f"--junitxml={report}"], timeout_s)
         if not report.exists():
             return {"status": "fail", "reason": f"pytest wrote no report (exit {done.returncode})",
@@ -299,7 +336,9 @@ def _script(name: str, extra: list[str], timeout_s: float, with_json: bool = Tru
     result = {"status": "pass" if done.returncode == 0 else "fail", "command": " ".join(command[1:]),
               "log_tail": _tail(done.stdout + ("\n" + done.stderr if done.returncode else ""), 60)}
     if done.returncode:
-        result["reason"] = f"exit {done.returncode}: {_tail(done.stderr, 1)[:300]}"
+        missed = [line.strip() for line in done.stdout.splitlines() if line.rstrip().endswith("MISS")]
+        result["reason"] = (f"targets missed: {'; '.join(missed)}"[:600] if missed
+                            else f"exit {done.returncode}: {_tail(done.stderr, 1)[:300]}")
     if records is not None:
         result["records"] = records
     return result
@@ -333,8 +372,9 @@ def part_script(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
 # --- recordings -----------------------------------------------------------------------------------------------
 
 
-def _record_model(device: str):
-    """A model big enough for the GPU's timeline to show its phases, small enough to record in seconds."""
+def _record_model(device: str, dtype=None):
+    """A model big enough for the GPU's timeline to show its phases, small enough to record in seconds; in
+    `dtype` (weights and optimizer states alike: a recording, not lab.train's mixed precision)."""
     import torch
 
     from lab.config import ModelConfig
@@ -345,7 +385,7 @@ def _record_model(device: str):
                                   d_ff=2816, max_seq_len=1024)
     if device == "cpu":  # the CPU path exists for the tests: a tiny shape
         cfg = ModelConfig.from_preset("tiny")
-    model = materialize(build_model(cfg), device, seed=0)
+    model = materialize(build_model(cfg), device, seed=0).to(dtype or torch.float32)
     optimizer = adamw(model.parameters(), 3e-4, 0.1)
     seq, mbs = (1024, 8) if device == "cuda" else (32, 2)
     tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device, generator=None)
@@ -397,7 +437,8 @@ def part_trace(args: argparse.Namespace) -> dict:
 
     from lab.profiling import language_model_step
 
-    _, model, optimizer, tokens, _, _ = _record_model(args.device)
+    # bf16 on a GPU: the kernels a real step runs (tensor-core GEMMs, flash attention), not fp32's
+    _, model, optimizer, tokens, _, _ = _record_model(args.device, torch.bfloat16 if args.device == "cuda" else None)
     step = language_model_step(model, optimizer, tokens, tokens.roll(-1, 1))
     step()  # warm-up: cuBLAS handles, the allocator's pools, the optimizer's states
     on_gpu = args.device == "cuda"
@@ -414,7 +455,8 @@ def part_trace(args: argparse.Namespace) -> dict:
     rows = kernel_table(prof.key_averages(), on_gpu)
     busy_s = sum(r["total_ms"] for r in rows) / 1000 if on_gpu else None
     return {"status": "pass", "files": [_gzip(trace)],
-            "metrics": {"steps": 2, "wall_s": wall_s, "kernel_busy_s": busy_s, "top_ops": rows[:20]}}
+            "metrics": {"steps": 2, "precision": "bf16" if on_gpu else "fp32", "wall_s": wall_s,
+                        "kernel_busy_s": busy_s, "top_ops": rows[:20]}}
 
 
 def kernel_table(averages, on_gpu: bool) -> list[dict]:
@@ -423,8 +465,9 @@ def kernel_table(averages, on_gpu: bool) -> list[dict]:
 
     rows = []
     for event in averages:
-        if on_gpu and event.device_type != DeviceType.CUDA:
-            continue  # a CPU op: its device time is its kernels', which are rows of their own
+        if on_gpu and (event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False)
+                       or event.key in PHASES):
+            continue  # a CPU op (its device time is its kernels', rows of their own) or a phase's annotation
         total_us = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
                     if on_gpu else event.self_cpu_time_total)
         if total_us > 0:
@@ -503,8 +546,9 @@ def run_part(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
             result = part_correctness(args, timeout_s)
         else:
             result = part_script(name, args, timeout_s)
-    except subprocess.TimeoutExpired:
-        result = {"status": "timeout", "reason": f"stopped after its {timeout_s:.0f} s"}
+    except subprocess.TimeoutExpired as stopped:  # what it printed until then says how far it got
+        output = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+        result = {"status": "timeout", "reason": f"stopped after its {timeout_s:.0f} s", "log_tail": _tail(output)}
     return {"name": name, **result, "wall_s": round(time.perf_counter() - start, 1)}
 
 

@@ -97,6 +97,8 @@ def memory_timeline(step: Callable[[], None], steps: int = 2, device: str | torc
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the profiler files each allocation under cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with _without_kineto_markers(), profile(activities=activities, profile_memory=True, record_shapes=True,
                                             with_stack=True) as prof:

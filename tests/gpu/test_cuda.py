@@ -8,6 +8,7 @@ Without a CUDA device every test here is skipped with that reason, so the CPU su
 - fp32 forward and backward on the GPU equal the CPU's (TF32 off, so only summation order differs);
 - the bytes a forward pass keeps for backward on the GPU, read off the caching allocator, are what
   `lab.calc.memory`'s `exact` activation model predicts, within 10% (on a CPU the bound is 2%, tests/test_measure.py);
+- `lab.profiling`'s memory timeline (chapter 01's figure) works on the GPU;
 - `lab.train --precision bf16` trains on the GPU as the fp32 run does;
 - every layout of `lab.train` that fits the machine's GPUs (one rank per GPU, NCCL) gives the single-GPU run's
   losses: the same layouts tests/test_train.py proves on gloo ranks. A 1-GPU machine skips them, saying so.
@@ -23,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lab.calc.memory import estimate_memory
 from lab.config import ModelConfig, ParallelConfig, load_config
 from lab.model import build_model, materialize
+from lab.profiling import language_model_step, memory_timeline
 from lab.train import run
 
 pytestmark = [pytest.mark.gpu,
@@ -62,7 +64,7 @@ def test_fp32_forward_and_backward_on_the_gpu_equal_the_cpus():
         assert error < 1e-4, f"{name}: relative error {error:.2e} between the GPU's gradient and the CPU's"
 
 
-def test_activation_bytes_on_the_gpu_match_calc_memory_within_10_percent():
+def test_activation_bytes_on_the_gpu_match_calc_memory_within_10_percent(record_property):
     seq, mbs = 1024, 4
     device = torch.device("cuda")
     model = materialize(build_model(MEMORY_CFG), device, seed=0)
@@ -78,8 +80,9 @@ def test_activation_bytes_on_the_gpu_match_calc_memory_within_10_percent():
     peak = torch.cuda.max_memory_allocated() - before
     predicted = estimate_memory(MEMORY_CFG, seq, mbs, ParallelConfig(), precision="fp32", flash=True,
                                 activation_model="exact").per_gpu["activations"]
-    print(f"kept for backward {kept / 2**20:.1f} MiB, forward's peak {peak / 2**20:.1f} MiB, "
-          f"lab.calc.memory (exact, flash) {predicted / 2**20:.1f} MiB: kept/predicted {kept / predicted:.3f}")
+    for name, value in (("kept_bytes", kept), ("forward_peak_bytes", peak), ("predicted_bytes", predicted),
+                        ("kept_over_predicted", round(kept / predicted, 4))):
+        record_property(name, value)  # into the lane's record (benchmarks/gpu_lane.py reads the junit report)
     assert abs(kept - predicted) <= 0.10 * kept, (kept, predicted)
     loss.backward()  # the graph is whole: what was counted was what backward needs
 
@@ -89,9 +92,26 @@ def _losses(overrides: list[str], nproc: int = 1) -> list[float]:
     return [log.loss for log in run(config, nproc, verbose=False)]
 
 
-def test_bf16_training_on_the_gpu_follows_fp32():
+def test_memory_timeline_on_the_gpu_has_every_phase_and_adams_states_from_step_2():
+    """lab.profiling's figure of chapter 01, on the GPU: the profiler files allocations under cuda:N, so asking
+    for "cuda" must still find them (it found none, before)."""
+    cfg = ModelConfig.from_preset("tiny")
+    model = materialize(build_model(cfg), "cuda", seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 64), device="cuda")
+    timeline = memory_timeline(language_model_step(model, optimizer, tokens, tokens.roll(-1, 1)), steps=2,
+                               device="cuda")
+    assert [phase for _, phase, _, _ in timeline.phases] == ["forward", "backward", "optimizer"] * 2
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert max(timeline.bytes_by_category["parameter"]) >= params
+    assert max(timeline.bytes_by_category["optimizer_state"]) >= 2 * params  # Adam's m and v
+    assert timeline.peak(2) > timeline.peak(1)  # step 2 holds the states step 1 created
+
+
+def test_bf16_training_on_the_gpu_follows_fp32(record_property):
     fp32, bf16 = _losses([]), _losses(["train.precision='bf16'"])
-    print("fp32", [round(x, 4) for x in fp32], "\nbf16", [round(x, 4) for x in bf16])
+    record_property("fp32_losses", [round(x, 4) for x in fp32])
+    record_property("bf16_losses", [round(x, 4) for x in bf16])
     assert bf16[-1] < bf16[0] - 0.1, "bf16 training on the GPU did not lower the loss"
     for step, (a, b) in enumerate(zip(fp32, bf16, strict=True), start=1):
         assert abs(a - b) <= 2e-2 * a, f"step {step}: fp32 {a:.4f} vs bf16 {b:.4f}"

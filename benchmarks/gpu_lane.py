@@ -226,36 +226,40 @@ def part_mfu(args: argparse.Namespace) -> dict:
     return {"status": status, "metrics": metrics, **({"reason": reason} if reason else {})}
 
 
-KERNEL_KINDS = (("matmul", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|attention"),
-                ("optimizer", r"multi_tensor|adam"), ("communication", r"nccl"))
+KERNEL_KINDS = (("matmul", r"gemm|nvjet|cutlass|xmma|cublas|aten::(mm|addmm|bmm)$"),
+                ("attention", r"flash|fmha|attention"), ("optimizer", r"multi_tensor|adam"), ("communication", r"nccl"))
 
 
 def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def _profiled_steps(config, step_s: float, on_gpu: bool, steps: int = 3) -> dict:
-    """Where a step's time goes: the same run profiled for a few steps. The GPU's kernel time per step, by kind,
-    against the unprofiled step time; what is left is time the GPU waited for the host (launches, data, syncs).
-    On a CPU (the tests) the same table of CPU ops."""
+def _profiled_steps(config, step_s: float, on_gpu: bool, active: int = 2) -> dict:
+    """Where a step's time goes: the same run again with the profiler on for `active` steps after two unrecorded
+    ones (building the model, a first step and the next are set-up; lab.train's `on_step` steps the profiler).
+    The GPU's kernel time per step, by kind, against the unprofiled step time; what is left is time the GPU
+    waited for the host (launches, data, syncs). On a CPU (the tests) the same table of CPU ops."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     from lab.train import run
 
+    steps = 2 + active
     short = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps, warmup_steps=steps))
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
-        run(short, 1, verbose=False)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=active)) as prof:
+        run(short, 1, verbose=False, on_step=lambda log: prof.step())
         if on_gpu:
             torch.cuda.synchronize()
     rows = kernel_table(prof.key_averages(), on_gpu)
     by_kind: dict[str, float] = {}
     for row in rows:
-        by_kind[kernel_kind(row["name"])] = by_kind.get(kernel_kind(row["name"]), 0.0) + row["total_ms"] / steps
+        by_kind[kernel_kind(row["name"])] = by_kind.get(kernel_kind(row["name"]), 0.0) + row["total_ms"] / active
     busy_ms = sum(by_kind.values())
-    return {"kernel_ms_per_step": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "kernel_busy_share": busy_ms / (1000 * step_s), "kernels_per_step": sum(r["calls"] for r in rows) / steps,
-            "top_kernels": [{**r, "total_ms": round(r["total_ms"] / steps, 2), "calls": r["calls"] // steps}
+    return {"profiled_steps": active,
+            "kernel_ms_per_step": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "kernel_busy_share": busy_ms / (1000 * step_s), "kernels_per_step": sum(r["calls"] for r in rows) / active,
+            "top_kernels": [{**r, "total_ms": round(r["total_ms"] / active, 2), "calls": r["calls"] // active}
                             for r in rows[:15]]}
 
 
@@ -465,9 +469,10 @@ def kernel_table(averages, on_gpu: bool) -> list[dict]:
 
     rows = []
     for event in averages:
-        if on_gpu and (event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False)
-                       or event.key in PHASES):
-            continue  # a CPU op (its device time is its kernels', rows of their own) or a phase's annotation
+        if event.key in PHASES or event.key.startswith("ProfilerStep"):
+            continue  # annotations of spans, not work
+        if on_gpu and (event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False)):
+            continue  # a CPU op: its device time is its kernels', rows of their own
         total_us = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
                     if on_gpu else event.self_cpu_time_total)
         if total_us > 0:

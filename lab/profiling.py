@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 # The profiler's categories, in the column order of `MemoryProfileTimeline._coalesce_timeline`
@@ -144,7 +145,7 @@ def _phase_events(nodes) -> list[tuple[int, int, str]]:
             name = node.name
         except UnicodeDecodeError:
             name = None
-        if name in PHASES:
+        if name in PHASES and node.tag == _EventType.TorchOp:  # on a GPU the same name also marks its kernels' span
             found.append((node.start_time_ns, node.end_time_ns, name))
         else:
             stack.extend(node.children)

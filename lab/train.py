@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -242,7 +243,8 @@ def _lr_factor(step: int, config: Config) -> float:
 
 
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True,
-                 checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None) -> list[StepLog]:
+                 checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None,
+                 on_step: Callable[[StepLog], None] | None = None) -> list[StepLog]:
     """The training loop run by every rank (or by the only process). Returns the per-step log (of the steps
     this run made: after a resume, those after the checkpoint's step). A group started again after a failure
     (`lab.distributed.restarts`, under `lab.distributed.run` or torchrun) resumes as `--resume` does.
@@ -323,6 +325,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
                 log_file.write(json.dumps(entry.as_dict()) + "\n")
                 log_file.flush()
             progress(entry)
+            if on_step is not None:  # e.g. a profiler's step(), so that it records chosen steps and not the set-up
+                on_step(entry)
             if checkpointer is not None:
                 checkpointer.after_step(step + 1, par, optimizer, scheduler, data)
     finally:
@@ -468,13 +472,15 @@ def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tup
 
 def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True,
         checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None, max_restarts: int = 0,
-        collective_timeout_s: float | None = None) -> list[StepLog]:
+        collective_timeout_s: float | None = None, on_step: Callable[[StepLog], None] | None = None
+        ) -> list[StepLog]:
     """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched. A layout
     lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`).
 
     `inject` makes a rank fail on purpose (`lab.faults`); `max_restarts` starts the local ranks again after a
     failure, resuming from the newest checkpoint (under torchrun, torchrun's own `--max-restarts` does this).
-    `collective_timeout_s` bounds how long a collective waits for a missing rank (the process group's timeout)."""
+    `collective_timeout_s` bounds how long a collective waits for a missing rank (the process group's timeout).
+    `on_step(log)` is called after every step, in every rank (benchmarks/gpu_lane.py steps a profiler with it)."""
     check_supported(config)
     _check_faults(config, checkpoint, inject, max_restarts, collective_timeout_s)
     if lab_dist.launched_by_torchrun():
@@ -482,14 +488,14 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
         if dist.get_world_size() != config.parallel.world_size:
             raise ValueError(f"torchrun started {dist.get_world_size()} ranks but dp*tp*cp*pp = "
                              f"{config.parallel.world_size}")
-        return train_worker(config, log_path, verbose, checkpoint, inject)
+        return train_worker(config, log_path, verbose, checkpoint, inject, on_step)
     if nproc != config.parallel.world_size:
         p = config.parallel
         raise ValueError(f"nproc={nproc} must equal dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
     if nproc == 1 and inject is None and not max_restarts:  # a failure on purpose runs in a rank of its own
-        return train_worker(config, log_path, verbose, checkpoint)
+        return train_worker(config, log_path, verbose, checkpoint, on_step=on_step)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
-    return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, backend=backend,
+    return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, on_step, backend=backend,
                         timeout_s=max(600.0, 10.0 * config.train.steps), max_restarts=max_restarts,
                         **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
 

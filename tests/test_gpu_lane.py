@@ -140,8 +140,26 @@ def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
     assert gpu_lane.validate(bench) == [] and gpu_lane.validate(record) == []
     mfu = bench["parts"][0]["metrics"]
     assert mfu["tokens_per_step"] == 2 * 2 * 32 and 0 < mfu["mfu"] < 1 and len(mfu["losses"]) == 4
+    profiled = mfu["where_the_time_goes"]  # two steps recorded after two unrecorded ones: no set-up in the table
+    assert profiled["profiled_steps"] == 2 and profiled["kernel_ms_per_step"]["matmul"] > 0
+    assert not any(row["name"].startswith(("ProfilerStep", "forward")) for row in profiled["top_kernels"])
+    assert "aten::randn" not in {row["name"] for row in profiled["top_kernels"]}  # initialisation
+    assert {row["name"]: row["calls"] for row in profiled["top_kernels"]}["aten::mm"] == _matmuls_in_one_step()
     ddp = record["parts"][0]
     assert ddp["status"] == "pass" and ddp["metrics"]["backend"] == "gloo"
     assert (tmp_path / ddp["files"][0]).stat().st_size > 1000
-    names = " ".join(row["name"] for row in ddp["metrics"]["top_ops"])
-    assert "backward" in names
+    assert "DistributedDataParallel.forward" in {row["name"] for row in ddp["metrics"]["top_ops"]}
+
+
+def _matmuls_in_one_step() -> int:
+    """aten::mm calls of one step of the same run (set-up does none), counted by a profiler around all of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lab.config import load_config
+    from lab.train import run
+
+    config = load_config(None, ["model.preset='tiny'", "train.steps=1", "train.seq_len=32", "train.global_batch=4",
+                                "parallel.grad_accum=2", "train.device='cpu'"])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(config, 1, verbose=False)
+    return next(event.count for event in prof.key_averages() if event.key == "aten::mm")

@@ -91,10 +91,10 @@ doctor: venv
 	$(PY) -m lab doctor
 
 bench-gpu: venv
-	$(PY) benchmarks/gpu_lane.py bench $(GPU_ARGS)
+	@$(PY) benchmarks/gpu_lane.py bench $(GPU_ARGS)
 
 record-gpu: venv
-	$(PY) benchmarks/gpu_lane.py record $(GPU_ARGS)
+	@$(PY) benchmarks/gpu_lane.py record $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache tests/browser/artifacts

@@ -1,6 +1,7 @@
 """The course site (`make site`, lab/site.py) in headless Chromium, with every request off this machine refused:
-the index lists every chapter, and chapter 01 shows its plots, its equations, and the memory calculator drawn by
-the widgets' html-manager from the saved state (widget DOM, not the state's JSON).
+the index lists every chapter (its links all resolve, its exercise pages show no solution), and chapter 01 shows
+its plots, its equations, and the memory calculator drawn by the widgets' html-manager from the saved state
+(widget DOM, not the state's JSON).
 
 It reads the site/ that `make test` builds after the main suite (whose notebook tests saved the executed
 chapters); skipped when there is none (`make site` builds it).
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_site import broken_links, outside_loads
+from test_site import broken_links, leaked_solution_lines, outside_loads
 
 from .jupyterlab import launch_chromium
 from .test_lab_browser import ARTIFACTS, _missing
@@ -63,6 +64,9 @@ def test_the_index_links_every_chapter_and_every_link_resolves(browser, record_p
     chapters = sorted(path.stem for path in (REPO / "chapters").glob("*.ipynb"))
     assert sorted(path.stem for path in (SITE / "chapters").glob("*.html")) == chapters
     assert broken_links(SITE) == [] and outside_loads(SITE) == []
+    for exercise in sorted((REPO / "exercises").glob("*.ipynb")):
+        page = SITE / "exercises" / f"{exercise.stem}.html"
+        assert leaked_solution_lines(REPO / "solutions" / exercise.name, exercise, page) == [], exercise.name
     site = SitePage(browser, "index.html")
     try:
         for name in chapters:

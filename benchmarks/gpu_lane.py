@@ -14,9 +14,11 @@ bench, in order (each part in a process of its own, with a time limit, so one cr
   mfu          `lab.train` on Llama 3.2 1B on one GPU in bf16: MFU = model FLOPs per step (`lab.calc.flops`, 6N plus
                attention) / (median steady step time x the device's dense bf16 peak from `lab.calc.hardware`)
   nccl         benchmarks/collectives.py on NCCL: bus bandwidth of torch's and lab's collectives (>= 2 GPUs)
-  kernels, fp8, serving, dp_zero
+  kernels, fp8, serving, dp_zero, tp
                the GPU columns of benchmarks/kernels.py (Triton vs torch), fp8_gemm.py (FP8 vs bf16 GEMMs),
-               serving.py (the inference engine's throughput) and dp_zero.py (lab's DP/ZeRO vs DDP/FSDP2, >= 2 GPUs)
+               serving.py (the inference engine's throughput), dp_zero.py (lab's DP/ZeRO vs DDP/FSDP2) and tp.py
+               (lab's TP vs DTensor's); the last two on >= 2 GPUs. The other benchmarks measure gloo ranks on a CPU
+               (pipeline, cp, compose, checkpoint, search_vs_measured, precision_side_by_side, memory_accuracy)
 record: the recordings chapters 01-03 show
   memory       the memory timeline of three training steps by category (`lab.profiling`, the CPU figure of chapter
                01, now on the GPU), and a CUDA allocator snapshot for https://pytorch.org/memory_viz
@@ -54,7 +56,7 @@ SCHEMA = "lab-gpu-lane/1"
 STATUSES = ("pass", "fail", "skip", "timeout")
 # part: (time limit in seconds, GPUs it needs)
 BENCH_PARTS = {"correctness": (170, 1), "mfu": (150, 1), "nccl": (150, 2), "kernels": (120, 1),
-               "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2)}
+               "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2), "tp": (150, 2)}
 RECORD_PARTS = {"memory": (60, 1), "trace": (45, 1), "ddp_trace": (90, 2)}
 ALL_PARTS = {**BENCH_PARTS, **RECORD_PARTS}
 PHASES = ("forward", "backward", "optimizer")  # lab.profiling's annotations, also on the GPU's timeline
@@ -370,6 +372,9 @@ def part_script(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
         return _script("dp_zero", ["--backend", "nccl", "--world", *worlds, "--d-model", "2048", "--layers", "8",
                                    "--vocab", "32000", "--seq-len", "1024", "--batch", str(4 * int(worlds[-1]))],
                        timeout_s, with_json=False)
+    if name == "tp":
+        return _script("tp", ["--backend", "nccl", "--tp", *worlds, "--d-model", "2048", "--layers", "4",
+                              "--seq", "2048"], timeout_s, with_json=False)
     raise ValueError(f"part={name!r} is not a benchmark script part")
 
 

@@ -396,7 +396,7 @@ def _record_model(device: str, dtype=None):
         cfg = ModelConfig.from_preset("tiny")
     model = materialize(build_model(cfg), device, seed=0).to(dtype or torch.float32)
     optimizer = adamw(model.parameters(), 3e-4, 0.1)
-    seq, mbs = (1024, 8) if device == "cuda" else (32, 2)
+    seq, mbs = (32, 2) if device == "cpu" else (1024, 8)
     tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device, generator=None)
     return cfg, model, optimizer, tokens, seq, mbs
 

@@ -390,14 +390,14 @@ def _record_model(device: str, dtype=None):
     from lab.model import build_model, materialize
     from lab.parallel.optim import adamw
 
-    cfg = ModelConfig.from_preset("tiny", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4,
-                                  d_ff=2816, max_seq_len=1024)
-    if device == "cpu":  # the CPU path exists for the tests: a tiny shape
-        cfg = ModelConfig.from_preset("tiny")
+    if device == "cpu":  # the tests run the CPU path: the tiny shape
+        cfg, seq, mbs = ModelConfig.from_preset("tiny"), 32, 2
+    else:
+        cfg, seq, mbs = ModelConfig.from_preset("tiny", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16,
+                                                n_kv_heads=4, d_ff=2816, max_seq_len=1024), 1024, 8
     model = materialize(build_model(cfg), device, seed=0).to(dtype or torch.float32)
     optimizer = adamw(model.parameters(), 3e-4, 0.1)
-    seq, mbs = (32, 2) if device == "cpu" else (1024, 8)
-    tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device, generator=None)
+    tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device)
     return cfg, model, optimizer, tokens, seq, mbs
 
 

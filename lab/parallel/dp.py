@@ -78,12 +78,11 @@ def broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | None
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     source = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for same_kind in by_kind.values():
-            flat = torch.cat([t.reshape(-1) for t in same_kind])
-            dist.broadcast(flat, src=source, group=group)
-            for t, value in zip(same_kind, flat.split([t.numel() for t in same_kind]), strict=True):
-                t.copy_(value.view_as(t))
+    for same_kind in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same_kind])
+        dist.broadcast(flat, src=source, group=group)
+        for t, value in zip(same_kind, flat.split([t.numel() for t in same_kind]), strict=True):
+            t.copy_(value.view_as(t))
 
 
 @torch.no_grad()
@@ -333,12 +332,10 @@ class BucketedDP(NaiveDP):
 
     @torch.no_grad()
     def _on_grad_ready(self, bucket: Bucket, param: nn.Parameter) -> None:
-        if param.grad.data_ptr() == param.main_grad.data_ptr():
-            pass  # .grad is still finish()'s bucket view: autograd has accumulated into the bucket itself
-        elif param in self.handed_out:
-            param.main_grad.copy_(param.grad)  # .grad was cleared since finish(): the bucket's old value goes
-        else:
-            param.main_grad.add_(param.grad)
+        # .grad still finish()'s bucket view: autograd has accumulated into the bucket itself. Else a new tensor:
+        # it replaces the bucket's value of the last step (.grad was cleared since finish()), or adds to this one's
+        if param.grad.data_ptr() != param.main_grad.data_ptr():
+            (param.main_grad.copy_ if param in self.handed_out else param.main_grad.add_)(param.grad)
         self.handed_out.discard(param)
         param.grad = None  # the gradient now lives in the bucket; free autograd's copy
         if self.sync:

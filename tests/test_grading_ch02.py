@@ -59,11 +59,10 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
                                "chunks[(rank - step) % world], chunks[(rank - step - 1) % world]")],
         {RS_TWO, RS_MORE}),
     "reduce_scatter_in_the_wrong_direction": ("02.reduce_scatter", [RING_DIRECTION], {RS_MORE}),
-    "reduce_scatter_calls_the_library": ("02.reduce_scatter", [("    chunks = list(",
-                                                                "    from lab.distributed import reduce_scatter_single\n"
-                                                                "    reduce_scatter_single(output, input)\n"
-                                                                "    return output\n    chunks = list(")],
-                                         {RS_P2P}),
+    "reduce_scatter_calls_the_library": ("02.reduce_scatter", [(
+        "    chunks = list(", "    from lab.distributed import reduce_scatter_single\n"
+                             "    reduce_scatter_single(output, input)\n    return output\n    chunks = list(")],
+        {RS_P2P}),
     "bytes_all_reduce_without_all_gather": ("02.ring_bytes", [('"all_reduce": 2 * (world_size - 1)',
                                                                '"all_reduce": world_size - 1')],
                                             {"all_reduce: 2(W−1)/W·B"}),

@@ -54,6 +54,11 @@ class Page:
     def html(self) -> str:
         return self.source.removesuffix(".ipynb") + ".html"
 
+    @property
+    def link(self) -> dict[str, str]:
+        """What the navigation of another page shows of this one."""
+        return {"html": self.html, "title": self.title}
+
 
 def _title(nb: nbformat.NotebookNode, fallback: str) -> str:
     for cell in nb.cells:
@@ -135,14 +140,13 @@ def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path 
         shutil.rmtree(out)
     shutil.copytree(vendor, out / "static", ignore=shutil.ignore_patterns("*.map", ".*"))
     exporter = _exporter()
-    link = lambda page: {"html": page.html, "title": page.title} if page else None  # noqa: E731
-    pages = [_write(exporter, index, out, {"next": link(chapters[0])})]
+    pages = [_write(exporter, index, out, {"next": chapters[0].link})]
     for i, page in enumerate(chapters):
         before, after = chapters[i - 1] if i else None, chapters[i + 1] if i + 1 < len(chapters) else None
-        pages.append(_write(exporter, page, out, {"prev": link(before), "next": link(after)}))
+        pages.append(_write(exporter, page, out, {"prev": before and before.link, "next": after and after.link}))
     for page in exercises:
         chapter = next((c for c in chapters if Path(c.source).name == Path(page.source).name), None)
-        pages.append(_write(exporter, page, out, {"up": link(chapter)}))
+        pages.append(_write(exporter, page, out, {"up": chapter and chapter.link}))
         shutil.copy2(repo / page.source, out / page.source)  # the download
     return pages
 

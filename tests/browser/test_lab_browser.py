@@ -39,9 +39,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.skipif(_missing() is not None, re
 @pytest.fixture(scope="module")
 def lab_server(jupyter_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
     """JupyterLab serving a temp copy of the notebook folders, so the browser cannot touch tracked files (and of
-    configs/, which notebooks read as ../configs/tiny.toml)."""
+    configs/ and benchmarks/results/, which notebooks read as ../configs/tiny.toml and ../benchmarks/results)."""
     root = tmp_path_factory.mktemp("lab-root")
-    for folder in ("chapters", "solutions", "exercises", "configs"):
+    for folder in ("chapters", "solutions", "exercises", "configs", "benchmarks/results"):
         if (REPO / folder).is_dir():
             shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     # the learner's plotting backend (inline), not the notebook lane's Agg: plots must really be drawn here

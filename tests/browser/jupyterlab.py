@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 if TYPE_CHECKING:  # playwright is optional: the tests that need it skip when it is missing
-    from playwright.sync_api import BrowserContext, Locator, Page, Playwright
+    from playwright.sync_api import BrowserContext, Locator, Page
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -138,11 +138,19 @@ class LabServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def launch_chromium(playwright: Playwright, profile_dir: Path) -> BrowserContext:
-    """Headless Debian Chromium with a fresh profile (Chromium refuses --user-data-dir in `args`)."""
-    return playwright.chromium.launch_persistent_context(
-        str(profile_dir), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
-        viewport={"width": 1280, "height": 900})
+@contextmanager
+def chromium(profile_dir: Path) -> Iterator[BrowserContext]:
+    """Headless Debian Chromium with a fresh profile (Chromium refuses --user-data-dir in `args`), closed on exit."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(profile_dir), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1280, "height": 900})
+        try:
+            yield context
+        finally:
+            context.close()
 
 
 # True once every code cell of the visible notebook shows an execution count, e.g. "[3]:" (not "[ ]" or

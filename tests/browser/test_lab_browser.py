@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .jupyterlab import CHROMIUM, LabServer, NotebookPage, launch_chromium, open_notebook
+from .jupyterlab import CHROMIUM, LabServer, NotebookPage, chromium, open_notebook
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
@@ -56,14 +56,8 @@ def lab_server(jupyter_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def browser(lab_server: LabServer, tmp_path_factory: pytest.TempPathFactory):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        context = launch_chromium(playwright, tmp_path_factory.mktemp("chromium-profile"))
-        try:
-            yield context
-        finally:
-            context.close()
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
 
 
 def _rows(notebook: NotebookPage) -> int:

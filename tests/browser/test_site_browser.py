@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_site import broken_links, leaked_solution_lines, outside_loads
 
-from .jupyterlab import launch_chromium
+from .jupyterlab import chromium
 from .test_lab_browser import ARTIFACTS, _missing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,14 +49,8 @@ class SitePage:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        context = launch_chromium(playwright, tmp_path_factory.mktemp("chromium-profile"))
-        try:
-            yield context
-        finally:
-            context.close()
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
 
 
 def test_the_index_links_every_chapter_and_every_link_resolves(browser, record_property) -> None:

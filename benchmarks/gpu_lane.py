@@ -256,7 +256,8 @@ def _profiled_steps(config, step_s: float, on_gpu: bool, active: int = 2) -> dic
     rows = kernel_table(prof.key_averages(), on_gpu)
     by_kind: dict[str, float] = {}
     for row in rows:
-        by_kind[kernel_kind(row["name"])] = by_kind.get(kernel_kind(row["name"]), 0.0) + row["total_ms"] / active
+        kind = kernel_kind(row["name"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + row["total_ms"] / active
     busy_ms = sum(by_kind.values())
     return {"profiled_steps": active,
             "kernel_ms_per_step": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
@@ -442,15 +443,28 @@ def thin(timeline: dict, points: int = 1500) -> dict:
 
 def part_trace(args: argparse.Namespace) -> dict:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from lab.profiling import language_model_step
 
     # bf16 on a GPU: the kernels a real step runs (tensor-core GEMMs, flash attention), not fp32's
-    _, model, optimizer, tokens, _, _ = _record_model(args.device, torch.bfloat16 if args.device == "cuda" else None)
-    step = language_model_step(model, optimizer, tokens, tokens.roll(-1, 1))
-    step()  # warm-up: cuBLAS handles, the allocator's pools, the optimizer's states
     on_gpu = args.device == "cuda"
+    _, model, optimizer, tokens, _, _ = _record_model(args.device, torch.bfloat16 if on_gpu else None)
+    step = language_model_step(model, optimizer, tokens, tokens.roll(-1, 1))
+    file, rows, wall_s = _trace_two_steps(step, on_gpu, Path(args.out) / f"{args.stem}-trace.json")
+    busy_s = sum(r["total_ms"] for r in rows) / 1000 if on_gpu else None
+    return {"status": "pass", "files": [file],
+            "metrics": {"steps": 2, "precision": "bf16" if on_gpu else "fp32", "wall_s": wall_s,
+                        "kernel_busy_s": busy_s, "top_ops": rows[:20]}}
+
+
+def _trace_two_steps(step, on_gpu: bool, trace: Path | None) -> tuple[str | None, list[dict], float]:
+    """One warm-up step (cuBLAS handles, the allocator's pools, the optimizer's states), then two profiled ones:
+    the gzipped Chrome trace's file name (None: no `trace` asked for), the kernel table, and the two steps' wall
+    time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
@@ -459,13 +473,9 @@ def part_trace(args: argparse.Namespace) -> dict:
         if on_gpu:
             torch.cuda.synchronize()
     wall_s = time.perf_counter() - start
-    trace = Path(args.out) / f"{args.stem}-trace.json"
-    prof.export_chrome_trace(str(trace))
-    rows = kernel_table(prof.key_averages(), on_gpu)
-    busy_s = sum(r["total_ms"] for r in rows) / 1000 if on_gpu else None
-    return {"status": "pass", "files": [_gzip(trace)],
-            "metrics": {"steps": 2, "precision": "bf16" if on_gpu else "fp32", "wall_s": wall_s,
-                        "kernel_busy_s": busy_s, "top_ops": rows[:20]}}
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    return _gzip(trace) if trace else None, kernel_table(prof.key_averages(), on_gpu), wall_s
 
 
 def kernel_table(averages, on_gpu: bool) -> list[dict]:
@@ -499,31 +509,20 @@ def _ddp_trace_rank(out: str, stem: str, device: str) -> dict | None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from torch.profiler import ProfilerActivity, profile
 
     from lab.profiling import language_model_step
 
-    rank = dist.get_rank()
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    rank = dist.get_rank()  # lab.distributed.run has set this rank's GPU under NCCL
     _, model, _, tokens, _, _ = _record_model(device if device == "cpu" else f"cuda:{rank}")
     ddp = DistributedDataParallel(model, bucket_cap_mb=25)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
     step = language_model_step(ddp, optimizer, tokens, tokens.roll(-1, 1))
-    step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(2):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
+    trace = Path(out) / f"{stem}-ddp-trace.json" if rank == 0 else None  # every rank runs the (collective) steps
+    file, rows, _ = _trace_two_steps(step, device == "cuda", trace)
     if rank != 0:
         return None
-    trace = Path(out) / f"{stem}-ddp-trace.json"
-    prof.export_chrome_trace(str(trace))
-    rows = kernel_table(prof.key_averages(), device == "cuda")
     collective = re.compile(r"nccl|allreduce|all_reduce", re.IGNORECASE)
-    return {"file": _gzip(trace), "top_ops": rows[:20],
+    return {"file": file, "top_ops": rows[:20],
             "collective_ms": sum(r["total_ms"] for r in rows if collective.search(r["name"]))}
 
 

@@ -16,6 +16,8 @@ Without a CUDA device every test here is skipped with that reason, so the CPU su
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,6 +94,12 @@ def _losses(overrides: list[str], nproc: int = 1) -> list[float]:
     return [log.loss for log in run(config, nproc, verbose=False)]
 
 
+@functools.cache
+def _one_gpu_losses() -> tuple[float, ...]:
+    """The fp32 single-GPU run every other run here is compared with: computed once per test process."""
+    return tuple(_losses([]))
+
+
 def test_memory_timeline_on_the_gpu_has_every_phase_and_adams_states_from_step_2():
     """lab.profiling's figure of chapter 01, on the GPU: the profiler files allocations under cuda:N, so asking
     for "cuda" must still find them (it found none, before)."""
@@ -109,7 +117,7 @@ def test_memory_timeline_on_the_gpu_has_every_phase_and_adams_states_from_step_2
 
 
 def test_bf16_training_on_the_gpu_follows_fp32(record_property):
-    fp32, bf16 = _losses([]), _losses(["train.precision='bf16'"])
+    fp32, bf16 = _one_gpu_losses(), _losses(["train.precision='bf16'"])
     record_property("fp32_losses", [round(x, 4) for x in fp32])
     record_property("bf16_losses", [round(x, 4) for x in bf16])
     assert bf16[-1] < bf16[0] - 0.1, "bf16 training on the GPU did not lower the loss"
@@ -135,6 +143,6 @@ LAYOUTS = [  # (overrides, ranks): tests/test_train.py's layouts, on GPUs
     pytest.param(o, n, marks=pytest.mark.skipif(GPUS < n, reason=f"needs {n} GPUs, this machine has {GPUS}"))
     for o, n in LAYOUTS], ids=lambda v: "-".join(x.split(".")[1] for x in v) if isinstance(v, list) else str(v))
 def test_layouts_under_nccl_match_one_gpu(overrides, nproc):
-    base, parallel = _losses([]), _losses(overrides, nproc)
+    base, parallel = _one_gpu_losses(), _losses(overrides, nproc)
     for step, (a, b) in enumerate(zip(base, parallel, strict=True), start=1):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: one GPU {a} vs {nproc} GPUs {b}"

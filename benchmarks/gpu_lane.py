@@ -59,7 +59,6 @@ BENCH_PARTS = {"correctness": (170, 1), "mfu": (150, 1), "nccl": (150, 2), "kern
                "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2), "tp": (150, 2)}
 RECORD_PARTS = {"memory": (60, 1), "trace": (45, 1), "ddp_trace": (90, 2)}
 ALL_PARTS = {**BENCH_PARTS, **RECORD_PARTS}
-PHASES = ("forward", "backward", "optimizer")  # lab.profiling's annotations, also on the GPU's timeline
 MFU_WARMUP_STEPS = 2  # the first steps build CUDA contexts, cuBLAS plans and the allocator's pools
 NO_GPU = "{command} needs an NVIDIA GPU: {why}. Run it on a machine where nvidia-smi lists one."
 
@@ -481,6 +480,8 @@ def _trace_two_steps(step, on_gpu: bool, trace: Path | None) -> tuple[str | None
 def kernel_table(averages, on_gpu: bool) -> list[dict]:
     """The profiler's ops by their own time, longest first: GPU kernels on a GPU, CPU ops otherwise."""
     from torch.autograd import DeviceType
+
+    from lab.profiling import PHASES  # the annotations of language_model_step's phases, also on the GPU's timeline
 
     rows = []
     for event in averages:

@@ -171,7 +171,7 @@ def _check_browser() -> Check:
 
 def _check_grading() -> list[Check]:
     """What confinement the grading sandbox gets here (`lab.check` and `python -m lab grade` use it): Landlock,
-    a pids cgroup, and whether a sandboxed child starts and answers at all."""
+    the network layer, a pids cgroup, and whether a sandboxed child starts and answers at all."""
     from lab.grading.confine import isolation
     from lab.grading.sandbox import ExerciseError, Limits, Sandbox
 
@@ -187,6 +187,19 @@ def _check_grading() -> list[Check]:
         landlock = Check("landlock", False, "not available: student code can read and write every file this user "
                          "can (python -m lab grade warns, and refuses with --strict)",
                          "grade on Linux >= 6.12 with Landlock enabled (the lsm= boot parameter lists landlock)")
+    how = layers["network"]
+    if how in ("namespace", "user namespace"):
+        network = Check("network", True, f"each sandbox gets a network {how} of its own: its ranks meet on its own "
+                        f"loopback; this machine's services, other hosts and UDP are out of reach")
+    else:
+        network = Check("network", False, ("no namespace can be made: a seccomp filter refuses internet sockets to "
+                                           "exercises without ranks, but multi-rank exercises' code can reach this "
+                                           "machine's loopback and other hosts" if how == "seccomp" else
+                                           "neither a namespace nor a seccomp filter can be made: graded code has the "
+                                           "network") + " (python -m lab grade warns, and refuses with --strict)",
+                        "grade as root, or where unprivileged user namespaces are allowed "
+                        "(sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
+                        "kernel.apparmor_restrict_unprivileged_userns=0)")
     if layers["pids_cgroup"]:
         pids = Check("pids cgroup", True, "the kernel caps each sandbox's tasks (a fork bomb stops at the limit)")
     else:
@@ -207,10 +220,10 @@ def _check_grading() -> list[Check]:
         sandbox = Check("sandbox", False, f"a sandboxed child failed: {error}",
                         "lab.check and python -m lab grade need it: report this with the output of python -m lab "
                         "doctor", required=True)
-    return [landlock, pids, sandbox]
+    return [landlock, network, pids, sandbox]
 
 
-GRADING = ("landlock", "pids cgroup", "sandbox")  # the checks of `_check_grading`, in order
+GRADING = ("landlock", "network", "pids cgroup", "sandbox")  # the checks of `_check_grading`, in order
 
 
 def run_checks() -> list[Check]:

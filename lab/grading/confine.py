@@ -12,9 +12,11 @@ import contextlib
 import functools
 import importlib.metadata
 import itertools
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import sysconfig
 import time
@@ -25,6 +27,9 @@ from typing import Any
 import lab
 
 LAB_DIR = Path(lab.__file__).resolve().parent
+# How a sandbox may cut itself off from the network, tried in this order (see sandbox_child._own_network): its own
+# namespace as root, its own user and network namespaces otherwise, a seccomp filter on internet sockets last.
+ALL_NETWORK_LAYERS = ("namespace", "user namespace", "seccomp")
 _counter = itertools.count()
 
 
@@ -144,13 +149,30 @@ def _reap_stale(base: Path) -> None:
 
 
 def isolation() -> dict[str, Any]:
-    """Which layers this machine gives the sandbox, for the grader's report."""
+    """Which layers this machine gives the sandbox, for the grader's report. `network` is how a sandbox is cut off
+    from the network: "namespace" or "user namespace" (every exercise, ranks included), "seccomp" (exercises
+    without ranks only: ranks meet over TCP), or "" (not at all)."""
     from lab.grading.sandbox_child import landlock_abi
 
     cgroup = make_cgroup(1)
     if cgroup:
         cgroup.rmdir()
-    return {"landlock_abi": landlock_abi(), "pids_cgroup": cgroup is not None, "root": os.geteuid() == 0}
+    return {"landlock_abi": landlock_abi(), "pids_cgroup": cgroup is not None, "root": os.geteuid() == 0,
+            "network": network_layer()}
+
+
+@functools.cache
+def network_layer(layers: tuple[str, ...] = ALL_NETWORK_LAYERS) -> str:
+    """The network layer this machine gives a sandbox that may try `layers`, found by trying them in a throw-away
+    child started as sandboxes are."""
+    from lab.grading.sandbox import _PYTHON, CHILD
+
+    try:
+        probe = subprocess.run([*_PYTHON, str(CHILD), "--probe-network", *layers], capture_output=True,
+                               text=True, timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        return str(json.loads(probe.stdout)) if probe.returncode == 0 else ""
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return ""
 
 
 # --- every process of a sandbox ------------------------------------------------------------------------

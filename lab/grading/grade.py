@@ -23,12 +23,12 @@ import datetime as dt
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lab.grading import assignments as course
-from lab.grading import checks, report
+from lab.grading import checks, gradescope, report
 from lab.grading.checks import Exercise
 from lab.grading.confine import isolation
 from lab.grading.notebook import NotebookError, answer_parts, exercise_ids, locked_checksums, read
@@ -62,32 +62,36 @@ def _identity(path: Path, given: Path) -> str:
     return relative.parts[0] if len(relative.parts) > 1 else path.stem
 
 
-def discover(paths: Sequence[Path], warn: Callable[[str], None] | None = None) -> list[tuple[str, Path]]:
-    """(student id, notebook) for every submission, sorted by id. Two notebooks of one student are both kept,
-    each as "student/what tells them apart" (a warning says so: one student handed in twice?)."""
-    found: list[tuple[Path, Path]] = []  # (notebook, what was given)
-    for path in paths:
-        if path.is_dir():
-            found += [(p, path) for p in sorted(path.rglob("*.ipynb")) if ".ipynb_checkpoints" not in p.parts]
-        elif path.is_file():
-            found.append((path, path))
-        else:
-            raise ValueError(f"{path}: no such file or folder (give notebooks or folders of notebooks)")
+def notebooks_in(path: Path) -> list[Path]:
+    """The notebooks a SUBMISSION argument names: the file, or those in the folder (not JupyterLab's copies)."""
+    if path.is_dir():
+        return [p for p in sorted(path.rglob("*.ipynb")) if ".ipynb_checkpoints" not in p.parts]
+    if path.is_file():
+        return [path]
+    raise ValueError(f"{path}: no such file or folder (give notebooks or folders of notebooks)")
+
+
+def discover(paths: Sequence[Path], warn: Callable[[str], None] | None = None,
+             assignment_of: Callable[[Path], str] = lambda path: "") -> list[tuple[str, Path]]:
+    """(student id, notebook) for every submission, sorted by id. Two notebooks of one student for one
+    assignment (`assignment_of`, when a course is graded at once) are both kept, each as "student/what tells
+    them apart" (a warning says so: one student handed in twice?)."""
+    found = [(p, path) for path in paths for p in notebooks_in(path)]  # (notebook, what was given)
     if not found:
         raise ValueError(f"no notebooks found in {', '.join(map(str, paths))}")
     warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-    ids = [_identity(path, given) for path, given in found]
+    keys = [(_identity(path, given), assignment_of(path)) for path, given in found]
     out = []
-    for sid, (path, given) in zip(ids, found, strict=True):
-        if ids.count(sid) > 1:  # "ada/first" for subs/ada/first.ipynb; "ada/subs" for subs/ada.ipynb
+    for key, (path, given) in zip(keys, found, strict=True):
+        if keys.count(key) > 1:  # "ada/first" for subs/ada/first.ipynb; "ada/subs" for subs/ada.ipynb
             below = path.relative_to(given).with_suffix("").parts[1:] if path != given else ()
-            out.append(("/".join([sid, *below]) if below else f"{sid}/{path.parent.name}", path))
+            out.append(("/".join([key[0], *below]) if below else f"{key[0]}/{path.parent.name}", path))
         else:
-            out.append((sid, path))
-    for sid in sorted({i for i in ids if ids.count(i) > 1}):
-        named = ", ".join(str(p) for (p, _), i in zip(found, ids, strict=True) if i == sid)
-        warn(f"{ids.count(sid)} notebooks belong to student {sid!r} ({named}): each is graded under its own "
-             f"path; keep one per student")
+            out.append((key[0], path))
+    for sid, work in sorted({k for k in keys if keys.count(k) > 1}):
+        named = ", ".join(str(p) for (p, _), k in zip(found, keys, strict=True) if k == (sid, work))
+        warn(f"{keys.count((sid, work))} notebooks belong to student {sid!r}{f' for {work}' if work else ''} "
+             f"({named}): each is graded under its own path; keep one per student{' and assignment' * bool(work)}")
     return sorted(out)
 
 
@@ -96,19 +100,80 @@ def owner(student: str) -> str:
     return student.split("/")[0]
 
 
+def notebook_exercises(path: Path) -> list[str]:
+    """The exercises a notebook answers: those its cells name; for a notebook that cannot be read or names none,
+    its file name's chapter's (NN_slug.ipynb), so that it still lands in its assignment and scores 0 there with
+    the reason."""
+    try:
+        named = exercise_ids(read(path))
+    except NotebookError:
+        named = []
+    chapters = re.findall(r"^(\d\d[a-z]?)_", path.name)
+    return named or [i for i, ex in checks.load_all().items() if ex.chapter in chapters]
+
+
+def _exercises(work: course.Assignment | None) -> list[Exercise]:
+    known = checks.load_all()
+    return [known[i] for i in work.exercises] if work else []
+
+
+def _in_file_order(names: Iterable[str], assignments: dict[str, course.Assignment]) -> list[str]:
+    """Assignment names in course/assignments.toml's order, chapters ("ch12") after them: rows and columns
+    come out in the same order on every run."""
+    names = set(names)
+    return [n for n in assignments if n in names] + sorted(names - set(assignments))
+
+
+Planned = tuple[str, Path | None, course.Assignment | None]  # student, notebook, assignment; None: a zero
+
+
+def course_plan(paths: Sequence[Path], assignment: course.Assignment | None,
+                assignments: dict[str, course.Assignment], warn: Callable[[str], None]) -> list[Planned]:
+    """(student, notebook, assignment) for every notebook, by student then assignment: `assignment` for all,
+    else the one each notebook answers (`course.covering`), so that a student's chapter notebooks are each
+    scored out of their own assignment. A notebook that answers no exercise of the course is left out, with
+    a warning."""
+    works = {}
+
+    def assignment_of(path: Path) -> str:
+        works[path] = assignment or course.covering(notebook_exercises(path), assignments)
+        return works[path].name if works[path] and not assignment else ""
+
+    submissions = discover(paths, warn, assignment_of)
+    for _, path in submissions:
+        if works[path] is None:
+            warn(f"{path}: answers no exercise of the course (not a course notebook?): not graded")
+    order = _in_file_order((w.name for w in works.values() if w), assignments)
+    plan = [(sid, path, works[path]) for sid, path in submissions if works[path]]
+    if not plan:
+        raise ValueError("no exercise found in the submissions (name them NN_slug.ipynb or pass --assignment)")
+    return sorted(plan, key=lambda p: (p[0], order.index(p[2].name)))
+
+
+def one_submission(paths: Sequence[Path], assignment: course.Assignment | None,
+                   assignments: dict[str, course.Assignment]) -> tuple[list[Planned], str]:
+    """Gradescope's single submission and what results.json says of it: the notebook that answers most of the
+    assignment (`gradescope.pick`), or a zero with the reason when there is none to grade; a broken submission
+    must still give the student a results.json."""
+    if len(paths) > 1:
+        raise ValueError(f"--results-json is Gradescope's per-submission file: give one submission (a notebook or "
+                         f"a folder), not {len(paths)}; use --out and --feedback-dir for a class")
+    wanted = assignment.exercises if assignment else tuple(checks.load_all())
+    chosen = gradescope.pick(paths[0], notebooks_in(paths[0]), wanted)
+    if chosen.notebook is None:
+        return [(paths[0].stem, None, assignment)], chosen.note
+    work = assignment or course.covering(notebook_exercises(chosen.notebook), assignments)
+    note = chosen.note if work else f"{chosen.note}\nIt answers no exercise of the course: nothing was graded."
+    return [(_identity(chosen.notebook, paths[0]), chosen.notebook if work else None, work)], note
+
+
 def select_exercises(submissions: Sequence[Path], assignment: course.Assignment | None) -> list[Exercise]:
-    """The assignment's exercises, else every exercise of the chapters the submissions belong to (from the
-    file names, NN_slug.ipynb, and the exercises their cells name)."""
+    """The assignment's exercises, else every exercise of the chapters the submissions answer
+    (`notebook_exercises`)."""
     known = checks.load_all()
     if assignment:
-        return [known[i] for i in assignment.exercises]
-    chapters = set()
-    for path in submissions:
-        chapters |= set(re.findall(r"^(\d\d[a-z]?)_", path.name))
-        try:
-            chapters |= {i.split(".")[0] for i in exercise_ids(read(path))}
-        except NotebookError:
-            pass
+        return _exercises(assignment)
+    chapters = {i.split(".")[0] for path in submissions for i in notebook_exercises(path)}
     chosen = [ex for ex in known.values() if ex.chapter in chapters]
     if not chosen:
         raise ValueError("no exercise found in the submissions (name them NN_slug.ipynb or pass --assignment)")
@@ -186,13 +251,23 @@ def check_times(times: dict[str, dt.datetime], students: Sequence[str], source: 
              f"{', ...' if len(missing) > 5 else ''}): they are graded as on time")
 
 
-def grade_all(submissions: Sequence[tuple[str, Path]], exercises: Sequence[Exercise], *, jobs: int = 1,
-              progress: bool = True, **options) -> list[StudentResult]:
-    """Grade every submission, `jobs` at a time (each student's sandboxes run one after the other)."""
+def grade_planned(student: str, path: Path | None, work: course.Assignment | None, reason: str = "",
+                  **options) -> StudentResult:
+    """One planned notebook graded on its assignment's exercises; without a notebook, 0 on each, for `reason`."""
+    if path is None:
+        return StudentResult(student, "", [not_graded(ex, reason) for ex in _exercises(work)],
+                             work.name if work else "")
+    result = grade_notebook(path, _exercises(work), student=student, **options)
+    result.assignment = work.name
+    return result
+
+
+def grade_all(plan: Sequence[Planned], *, jobs: int = 1, progress: bool = True, **options) -> list[StudentResult]:
+    """Grade every planned notebook, `jobs` at a time (each student's sandboxes run one after the other)."""
     from tqdm import tqdm
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(grade_notebook, path, exercises, student=sid, **options) for sid, path in submissions]
+        futures = [pool.submit(grade_planned, *planned, **options) for planned in plan]
         with tqdm(total=len(futures), desc="grading", unit="student", disable=not progress, file=sys.stderr) as bar:
             results = []
             for future in futures:
@@ -204,13 +279,16 @@ def grade_all(submissions: Sequence[tuple[str, Path]], exercises: Sequence[Exerc
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lab grade", description=__doc__.split("\n\n")[0])
     parser.add_argument("submissions", nargs="+", type=Path, metavar="SUBMISSION")
-    parser.add_argument("--out", type=Path, help="grades CSV: a row per student, a column per exercise")
+    parser.add_argument("--out", type=Path, help="grades CSV: a row per student and assignment, a column per exercise")
+    parser.add_argument("--totals", type=Path,
+                        help="course totals CSV: a row per student, a column per assignment, the total (a gradebook)")
     parser.add_argument("--results-json", type=Path, help="Gradescope's results.json (one submission)")
     parser.add_argument("--feedback-dir", type=Path, help="an HTML page per student")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per exercise (wall and CPU)")
     parser.add_argument("--jobs", type=int, default=1, help="students graded in parallel")
     parser.add_argument("--seed-secret", default=os.environ.get("LAB_SEED_SECRET"), help="class secret for inputs")
-    parser.add_argument("--assignment", help="grade only this assignment (course/assignments.toml)")
+    parser.add_argument("--assignment", help="grade only this assignment (course/assignments.toml); without it, "
+                                             "each notebook is graded on the assignment its exercises belong to")
     parser.add_argument("--assignments", type=Path, help="assignments file (default course/assignments.toml)")
     parser.add_argument("--submission-times", type=Path, help="CSV student,submitted_at for the late policy")
     parser.add_argument("--solutions", type=Path, default=course.REPO / "solutions",
@@ -230,23 +308,30 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--jobs={args.jobs} must be >= 1 and --timeout={args.timeout:g} must be > 0")
         for path in args.checks:
             checks.load_file(path)
+        assignments = course.load(args.assignments)
         assignment = course.get(args.assignment, args.assignments) if args.assignment else None
-        submissions = discover(args.submissions, warn)
-        if args.results_json and len(submissions) > 1:
-            raise ValueError(f"--results-json is Gradescope's per-submission file, but {len(submissions)} students "
-                             f"were found; use --out and --feedback-dir for a class")
-        exercises = select_exercises([p for _, p in submissions], assignment)
+        if args.results_json:
+            plan, note = one_submission(args.submissions, assignment, assignments)
+        else:
+            plan, note = course_plan(args.submissions, assignment, assignments, warn), ""
         times = _submission_times(args.submission_times)
         if args.submission_times and not assignment:
             warn("--submission-times is unused without --assignment (the due date and late policy are the "
                  "assignment's)")
         elif args.submission_times:
-            check_times(times, sorted({owner(sid) for sid, _ in submissions}), args.submission_times, warn)
+            check_times(times, sorted({owner(sid) for sid, _, _ in plan}), args.submission_times, warn)
         if not args.seed_secret:
             warn("no class secret (--seed-secret or $LAB_SEED_SECRET): grading uses the public seed, so learners "
                  "have seen these very inputs and expected values in lab.check's messages and can hard-code them")
-        if not isolation()["landlock_abi"]:
+        layers = isolation()
+        if not layers["landlock_abi"]:
             warn("Landlock is not available: student code can read (and write) files this user can")
+        if layers["network"] not in ("namespace", "user namespace"):
+            warn("no network namespace can be made here: " + (
+                "exercises without ranks are refused internet sockets (seccomp), but multi-rank exercises' code can "
+                "reach this machine's loopback services and other hosts" if layers["network"] == "seccomp" else
+                "graded code can reach this machine's loopback services and other hosts (an answer could come from "
+                "a server); python -m lab doctor says what is missing"))
         locked = reference_checksums(args.solutions)
         if not locked:
             warn(f"no notebooks in --solutions {args.solutions}: locked cells are not checked")
@@ -254,26 +339,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m lab grade: error: {error}", file=sys.stderr)
         return 2
     warn.flush()
-    protect = [str(p) for p in (*args.submissions, args.out, args.results_json, args.feedback_dir, args.solutions)
-               if p is not None]
-    results = grade_all(submissions, exercises, jobs=args.jobs, progress=not args.quiet, secret=args.seed_secret,
+    protect = [str(p) for p in (*args.submissions, args.out, args.totals, args.results_json, args.feedback_dir,
+                                args.solutions) if p is not None]
+    results = grade_all(plan, jobs=args.jobs, progress=not args.quiet, reason=note, secret=args.seed_secret,
                         wall_s=args.timeout, locked=locked, protect=protect)
+    late = {}
     for result in results:
-        result.assignment = assignment.name if assignment else ""
         if assignment and owner(result.student) in times:
             result.late_days, result.multiplier = assignment.late(times[owner(result.student)])
-    ids = [ex.id for ex in exercises]
+            late[result.student] = assignment.late_words(result.late_days)
+    write_outputs(args, results, assignments, late, note)
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, results: Sequence[StudentResult],
+                  assignments: dict[str, course.Assignment], late: dict[str, str], note: str) -> None:
+    """Each output the command line asked for, from the graded results; `late` words each late student's penalty
+    and `note` says which notebook of a Gradescope submission was graded."""
+    columns: dict[str, list[str]] = {}  # assignment: its exercises, the CSV's columns in the file's order
+    for result in results:
+        columns.setdefault(result.assignment, [e.id for e in result.exercises])
+    ids = [i for name in _in_file_order(columns, assignments) for i in columns[name]]
     if args.out:
-        args.out.write_text(report.csv_text(results, ids, results[0].assignment), encoding="utf-8")
+        args.out.write_text(report.csv_text(results, ids), encoding="utf-8")
+    if args.totals:
+        args.totals.write_text(report.totals_csv(results, owner), encoding="utf-8")
     if args.results_json:
         args.results_json.parent.mkdir(parents=True, exist_ok=True)
-        args.results_json.write_text(report.results_json(results[0]), encoding="utf-8")
+        args.results_json.write_text(report.results_json(results[0], late.get(results[0].student, ""), note),
+                                     encoding="utf-8")
+    by_assignment = not (args.assignment or args.results_json)  # a course at once: a page per assignment
     for result in results if args.feedback_dir else []:
-        report.write_feedback(args.feedback_dir, result)
-    if not args.quiet:
-        if len(results) == 1:
-            print(report.text_report(results[0].exercises, f"{results[0].student}: {results[0].path}",
-                                     multiplier=results[0].multiplier))
-        else:
-            print(report.csv_text(results, ids, results[0].assignment), end="")
-    return 0
+        report.write_feedback(args.feedback_dir, result, late.get(result.student, ""), by_assignment=by_assignment)
+    if args.quiet:
+        return
+    if len(results) == 1:
+        print(report.text_report(results[0].exercises, f"{results[0].student}: {results[0].path}",
+                                 multiplier=results[0].multiplier, late=late.get(results[0].student, "")))
+        if note:
+            print(note)
+        return
+    print(report.csv_text(results, ids), end="")
+    if by_assignment:
+        print(f"\n{report.totals_csv(results, owner)}", end="")

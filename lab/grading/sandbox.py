@@ -43,12 +43,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lab.grading.confine import LAB_DIR, kill_all, make_cgroup, members, package_paths, rss_bytes, system_rules
+from lab.grading.confine import (
+    ALL_NETWORK_LAYERS,
+    LAB_DIR,
+    kill_all,
+    make_cgroup,
+    members,
+    package_paths,
+    rss_bytes,
+    system_rules,
+)
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 ZYGOTE = Path(__file__).with_name("zygote.py")
 _PYTHON = (sys.executable, "-I", "-S", "-B")  # how a sandbox child (and a zygote) starts: isolated, no site
 _MAX_LINE = 1 << 20  # bytes of one answer: more is a protocol violation
+NETWORK_LAYERS = ALL_NETWORK_LAYERS  # what a child may try (a test plants fewer: a sandbox without its namespace)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +120,9 @@ class Sandbox:
         self.warm = ("torch" in self.packages and _pidfds()) if warm is None else warm  # see _Zygote
         self.proc: subprocess.Popen | _WarmChild | None = None
         self.violation, self.printed = "", ""
+        self.ranks = "lab.distributed" in self.modules  # ranks meet over TCP: only a namespace can confine them
+        self.network_layer = ""  # how the child is cut off from the network (see sandbox_child._own_network)
+        self.network_tried: list[str] = []  # what the student's code tried to reach, in vain
         self._buffer, self._ids = b"", itertools.count()
         self._stop = threading.Event()
 
@@ -125,7 +138,8 @@ class Sandbox:
         rules = [*map(list, system_rules(self.protect)), [str(lib), "ro"], [str(work), "rw"],
                  *[[p, "ro"] for p in package_paths(self.packages)],
                  *([["/dev/shm", "rw"], ["/sys", "ro"]] if "torch" in self.packages else [])]  # gloo lists NICs
-        settings = {"sys_path": sys_path, "lib": str(lib), "entry": self.entry,
+        settings = {"sys_path": sys_path, "lib": str(lib), "entry": self.entry, "ranks": self.ranks,
+                    "network_layers": list(NETWORK_LAYERS),
                     "importable": [*self.modules, *self.packages],
                     "cgroup": str(self.cgroup) if self.cgroup else None, "landlock": rules,
                     "limits": {"cpu_s": int(self.limits.cpu_s), "memory_bytes": self.limits.memory_mb << 20,
@@ -158,6 +172,7 @@ class Sandbox:
             raise ExerciseError(f"the cell does not define {', '.join(first['names'])} (renamed or deleted?)")
         if first.get("event") != "ready":
             raise ExerciseError("the sandbox's channel was tampered with (unexpected message)")
+        self.network_layer = str(first.get("network_layer", ""))
 
     def call(self, fn: str, *args: Any, world_size: int | None = None, deadline_s: float | None = None,
              **kwargs: Any) -> Any:
@@ -275,6 +290,9 @@ class Sandbox:
             message = None
         if not isinstance(message, dict):
             raise ExerciseError("the sandbox's channel was tampered with (not a JSON object)")
+        tried = message.get("network")
+        if isinstance(tried, list):
+            self.network_tried += [str(t)[:200] for t in tried[:5] if str(t)[:200] not in self.network_tried]
         return message
 
     def _death(self) -> str:

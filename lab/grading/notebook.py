@@ -6,6 +6,9 @@ Conventions (nbgrader's markers and checksums, Otter's single source):
   graded region sits between `### BEGIN SOLUTION` and `### END SOLUTION`;
 * a *locked cell* has `{"lab": {"exercise": "01.param_count", "locked": true}}`: the statement and any given
   code. Its checksum in a submission must match the released notebook's, or the exercise scores 0.
+* the release ends each exercise's first statement with a line that starts with `IMPORTS` and lists what its
+  graded code may import, rendered from the exercise's checks (`release.imports_line`): the author never
+  writes it, and checksums leave it out, so a statement in `solutions/` and its released copy agree.
 
 Other cells may carry `{"lab": {"exercise": ...}}` alone (a "try it" cell): they belong to the exercise (an
 assignment's hand-out keeps or drops them with it) but are neither graded nor locked. An exercise's answer
@@ -23,6 +26,7 @@ from typing import Any
 import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+IMPORTS = "**Graded code may import:**"
 _MAGIC = re.compile(r"^(\s*)([%!].*)$", re.MULTILINE)
 
 
@@ -70,9 +74,15 @@ def exercise_ids(nb: nbformat.NotebookNode) -> list[str]:
     return list(dict.fromkeys(meta(c)["exercise"] for c in nb.cells if is_answer(c)))
 
 
+def authored(source: str) -> str:
+    """A cell's source without the line the release generates (`IMPORTS` ...): what the author wrote."""
+    return "\n".join(line for line in source.splitlines() if not line.startswith(IMPORTS))
+
+
 def checksum(cell: Any) -> str:
-    """sha256 of a cell's type and source, blind to trailing whitespace (editors add and strip it)."""
-    source = "\n".join(line.rstrip() for line in str(cell.get("source", "")).strip().splitlines())
+    """sha256 of a cell's type and authored source, blind to trailing whitespace (editors add and strip it) and
+    to the generated imports line (the grader compares a submission with `solutions/`, which lacks it)."""
+    source = "\n".join(line.rstrip() for line in authored(str(cell.get("source", ""))).strip().splitlines())
     return hashlib.sha256(f"{cell.get('cell_type')}\n{source}".encode()).hexdigest()
 
 

@@ -9,6 +9,11 @@ Each `### BEGIN SOLUTION` ... `### END SOLUTION` region becomes a stub that rais
 still runs and `lab.check()` says "not attempted"); outputs are stripped; metadata is kept; locked cells get
 their checksum and are made read-only in JupyterLab. The same input always gives the same bytes.
 
+What graded code may import has one source, the exercise's checks (`Exercise.modules` and `Exercise.packages`,
+what the sandbox lets in): the release appends it as a last line to each exercise's first statement cell
+(`imports_line`), so a statement cannot promise `torch` to an exercise whose sandbox refuses it. Authors write
+no such line; the release refuses one it finds.
+
 An exercise may span several answer cells (a chapter's worked problems are one exercise, a cell per problem):
 each cell's `points` are its own problems' points, and they add up to the exercise's. A *worked solution* —
 a markdown cell with `{"lab": {"exercise": ..., "worked": true}}` — is left out of the release until the
@@ -28,7 +33,8 @@ import nbformat
 
 from lab.grading import assignments as course
 from lab.grading import checks
-from lab.grading.notebook import BEGIN, END, checksum, is_answer, is_locked, meta, read, write
+from lab.grading.checks import Exercise
+from lab.grading.notebook import BEGIN, END, IMPORTS, checksum, is_answer, is_locked, meta, read, write
 
 
 def _stub(source: str, exercise_id: str, where: str) -> str:
@@ -54,6 +60,22 @@ def _stub(source: str, exercise_id: str, where: str) -> str:
     return "\n".join(out)
 
 
+def imports_line(exercise: Exercise) -> str:
+    """The statement's generated last line: the standard library and every name the exercise's sandbox lets in."""
+    names = dict.fromkeys((*exercise.modules, *exercise.packages))
+    return f"{IMPORTS} the standard library, {', '.join(f'`{name}`' for name in names)}."
+
+
+def _state_imports(cell: nbformat.NotebookNode, exercise: Exercise | None, where: str) -> None:
+    """End the exercise's first statement cell with `imports_line`; refuse a hand-written one."""
+    if exercise is None:
+        raise ValueError(f"{where}: a locked cell of an exercise with no checks in lab/grading/checks/")
+    if IMPORTS in cell.source:
+        raise ValueError(f"{where}: the statement of {exercise.id} says what graded code may import: delete that "
+                         f"line, the release writes it from the checks (Exercise.modules and .packages)")
+    cell.source = f"{cell.source.rstrip()}\n\n{imports_line(exercise)}"
+
+
 def release_notebook(nb: nbformat.NotebookNode, name: str = "notebook",
                      only: tuple[str, ...] | None = None, worked: bool = False) -> nbformat.NotebookNode:
     """The learners' version of a solutions notebook; `only` keeps just those exercises' cells, `worked` keeps
@@ -61,7 +83,7 @@ def release_notebook(nb: nbformat.NotebookNode, name: str = "notebook",
     known = checks.load_all()
     out = copy.deepcopy(nb)
     out.metadata.pop("widgets", None)
-    cells, points, where_first = [], {}, {}
+    cells, points, where_first, stated = [], {}, {}, set()
     for index, cell in enumerate(out.cells):
         where, exercise_id = f"{name} cell {index}", meta(cell).get("exercise")
         if cell.cell_type == "code":
@@ -86,6 +108,9 @@ def release_notebook(nb: nbformat.NotebookNode, name: str = "notebook",
             cell.metadata["deletable"] = False
         elif BEGIN in cell.get("source", "") or END in cell.get("source", ""):
             raise ValueError(f"{where}: solution markers outside an answer cell (metadata lab.exercise, points)")
+        if is_locked(cell) and cell.cell_type == "markdown" and exercise_id not in stated:
+            _state_imports(cell, known.get(exercise_id), where)
+            stated.add(exercise_id)
         if is_locked(cell):
             cell.metadata["lab"]["checksum"] = checksum(cell)
             cell.metadata["editable"], cell.metadata["deletable"] = False, False

@@ -189,8 +189,9 @@ def _check_grading() -> list[Check]:
                          "grade on Linux >= 6.12 with Landlock enabled (the lsm= boot parameter lists landlock)")
     how = layers["network"]
     if how in ("namespace", "user namespace"):
-        network = Check("network", True, f"each sandbox gets a network {how} of its own: its ranks meet on its own "
-                        f"loopback; this machine's services, other hosts and UDP are out of reach")
+        way = "made as root" if how == "namespace" else "through a user namespace"
+        network = Check("network", True, f"each sandbox gets a network namespace of its own ({way}): its ranks meet "
+                        f"on its own loopback; this machine's services, other hosts and UDP are out of reach")
     else:
         network = Check("network", False, ("no namespace can be made: a seccomp filter refuses internet sockets to "
                                            "exercises without ranks, but multi-rank exercises' code can reach this "

@@ -66,11 +66,12 @@ def assignments(tmp_path) -> str:
 
 @pytest.fixture
 def landlock_or_not(monkeypatch):
-    """--strict refuses to grade without Landlock; these tests are about what --strict lets through, so on a
-    kernel without Landlock they stand in for it (the sandbox itself works either way)."""
-    real = grade.isolation
-    if not real()["landlock_abi"]:
-        monkeypatch.setattr(grade, "isolation", lambda: {**real(), "landlock_abi": 1})
+    """--strict refuses to grade without Landlock or a network namespace; these tests are about what --strict lets
+    through, so on a kernel without them they stand in for them (the sandbox itself works either way)."""
+    real = grade.isolation()
+    if not real["landlock_abi"] or real["network"] not in ("namespace", "user namespace"):
+        monkeypatch.setattr(grade, "isolation", lambda: {**real, "landlock_abi": real["landlock_abi"] or 1,
+                                                         "network": "namespace"})
 
 
 def test_class_grading_is_deterministic_with_an_assignment_and_late_policy(tmp_path, landlock_or_not, assignments):

@@ -226,3 +226,20 @@ def test_control_without_the_namespace_the_oracle_scores_full_marks(oracle, monk
     result = _grade_oracle(oracle)
     assert result.points == result.max_points == checks.get(ORACLE).points, result
     assert any(c.hidden for c in result.checks) and oracle.received
+
+
+# --- what the grader says where the machine gives no namespace ------------------------------------------------
+
+@pytest.mark.parametrize("layer, words", [("seccomp", "multi-rank exercises' code can reach"),
+                                          ("", "graded code can reach this machine's loopback services")])
+def test_grade_warns_and_strict_refuses_without_a_namespace(layer, words, tmp_path, capsys, monkeypatch):
+    from lab.grading import grade
+
+    real = grade.isolation()
+    monkeypatch.setattr(grade, "isolation", lambda: {**real, "landlock_abi": 7, "network": layer})
+    notebook = REPO / "exercises" / "01_memory_and_compute.ipynb"
+    args = [str(notebook), "--quiet", "--seed-secret", "s3cret", "--out", str(tmp_path / "g.csv")]
+    assert grade.main([*args, "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m lab grade: error: no network namespace can be made here") and words in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "g.csv").exists()

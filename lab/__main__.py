@@ -20,6 +20,7 @@ COMMANDS = {
     "calc": ("lab.calc.cli", "cost models: params, memory, flops, comms (collectives), bubble (pipelines), inference"),
     "release": ("lab.grading.release", "write exercises/ (or one assignment's hand-out) from solutions/"),
     "grade": ("lab.grading.grade", "grade notebooks in sandboxes: CSV, Gradescope results.json, feedback"),
+    "gradescope": ("lab.grading.gradescope", "write an assignment's Gradescope setup.sh and run_autograder"),
     "check": ("lab.grading.learner", "check a saved exercise notebook, as lab.check() does in JupyterLab"),
     "serve": ("lab.serve", "an offline batch of requests through lab.inference's engine: throughput, latency"),
     "checkpoint": ("lab.checkpoint", "inspect a DCP checkpoint, or convert it to one plain state_dict file"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import sys
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,15 @@ class Assignment:
         if self.max_late_days is not None and days > self.max_late_days:
             return days, 0.0
         return days, max(0.0, 1.0 - days * self.late_penalty_per_day)
+
+    def late_words(self, days: int) -> str:
+        """The lateness as a student reads it ("5 days late, beyond the 3 allowed"): a bare multiplier of 0
+        reads like a grading bug."""
+        if days <= 0:
+            return ""
+        late = f"{days} day{'s' if days != 1 else ''} late"
+        beyond = self.max_late_days is not None and days > self.max_late_days
+        return f"{late}, beyond the {self.max_late_days} allowed" if beyond else late
 
 
 def default_path() -> Path:
@@ -79,3 +89,20 @@ def get(name: str, path: str | Path | None = None) -> Assignment:
     if name not in assignments:
         raise ValueError(f"unknown assignment {name!r}; valid: {', '.join(assignments) or '(none defined)'}")
     return assignments[name]
+
+
+def covering(exercise_ids: Collection[str], assignments: Mapping[str, Assignment]) -> Assignment | None:
+    """The assignment a notebook answers: the one holding most of its exercises (the first in the file on a tie).
+    A notebook whose exercises belong to no assignment gets its chapter as one ("ch12", no due date), so that
+    grading a course without --assignment scores each notebook out of what it answers, not out of every
+    chapter found in the class; None when it answers no exercise at all."""
+    ids = set(exercise_ids)
+    best = max(assignments.values(), key=lambda a: len(ids & set(a.exercises)), default=None)
+    if best is not None and ids & set(best.exercises):
+        return best
+    chapters = sorted(i.split(".")[0] for i in ids)
+    if not chapters:
+        return None
+    chapter = max(chapters, key=chapters.count)
+    return Assignment(f"ch{chapter}", f"Chapter {chapter}",
+                      tuple(i for i, ex in checks.load_all().items() if ex.chapter == chapter))

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lab.grading import assignments as course
-from lab.grading import checks, gradescope, report
+from lab.grading import checks, gradescope, locked, report
 from lab.grading.checks import Exercise
 from lab.grading.confine import isolation
 from lab.grading.notebook import NotebookError, answer_parts, exercise_ids, locked_checksums, read
@@ -180,16 +180,10 @@ def select_exercises(submissions: Sequence[Path], assignment: course.Assignment 
     return chosen
 
 
-def reference_checksums(solutions: Path | None) -> dict[str, list[str]]:
-    """Locked cells' checksums from the instructor's solutions (a submission's own metadata is not trusted)."""
-    if solutions is None or not solutions.is_dir():
-        return {}
-    out: dict[str, list[str]] = {}
-    for path in sorted(solutions.glob("*.ipynb")):
-        nb = read(path)
-        for exercise_id in exercise_ids(nb):
-            out[exercise_id] = locked_checksums(nb, exercise_id)
-    return out
+def reference_checksums(solutions: Path | None = None) -> dict[str, list[str]]:
+    """Locked cells' checksums (a submission's own metadata is not trusted): from the notebooks in `solutions`,
+    else those the release recorded in `lab` — the very ones a learner's `python -m lab check` uses."""
+    return locked.released() if solutions is None else locked.from_notebooks(solutions)
 
 
 def grade_notebook(path: Path, exercises: Sequence[Exercise], *, student: str = "", secret: str | None = None,
@@ -291,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "each notebook is graded on the assignment its exercises belong to")
     parser.add_argument("--assignments", type=Path, help="assignments file (default course/assignments.toml)")
     parser.add_argument("--submission-times", type=Path, help="CSV student,submitted_at for the late policy")
-    parser.add_argument("--solutions", type=Path, default=course.REPO / "solutions",
-                        help="solutions/ for locked-cell checksums (default: this checkout's)")
+    parser.add_argument("--solutions", type=Path, help="notebooks for locked-cell checksums (default: those "
+                                                        "`python -m lab release` recorded in lab, as lab check)")
     parser.add_argument("--checks", type=Path, action="append", default=[], help="extra check module (hidden tests)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     parser.add_argument("--strict", action="store_true",
@@ -334,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                 "a server); python -m lab doctor says what is missing"))
         locked = reference_checksums(args.solutions)
         if not locked:
-            warn(f"no notebooks in --solutions {args.solutions}: locked cells are not checked")
+            warn(f"no notebooks in --solutions {args.solutions}: locked cells are not checked" if args.solutions else
+                 "no locked-cell checksums recorded in lab (run python -m lab release): locked cells are not checked")
     except (ValueError, OSError) as error:
         print(f"python -m lab grade: error: {error}", file=sys.stderr)
         return 2

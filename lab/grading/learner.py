@@ -109,8 +109,9 @@ def check(exercise: str | None = None, *, timeout: float = 60.0, namespace: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lab check NOTEBOOK [EXERCISE ...]`: what `lab.check()` says, for a saved notebook."""
-    from lab.grading.grade import grade_notebook, select_exercises
+    """`python -m lab check NOTEBOOK [EXERCISE ...]`: the grader's verdict on a saved notebook — the same
+    sandbox, checks and locked-cell checksums (those the release recorded in `lab`) — hidden checks aside."""
+    from lab.grading.grade import grade_notebook, reference_checksums, select_exercises
 
     parser = argparse.ArgumentParser(prog="python -m lab check", description=main.__doc__)
     parser.add_argument("notebook", type=Path)
@@ -124,6 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"python -m lab check: error: {error}", file=sys.stderr)
         return 2
-    result = grade_notebook(args.notebook, selected, wall_s=args.timeout, hidden=False)
+    result = grade_notebook(args.notebook, selected, wall_s=args.timeout, locked=reference_checksums(), hidden=False)
     print(report.text_report(result.exercises, f"{args.notebook}"))
     return 0

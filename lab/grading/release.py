@@ -32,7 +32,7 @@ from pathlib import Path
 import nbformat
 
 from lab.grading import assignments as course
-from lab.grading import checks
+from lab.grading import checks, locked
 from lab.grading.checks import Exercise
 from lab.grading.notebook import BEGIN, END, IMPORTS, checksum, is_answer, is_locked, meta, read, write
 
@@ -145,7 +145,7 @@ def release(solutions: Path, out: Path, assignment: course.Assignment | None = N
             changed.append(target)
             if not check_only:
                 write(released, target)
-    return changed
+    return changed + locked.record(solutions, check_only)  # what lab check compares locked cells with
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,9 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lab.grading import assignments as course
-from lab.grading import checks, gradescope, locked, report
+from lab.grading import checks, gradescope, report
 from lab.grading.checks import Exercise
 from lab.grading.confine import isolation
+from lab.grading.locked import from_notebooks, released
 from lab.grading.notebook import NotebookError, answer_parts, exercise_ids, locked_checksums, read
 from lab.grading.runner import ExerciseResult, StudentResult, not_graded, note_dependencies, run_exercise
 
@@ -183,7 +184,7 @@ def select_exercises(submissions: Sequence[Path], assignment: course.Assignment 
 def reference_checksums(solutions: Path | None = None) -> dict[str, list[str]]:
     """Locked cells' checksums (a submission's own metadata is not trusted): from the notebooks in `solutions`,
     else those the release recorded in `lab` — the very ones a learner's `python -m lab check` uses."""
-    return locked.released() if solutions is None else locked.from_notebooks(solutions)
+    return released() if solutions is None else from_notebooks(solutions)
 
 
 def grade_notebook(path: Path, exercises: Sequence[Exercise], *, student: str = "", secret: str | None = None,

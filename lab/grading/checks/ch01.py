@@ -137,19 +137,22 @@ def _activations(student, rng: random.Random, recompute: str, seq_range: tuple[i
                      rel=1e-9)
 
 
-@ACTIVATIONS.check(points=1, hint="s·b·h·(34 + 5·a·s/h) bytes per layer, with a = n_heads (query heads)")
+@ACTIVATIONS.check(points=1, hint="Korthikanti et al.'s count per layer has a term linear in s and one quadratic in "
+                                  "s (the attention scores); the quadratic one counts query heads, not KV heads")
 def no_recompute(student, rng):
     """no recompute: s·b·h·(34 + 5·a·s/h) per layer"""
     _activations(student, rng, "none", (64, 8192))
 
 
-@ACTIVATIONS.check(points=1, hint="selective recompute drops the 5·a·s²·b term (softmax output, dropout mask, output)")
+@ACTIVATIONS.check(points=1, hint="selective recompute drops exactly what attention keeps per score (the s² part): "
+                                  "everything linear in s stays")
 def selective(student, rng):
     """selective recompute keeps 34·s·b·h per layer"""
     _activations(student, rng, "selective", (64, 8192))
 
 
-@ACTIVATIONS.check(points=1, hint="full recompute keeps only each layer's input: 2·s·b·h bytes in 16 bits")
+@ACTIVATIONS.check(points=1, hint="full recompute keeps one tensor per layer: which one, and how many bytes is it in "
+                                  "16 bits?")
 def full(student, rng):
     """full recompute keeps each layer's input"""
     _activations(student, rng, "full", (64, 8192))
@@ -214,7 +217,8 @@ def _mfu(student, rng: random.Random, n_gpus: int, seq_range: tuple[int, int]) -
                      f"n_gpus={n_gpus}, peak_flops={peak!r})", mistakes=shared)
 
 
-@MFU.check(points=1, hint="training costs 6·N FLOPs per token (2N forward, 4N backward) plus attention")
+@MFU.check(points=1, hint="count the FLOPs per token of a training step: the weights' share (forward and backward) "
+                          "plus attention's")
 def one_gpu(student, rng):
     """one GPU"""
     _mfu(student, rng, 1, (128, 2049))
@@ -226,7 +230,8 @@ def several_gpus(student, rng):
     _mfu(student, rng, rng.randrange(2, 1025), (128, 2049))
 
 
-@MFU.check(points=1, hint="attention adds 12·L·h·s FLOPs per token (the QKᵀ and PV products, forward and backward)")
+@MFU.check(points=1, hint="attention's products (QKᵀ and PV) do not involve weights: their FLOPs grow with the "
+                          "sequence, in every layer, forward and backward")
 def long_sequences(student, rng):
     """long sequences: the attention term"""
     _mfu(student, rng, rng.randrange(1, 65), (8192, 131_073))
@@ -343,16 +348,16 @@ def _expect_gradients(got: dict, expected: dict, what: str) -> None:
         expect_allclose(got.get(name), values, f"{what}: {label}", tol=1e-5)
 
 
-@CHECKPOINT.check(points=2, hint="recompute the block in backward with grad enabled on a detached copy of the "
-                                 "input that requires grad, then return the input's gradient and the weights'")
+@CHECKPOINT.check(points=2, hint="the gradients come from a second forward run in backward, this time building a "
+                                 "graph from a fresh leaf copy of the input")
 def checkpoint_gradients(student, rng):
     """the same output and gradients as the plain block"""
     for kind in ("gelu", "swiglu", "gated"):
         _expect_gradients(*_checkpoint(student, block_case(rng, kind)))
 
 
-@CHECKPOINT.check(points=2, hint="run the block in forward without building a graph (inside an autograd.Function "
-                                 "forward, or under torch.no_grad()) and save only its input")
+@CHECKPOINT.check(points=2, hint="the forward must not keep the block's intermediates alive: only what backward "
+                                 "needs to recompute them")
 def checkpoint_keeps_input_only(student, rng):
     """only the block's input is kept for backward"""
     for _ in range(3):
@@ -363,18 +368,16 @@ def checkpoint_keeps_input_only(student, rng):
                                                        f"{lab_saved_bytes(case)})")
 
 
-@CHECKPOINT.check(points=2, hint="dropout draws a new mask on every call: save the RNG state in forward "
-                                 "(torch.get_rng_state()) and restore it around the recomputation "
-                                 "(torch.random.fork_rng), so backward sees the forward's mask")
+@CHECKPOINT.check(points=2, hint="dropout draws a new mask on every call: the recomputation must see the same random "
+                                 "numbers as the forward did")
 def checkpoint_dropout(student, rng):
     """with dropout, the recomputation draws the forward's mask"""
     for _ in range(2):
         _expect_gradients(*_checkpoint(student, block_case(rng, "gelu"), dropout=rng.uniform(0.2, 0.6)))
 
 
-@CHECKPOINT.check(points=2, hint="when the input needs no gradient, the output must still need one: pass the "
-                                 "weights to the autograd.Function too (apply(block, x, *weights)) and return "
-                                 "their gradients")
+@CHECKPOINT.check(points=2, hint="when the input needs no gradient, the output must still need one: autograd only "
+                                 "tracks what the Function is given")
 def checkpoint_frozen_input(student, rng):
     """an input that needs no gradient: the weights still get theirs"""
     for _ in range(2):
@@ -391,8 +394,8 @@ GIB_FOR_GB = Mistake(2**30 / 1e9, "GiB taken for GB", "a GB is 1e9 bytes, a GiB 
 GB_FOR_GIB = Mistake(1e9 / 2**30, "GB taken for GiB", "a GiB is 2**30 bytes, a GB 1e9: the problem says which")
 
 
-@PROBLEMS.check(points=1, hint="mixed-precision Adam: bf16 weights and gradients (2 + 2), fp32 master weights (4), "
-                               "fp32 m and v (4 + 4); an fp32 gradient buffer adds 4; a GB is 1e9 bytes")
+@PROBLEMS.check(points=1, hint="list what mixed-precision Adam keeps per parameter and in which precision, and "
+                               "whether an fp32 gradient buffer is one of them; a GB is 1e9 bytes")
 def p1_model_states(student, rng):
     """P1 — model-state GB of mixed-precision Adam, with and without the fp32 master copy"""
     for master, accum in ((True, False), (False, False), (True, True)):
@@ -414,7 +417,7 @@ def p2_largest_model(student, rng):
                      f"largest_model(gpu_gib={gib}, n_gpus={n_gpus}, zero_stage={zero})", TOLERANCE, [GIB_FOR_GB])
 
 
-@PROBLEMS.check(points=1, hint="s·b·h·(34 + 5·a·s/h) bytes per layer, times the layers; a GiB is 2**30 bytes")
+@PROBLEMS.check(points=1, hint="the chapter's per-layer activation count, for every layer; a GiB is 2**30 bytes")
 def p3_activations(student, rng):
     """P3 — a Llama-size model's activations without recompute (Korthikanti), in GiB"""
     for _ in range(3):
@@ -427,8 +430,7 @@ def p3_activations(student, rng):
                      TOLERANCE, [GB_FOR_GIB])
 
 
-@PROBLEMS.check(points=1, hint="selective recompute drops the 5·a·s/h part of 34 + 5·a·s/h: the fraction saved is "
-                               "that part over the whole")
+@PROBLEMS.check(points=1, hint="the fraction saved is the share of the attention-score term in the per-layer count")
 def p4_selective_saving(student, rng):
     """P4 — the fraction of activation memory selective recompute saves"""
     for _ in range(3):
@@ -439,8 +441,8 @@ def p4_selective_saving(student, rng):
                      f"selective_saving(seq={s}, d_model={h}, n_heads={heads})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="HFU/MFU = executed FLOPs / model FLOPs: full recompute runs the forward "
-                               "(2N + 4·L·h·s per token) again, selective only the attention products (4·L·h·s)")
+@PROBLEMS.check(points=1, hint="HFU counts the FLOPs the hardware executes, recomputation included; MFU only the "
+                               "model's. What does each recompute policy run twice?")
 def p5_hfu(student, rng):
     """P5 — HFU from MFU under full and selective recompute"""
     for recompute in ("full", "selective", "none"):
@@ -452,7 +454,8 @@ def p5_hfu(student, rng):
                      f"recompute={recompute!r})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="6·N·D FLOPs over n_gpus · peak · MFU FLOP/s, then seconds → days (86,400 s)")
+@PROBLEMS.check(points=1, hint="total training FLOPs over the FLOP/s the cluster really delivers (n_gpus · peak at "
+                               "the given MFU), then seconds to days")
 def p6_training_days(student, rng):
     """P6 — days to train on D tokens with 6·N·D FLOPs"""
     for _ in range(3):
@@ -477,8 +480,8 @@ def p7_accumulation(student, rng):
                      TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="2·m·k·n FLOPs over the bytes of both operands and the result: "
-                               "bytes_per_element · (m·k + k·n + m·n)")
+@PROBLEMS.check(points=1, hint="arithmetic intensity is FLOPs over bytes moved: count both, the result's bytes "
+                               "included")
 def p8_intensity(student, rng):
     """P8 — a matmul's arithmetic intensity"""
     for width in (2, 4, 1):
@@ -488,8 +491,8 @@ def p8_intensity(student, rng):
                      f"matmul_intensity({m}, {k}, {n}, bytes_per_element={width})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="with B ≪ D, F the bf16 matmul (B×D)·(D×F) does 2·B·D·F FLOPs on 2·D·F bytes of "
-                               "weights: B FLOPs per byte — compute-bound once B exceeds peak / bandwidth")
+@PROBLEMS.check(points=1, hint="with a small batch the weights dominate the bytes: how many FLOPs does each weight "
+                               "byte buy, and where does that meet the GPU's ridge point?")
 def p9_critical_batch(student, rng):
     """P9 — the tokens per matmul that make a bf16 weight matmul compute-bound"""
     for _ in range(3):
@@ -499,7 +502,8 @@ def p9_critical_batch(student, rng):
                      f"compute_bound_batch(peak_flops={peak:.6g}, hbm_bandwidth={bandwidth:.6g})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="each token costs 6N + 12·L·h·s FLOPs; a GPU does MFU · peak FLOP/s of them")
+@PROBLEMS.check(points=1, hint="a token's training FLOPs, attention included, against what one GPU delivers at that "
+                               "MFU")
 def p10_tokens_per_s(student, rng):
     """P10 — tokens per second per GPU from MFU"""
     for s in (rng.choice([2048, 4096]), rng.choice([32768, 131072])):

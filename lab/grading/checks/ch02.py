@@ -98,16 +98,16 @@ def _ring_values(student, rng: random.Random, world: int, op: str = "sum", uneve
                         tol=1e-5)
 
 
-@RING.check(points=1, hint="reduce-scatter (W-1 steps: send a chunk right, add the chunk from the left into yours), "
-                           "then all-gather (W-1 steps: pass the finished chunks on, copying them in place)")
+@RING.check(points=1, hint="a ring all-reduce is two phases of W-1 steps each: one that sums chunks, one that "
+                           "spreads the finished ones")
 def two_ranks(student, rng):
     """2 ranks: every rank ends with the sum of every rank's tensor"""
     _ring_values(student, rng, 2, uneven=False)
 
 
-@RING.check(points=2, hint="with W >= 3 the direction matters: send to (rank + 1) % W, receive from (rank - 1) % W; "
-                           "chunk boundaries numel * i // W cover every element, also when W does not divide numel "
-                           "(a rank killed by SIGABRT received a message of another size than it expected)")
+@RING.check(points=2, hint="with W >= 3 every rank must send one way round the ring and receive from the other; and "
+                           "the chunks must cover every element when W does not divide numel (a rank killed by "
+                           "SIGABRT received a message of another size than it expected)")
 def three_and_four_ranks(student, rng):
     """3 and 4 ranks, sizes the world size divides and sizes it does not"""
     _ring_values(student, rng, 3, uneven=False)  # first, so that a wrong schedule shows as wrong values
@@ -158,15 +158,15 @@ def _reduce_scatter_values(student, rng: random.Random, world: int) -> None:
                         f"{run['call']}: rank {rank}'s output (the sum of every rank's block {rank})", tol=1e-5)
 
 
-@REDUCE_SCATTER.check(points=1, hint="rank r must end with block r: at step s send block (r - s - 1) % W to the "
-                                     "right and add what arrives from the left into block (r - s - 2) % W")
+@REDUCE_SCATTER.check(points=1, hint="rank r must end with block r complete: work backwards from the last step to "
+                                     "find which block it sends first")
 def rs_two_ranks(student, rng):
     """2 ranks: rank r receives the sum of every rank's block r"""
     _reduce_scatter_values(student, rng, 2)
 
 
-@REDUCE_SCATTER.check(points=1, hint="after W-1 steps the last chunk a rank added into is complete: index the "
-                                     "steps so that it is block r")
+@REDUCE_SCATTER.check(points=1, hint="after W-1 steps only the last chunk a rank added into is complete: which one "
+                                     "is it for your step indexing?")
 def rs_three_and_four_ranks(student, rng):
     """3 and 4 ranks: rank r receives the sum of every rank's block r"""
     _reduce_scatter_values(student, rng, 3)
@@ -236,8 +236,8 @@ def _not_power_of_two(rng: random.Random) -> int:
     return rng.choice([w for w in range(3, 200) if w & (w - 1)])
 
 
-@ALPHA_BETA.check(points=1, hint="a ring all-reduce takes 2(W-1) steps, each costing alpha, and each rank pushes "
-                                 "2(W-1)/W·B bytes through its link")
+@ALPHA_BETA.check(points=1, hint="count the ring's steps (each pays the latency) and the bytes each rank pushes "
+                                 "through its link")
 def time_ring_all_reduce(student, rng):
     """ring all-reduce: 2(W−1)·α + 2(W−1)/W·B / bandwidth"""
     _alpha_beta(student, rng, "all_reduce", "ring", (2, rng.randrange(3, 9), rng.randrange(9, 1025)))
@@ -250,8 +250,8 @@ def time_ring_halves(student, rng):
         _alpha_beta(student, rng, op, "ring", (rng.randrange(2, 9), rng.randrange(9, 1025)))
 
 
-@ALPHA_BETA.check(points=1, hint="a tree all-reduce is a reduce then a broadcast, each ceil(log2 W) steps, and every "
-                                 "step moves the whole B bytes")
+@ALPHA_BETA.check(points=1, hint="a tree all-reduce is two passes over a tree of depth log2 W (rounded up), and a "
+                                 "tree step moves the whole buffer")
 def time_tree_all_reduce(student, rng):
     """tree all-reduce: 2⌈log₂W⌉ steps, each moving the whole message"""
     _alpha_beta(student, rng, "all_reduce", "tree", (2, _not_power_of_two(rng), _not_power_of_two(rng)))
@@ -286,8 +286,8 @@ def matmul_values(student, rng):
         expect_allclose(flat, expected.flatten().tolist(), f"{run['call']}: C (row by row)", tol=1e-4)
 
 
-@SHARDED_MATMUL.check(points=1, hint="psum_scatter(..., scatter_dimension=0, tiled=True) leaves device d with rows "
-                                     "d·M/n to (d+1)·M/n; out_specs=P('x', None) says so")
+@SHARDED_MATMUL.check(points=1, hint="the result must come out split by rows: the reduction and out_specs must agree "
+                                     "on which dimension is sharded")
 def matmul_row_shards(student, rng):
     """C ends sharded by rows: device d holds rows d·M/n to (d+1)·M/n, every column"""
     n = rng.choice([2, 4])
@@ -353,8 +353,8 @@ def p2_fsdp_bytes(student, rng):
                      f"fsdp_bytes_per_rank({params}, {world}, {width})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="set the ring all-reduce's latency term 2(W-1)·alpha equal to its bandwidth term "
-                               "2(W-1)/W·B/bandwidth and solve for B")
+@PROBLEMS.check(points=1, hint="the crossover is where the latency term and the bandwidth term of the α–β time are "
+                               "equal")
 def p3_crossover(student, rng):
     """P3 — the α–β crossover: the all-reduce size where latency and bandwidth cost the same"""
     for world in (rng.randrange(2, 9), rng.randrange(9, 2049)):
@@ -364,8 +364,8 @@ def p3_crossover(student, rng):
                      f"alpha_beta_crossover({world}, {alpha:.6g}, {bandwidth:.6g})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="tree: 2·ceil(log2 W) steps, each moving the whole B; ring: 2(W-1) steps moving "
-                               "2(W-1)/W·B in all; equate the two times (0 when the ring never loses)")
+@PROBLEMS.check(points=1, hint="write both α–β times (tree and ring) and find the size where they meet (0 when the "
+                               "ring never loses)")
 def p4_ring_vs_tree(student, rng):
     """P4 — the all-reduce size above which the ring beats the tree"""
     for world in (rng.choice([3, 2]), _not_power_of_two(rng), 2 ** rng.randrange(3, 12)):
@@ -379,8 +379,8 @@ def p4_ring_vs_tree(student, rng):
             expect_close(got, expected, what, TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="algbw = B / time; nccl-tests' busbw multiplies it by 2(W-1)/W for all-reduce, "
-                               "(W-1)/W for all-gather and reduce-scatter, 1 for broadcast")
+@PROBLEMS.check(points=1, hint="busbw corrects algbw by the fraction of the buffer each rank really sends, which "
+                               "differs per collective")
 def p5_bus_bandwidth(student, rng):
     """P5 — nccl-tests' bus bandwidth from a measured time"""
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
@@ -389,8 +389,8 @@ def p5_bus_bandwidth(student, rng):
                      f"bus_bandwidth({op!r}, {nbytes:.6g}, {world}, {seconds:.6g})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="per layer the backward's FLOPs 8·B·D·F/X over C must exceed the gradient "
-                               "all-reduce's 8·D·F/W: D and F cancel, B is the global batch over X chips")
+@PROBLEMS.check(points=1, hint="compare the backward's compute time with the gradient all-reduce's time for one "
+                               "layer: the layer's shape cancels")
 def p6_dp_condition(student, rng):
     """P6 — the DP condition B/X > C/W: the smallest compute-bound global batch"""
     for dp in (rng.randrange(2, 65), rng.randrange(65, 10001)):
@@ -399,8 +399,7 @@ def p6_dp_condition(student, rng):
                      f"dp_min_batch({flops:.6g}, {bandwidth:.6g}, {dp})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="each token goes to top_k experts; with uniform routing 1/W of them stay on the "
-                               "rank, the rest cross: (W-1)/W of tokens·top_k·hidden·bytes")
+@PROBLEMS.check(points=1, hint="with uniform routing, what share of a token's top_k copies stays on its own rank?")
 def p7_all_to_all(student, rng):
     """P7 — the bytes one rank sends in an MoE dispatch all-to-all"""
     for world in (rng.randrange(2, 9), rng.randrange(9, 257)):
@@ -411,8 +410,8 @@ def p7_all_to_all(student, rng):
                      f"moe_dispatch_bytes({tokens}, {hidden}, {top_k}, {world}, {width})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="reduce-scatter inside the node, all-reduce the B/g slice across nodes (each GPU on "
-                               "its own NIC, all at once), all-gather inside: add the three times")
+@PROBLEMS.check(points=1, hint="the hierarchical all-reduce is three phases, one of them across nodes on a slice "
+                               "only: time each and add them")
 def p8_hierarchical(student, rng):
     """P8 — hierarchical all-reduce: NVLink inside the node, one NIC per GPU across"""
     for nodes in (2, rng.randrange(3, 257)):

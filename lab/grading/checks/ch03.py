@@ -264,8 +264,8 @@ def _bucketed_parity(student, rng: random.Random, dp: int, grad_accum: int) -> N
                   mistakes=_summed(dp, "each bucket's buffer"), sgd=True)
 
 
-@BUCKETED.check(points=2, hint="each rank's gradient is the mean over its own rows: the average over ranks is "
-                               "the sum of the all-reduce divided by dp")
+@BUCKETED.check(points=2, hint="each rank's gradient is a mean over its own rows; what the ranks must agree on is "
+                               "the mean over all of them")
 def parity_two_ranks(student, rng):
     """dp=2: the same losses, gradients and parameters as one process after every step"""
     _bucketed_parity(student, rng, 2, 1)
@@ -286,8 +286,8 @@ def _all_reduces(results: list, run: dict) -> list:
     return steps
 
 
-@BUCKETED.check(points=1, hint="assign parameters to buckets in reverse order (the order backward produces "
-                               "gradients); a bucket closes once it holds at least bucket_mb MiB of fp32 values")
+@BUCKETED.check(points=1, hint="the buckets must follow the order in which backward produces gradients, and a "
+                               "bucket's size rule is in the statement")
 def buckets(student, rng):
     """buckets as torch DDP sizes them, one all-reduce per bucket per step"""
     results, run = _bucketed(student, rng, rng.choice([2, 3]), 1, steps=2)
@@ -396,15 +396,15 @@ def _zero1_parity(student, rng: random.Random, dp: int) -> None:
     expect_parity(results, ref, ("params",), run["call"], rel=3e-5, mistakes=_summed(dp, "the flat gradient"))
 
 
-@ZERO1.check(points=1, hint="reduce-scatter the flat gradient divided by dp, so each rank's shard holds the average; "
-                            "AdamW on the shard, then all-gather the updated shards")
+@ZERO1.check(points=1, hint="ZeRO-1's step is three moves: the gradient reduced onto shards (averaged, not summed), "
+                            "the optimizer on a shard, the parameters made whole again")
 def zero1_parity_two_ranks(student, rng):
     """dp=2: the same losses, gradient norms and parameters as one process after every step"""
     _zero1_parity(student, rng, 2)
 
 
-@ZERO1.check(points=2, hint="pad the flat buffer to dp·ceil(numel/dp): rank r's shard starts at r·shard_numel, "
-                            "exactly where reduce_scatter_single and all_gather_single put it")
+@ZERO1.check(points=2, hint="when dp does not divide the parameter count, the shards must still be equal and sit "
+                            "where the collectives put them")
 def zero1_parity_uneven(student, rng):
     """dp=3, a parameter count dp does not divide: the same as one process after every step"""
     _zero1_parity(student, rng, 3)
@@ -461,22 +461,21 @@ def _zero2_parity(student, rng: random.Random, dp: int) -> None:
     expect_parity(results, ref, ("params",), run["call"], rel=3e-5)
 
 
-@ZERO2.check(points=2, hint="a unit's gradient is complete once every one of its parameters has one: reduce-scatter "
-                            "it then, AdamW on the shard in step(), then all-gather the updated shards into flat")
+@ZERO2.check(points=2, hint="ZeRO-2 reduces a unit's gradient as soon as it is complete, not at the end of backward")
 def zero2_parity_two_ranks(student, rng):
     """dp=2: the same losses and parameters as one process after every step"""
     _zero2_parity(student, rng, 2)
 
 
-@ZERO2.check(points=2, hint="pad each unit's flat buffer to dp·ceil(numel/dp): rank r's shard starts at "
-                            "r·shard_numel, exactly where reduce_scatter_single and all_gather_single put it")
+@ZERO2.check(points=2, hint="when dp does not divide a unit's size, the shards must still be equal and sit where the "
+                            "collectives put them")
 def zero2_parity_uneven(student, rng):
     """dp=3, units whose size dp does not divide: the same as one process after every step"""
     _zero2_parity(student, rng, 3)
 
 
-@ZERO2.check(points=2, hint="divide the unit's flat gradient by dp before the reduce-scatter: each rank's shard "
-                            "then holds the mean over the ranks, the gradient of the whole batch")
+@ZERO2.check(points=2, hint="the shard must hold the gradient of the whole batch: a mean over the ranks, not their "
+                            "sum")
 def gradient_shards(student, rng):
     """right after backward, each rank's gradient shards are its slices of the whole batch's mean gradient"""
     dp = rng.choice([2, 3])
@@ -547,22 +546,21 @@ def _shard_bytes(cfg: ModelConfig, dp: int) -> int:
     return static_bytes(model_numels(cfg)[1], "fp32", zero=3, dp=dp)["params"]
 
 
-@ZERO3.check(points=2, hint="gather before the block's forward and again before its backward; reduce-scatter the "
-                            "block's flat gradient divided by dp once all its parameters have one")
+@ZERO3.check(points=2, hint="a ZeRO-3 block needs its whole parameters twice per step, and gives back an averaged "
+                            "gradient shard once")
 def zero3_parity_two_ranks(student, rng):
     """dp=2: the same losses and parameters as one process after every step"""
     _zero3_parity(student, rng, 2)
 
 
-@ZERO3.check(points=1, hint="the full buffer holds dp·ceil(numel/dp) values; rank r's shard is "
-                            "full[r·shard_numel : (r+1)·shard_numel]")
+@ZERO3.check(points=1, hint="the padded buffer and the shards must line up with where the collectives read and write")
 def zero3_parity_uneven(student, rng):
     """dp=3, blocks whose size dp does not divide: the same as one process after every step"""
     _zero3_parity(student, rng, 3)
 
 
-@ZERO3.check(points=1, hint="free the full buffer (untyped_storage().resize_(0)) right after the block's "
-                            "reduce-scatter, and once at the start: between steps only the shards stay")
+@ZERO3.check(points=1, hint="between steps only the shards may stay in memory: when does the whole buffer stop being "
+                            "needed?")
 def at_rest(student, rng):
     """between steps each rank holds only its 1/dp shard of each block"""
     dp = rng.choice([2, 3])
@@ -642,8 +640,7 @@ def _shown_trace(events: list) -> str:
     return ", ".join(" ".join(map(str, e)) for e in events)
 
 
-@PREFETCH.check(points=2, hint="in each block's forward pre-hook, after the block is whole, start the NEXT block's "
-                               "all-gather (async_op=True): it runs while this block computes")
+@PREFETCH.check(points=2, hint="prefetch means the next block's gather is already in flight while this one computes")
 def prefetch_issued_early(student, rng):
     """block i+1's all-gather is issued, asynchronously, after block i-1's forward and before block i's"""
     results, run = _prefetch(student, rng, rng.choice([2, 3]), steps=2)
@@ -719,8 +716,7 @@ def _ladder(student, rng: random.Random, stages: tuple[int, ...], precision: str
                          f"optimizer]")
 
 
-@LADDER.check(points=1, hint="without ZeRO every rank holds everything: 2 + 2 + 12 bytes per parameter in mixed "
-                             "precision, whatever dp is")
+@LADDER.check(points=1, hint="without ZeRO, dp changes nothing: count mixed precision's bytes per parameter")
 def stage_zero(student, rng):
     """no ZeRO (stage 0): every rank holds all the states"""
     _ladder(student, rng, (0,))
@@ -769,9 +765,8 @@ def _link(bandwidth: float, latency: float = 0.0) -> Link:
     return Link("problem", bandwidth, latency, "grader")
 
 
-@PROBLEMS.check(points=1, hint="bf16 weights 2, bf16 gradients 2 (+ 4 for an fp32 gradient buffer, sharded with "
-                               "the gradients), optimizer 12; stage s divides the first s of optimizer, "
-                               "gradients, weights by N; a GB is 1e9 bytes")
+@PROBLEMS.check(points=1, hint="list the bytes per parameter of each kind of state and which of them each stage "
+                               "shards; a GB is 1e9 bytes")
 def p1_zero_gb(student, rng):
     """P1 — model-state GB per GPU under ZeRO-0 to 3, with and without an fp32 gradient buffer"""
     for stage in (0, 1, 2, 3):
@@ -783,8 +778,8 @@ def p1_zero_gb(student, rng):
                      [GIB_FOR_GB])
 
 
-@PROBLEMS.check(points=1, hint="ZeRO-2 keeps 2Ψ/N of bf16 gradients instead of 2Ψ: it saves 2Ψ(1 − 1/N) bytes; "
-                               "a GiB is 2**30 bytes")
+@PROBLEMS.check(points=1, hint="what ZeRO-2 adds to ZeRO-1 is the gradients' sharding: the saving is what a rank no "
+                               "longer holds; a GiB is 2**30 bytes")
 def p2_zero2_saving(student, rng):
     """P2 — the GiB of gradients ZeRO-2 saves per GPU over ZeRO-1"""
     for gpus in (rng.randrange(2, 9), rng.randrange(9, 1025)):
@@ -794,8 +789,8 @@ def p2_zero2_saving(student, rng):
                      TOLERANCE, [GB_FOR_GIB])
 
 
-@PROBLEMS.check(points=1, hint="under ZeRO-3 each GPU holds 16Ψ/N bytes of model states next to its activations: "
-                               "16Ψ/N + A ≤ M gives Ψ = N(M − A)/16, with M and A in bytes (GiB × 2**30)")
+@PROBLEMS.check(points=1, hint="under ZeRO-3 the model states are sharded over every GPU and must fit next to the "
+                               "activations: solve for the parameters (GiB × 2**30 bytes)")
 def p3_largest_model_zero3(student, rng):
     """P3 — the largest model N GPUs train with ZeRO-3, activations taking their share of memory"""
     for gpus in (1, 8, rng.randrange(2, 1025)):
@@ -807,8 +802,8 @@ def p3_largest_model_zero3(student, rng):
                      [GB_FOR_GIB])
 
 
-@PROBLEMS.check(points=1, hint="a layer of P parameters: its bf16 all-gather sends (N−1)/N·2P bytes, its forward "
-                               "does 2·P·tokens FLOPs; equal times give tokens = (N−1)/N · C/W (P cancels)")
+@PROBLEMS.check(points=1, hint="compare a layer's all-gather time with its forward's compute time: the layer's size "
+                               "cancels")
 def p4_zero3_hide_tokens(student, rng):
     """P4 — ZeRO-3's token threshold: tokens per GPU above which a layer's forward hides its all-gather"""
     for gpus in (rng.randrange(2, 9), rng.randrange(9, 1025)):
@@ -820,8 +815,8 @@ def p4_zero3_hide_tokens(student, rng):
                                                             "does 2 FLOPs a parameter and token")])
 
 
-@PROBLEMS.check(points=1, hint="with prefetch a layer's all-gather ((N−1)/N·2P bytes over W) runs during the "
-                               "previous layer's forward (2·P·tokens FLOPs over C): only the excess is exposed")
+@PROBLEMS.check(points=1, hint="with prefetch the gather overlaps the previous layer's compute: only the part that "
+                               "outlasts it is exposed")
 def p5_zero3_exposed(student, rng):
     """P5 — the all-gather time a prefetched ZeRO-3 layer leaves exposed, in ms"""
     for comm_bound in (True, False, True):
@@ -839,8 +834,8 @@ def p5_zero3_exposed(student, rng):
             expect_close(student.zero3_exposed_ms(params, tokens, gpus, tflops, gbs), expected, what, TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="the bf16 shards 2Ψ/N, plus the layers gathered whole, 2Ψ/L each: one while a layer "
-                               "computes, two with prefetch; a GiB is 2**30 bytes")
+@PROBLEMS.check(points=1, hint="the shards, plus the layers that are whole at the same time (how many, with and "
+                               "without prefetch?); a GiB is 2**30 bytes")
 def p6_prefetch_memory(student, rng):
     """P6 — bf16 parameter GiB on a ZeRO-3 GPU during a forward, with and without prefetch"""
     for prefetch in (True, False):
@@ -851,8 +846,8 @@ def p6_prefetch_memory(student, rng):
                      TOLERANCE, [GB_FOR_GIB])
 
 
-@PROBLEMS.check(points=1, hint="ZeRO-3 frees the weights after every micro-batch: each one gathers them twice and "
-                               "reduce-scatters its gradients, (N−1)/N·2Ψ bytes each, grad_accum times a step")
+@PROBLEMS.check(points=1, hint="ZeRO-3 frees the weights after every micro-batch: count the collectives of one "
+                               "micro-batch, then of a step")
 def p7_zero3_accumulation(student, rng):
     """P7 — bytes a GPU sends per optimizer step under ZeRO-3 with gradient accumulation"""
     for accum in (1, rng.randrange(2, 5), rng.randrange(5, 33)):
@@ -863,8 +858,8 @@ def p7_zero3_accumulation(student, rng):
                      f"zero3_accum_bytes({n}, n_gpus={gpus}, grad_accum={accum})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="a ring all-reduce takes 2(N−1) steps, each paying the latency α however small the "
-                               "message: every all-reduce saved saves 2(N−1)·α")
+@PROBLEMS.check(points=1, hint="every ring step pays the latency however small the message: how many steps does one "
+                               "all-reduce take?")
 def p8_bucketing(student, rng):
     """P8 — the latency per step that bucketing saves over one all-reduce per tensor, in ms"""
     for gpus in (rng.randrange(2, 9), rng.randrange(9, 1025)):
@@ -877,8 +872,8 @@ def p8_bucketing(student, rng):
                      f"alpha_us={alpha_us:.6g})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="FSDP is compute-bound when tokens per chip exceed C/W; with n_axes links per chip "
-                               "the gradients and weights move n_axes times faster: C/(n_axes·W) per chip")
+@PROBLEMS.check(points=1, hint="more links per chip move the same bytes faster: how does that move the compute-bound "
+                               "threshold?")
 def p9_fsdp_min_batch(student, rng):
     """P9 — the smallest global batch (tokens) that keeps pure FSDP compute-bound, several mesh axes"""
     for axes in (1, 2, 3):

@@ -175,9 +175,8 @@ def _expect_loss(results: list, run: dict) -> None:
                         mistakes=[summed])
 
 
-@CROSS_ENTROPY.check(points=2, hint="log Σ_v exp(z_v) runs over the whole vocabulary: all-reduce the max (op MAX) "
-                                    "and the sum of exponentials; the target's logit lives on one rank only, so mask "
-                                    "it to 0 elsewhere and all-reduce it too")
+@CROSS_ENTROPY.check(points=2, hint="the log-sum-exp runs over the whole vocabulary, and the target's logit lives on "
+                                    "one rank only: what must every rank learn from the others?")
 def ce_loss(student, rng):
     """the loss equals the full softmax's cross-entropy (2 and 3 ranks)"""
     for world in (2, 3):
@@ -185,8 +184,8 @@ def ce_loss(student, rng):
         _expect_loss(results, run)
 
 
-@CROSS_ENTROPY.check(points=1, hint="the gradient is (softmax − one_hot(target)) / n_tokens: every rank keeps its "
-                                    "slice of the softmax, and only the rank that owns the target subtracts the 1")
+@CROSS_ENTROPY.check(points=1, hint="cross-entropy's gradient has a softmax part every rank holds a slice of, and a "
+                                    "one-hot part only one rank owns")
 def ce_grad(student, rng):
     """each rank's logits gradient is its vocabulary slice of the full one (3 and 4 ranks)"""
     for world in (3, 4):
@@ -198,8 +197,8 @@ def ce_grad(student, rng):
                             f"{run['call']}: rank {rank}'s gradient of its logits shard", tol=1e-5, mistakes=mean)
 
 
-@CROSS_ENTROPY.check(points=1, hint="exp(z) overflows float32 above z ≈ 88: subtract each token's max over the "
-                                    "whole vocabulary (all-reduced with ReduceOp.MAX) before exponentiating")
+@CROSS_ENTROPY.check(points=1, hint="exp(z) overflows float32 above z ≈ 88: the shift that keeps it finite must be "
+                                    "the same on every rank")
 def ce_large_logits(student, rng):
     """logits in the hundreds: no overflow (the global max is subtracted first)"""
     results, run = _cross_entropy(student, rng, rng.choice([2, 4]), rng.uniform(150.0, 300.0))
@@ -271,9 +270,8 @@ def cases_one_and_two(student, rng):
     _random_plans(student, rng, {1, 2}, 6, [x, y], must=(([None, x], [y, None]), ([x, None], [None, y])))
 
 
-@MATMUL.check(points=1, hint="J split over the same axis in both: multiply locally, the results are partial sums of "
-                             "all of C; all-reduce them, or with reduce_scatter=True and K whole reduce-scatter "
-                             "along K")
+@MATMUL.check(points=1, hint="J split over the same axis in both: each device's product is a partial sum of C; which "
+                             "collective finishes it?")
 def case_three(student, rng):
     """case 3: J split over the same axis in both operands (all-reduce, or reduce-scatter along K)"""
     x, y = rng.sample(["X", "Y", "Z"], 2)
@@ -282,8 +280,8 @@ def case_three(student, rng):
     _expect_plan(student, [None, x], [x, y], True)  # K already split: nothing left to scatter along
 
 
-@MATMUL.check(points=1, hint="C[I_X, K_X] would put one mesh axis on two dimensions: the devices hold only "
-                             "matching diagonal blocks; all-gather A along I first (after any gathers along J)")
+@MATMUL.check(points=1, hint="I and K split over the same axis would put one mesh axis on two dimensions of C: one "
+                             "operand must be gathered")
 def case_four(student, rng):
     """case 4: I and K split over the same axis"""
     x, y = rng.sample(["X", "Y", "Z"], 2)
@@ -337,9 +335,8 @@ def _sp(student, rng: random.Random, world: int) -> tuple[list, dict]:
                      "shard_bytes": 4 * shape[0] * shape[1] * d_model // world}
 
 
-@SEQUENCE.check(points=2, hint="the reduce-scatter must leave rank r with the sum of every rank's tokens "
-                               "r·T/tp to (r+1)·T/tp: move the sequence dimension first (x.movedim(1, 0)) so "
-                               "that each rank's block is contiguous, and move it back afterwards")
+@SEQUENCE.check(points=2, hint="the reduce-scatter splits along the tensor's first dimension, but the sequence is "
+                               "not first: rank r must get its own tokens")
 def sp_output(student, rng):
     """forward: each rank holds its sequence block of x + MLP(norm(x)) (2 ranks)"""
     results, run = _sp(student, rng, 2)
@@ -365,8 +362,8 @@ def sp_grads(student, rng):
             expect_allclose(got.get("norm_grad"), ref["norm_grad"].tolist(), f"{where} norm weight's gradient")
 
 
-@SEQUENCE.check(points=1, hint="the norm works token by token, so it runs on the sequence shard: x_shard → norm → "
-                               "all-gather → column → row → reduce-scatter → + x_shard")
+@SEQUENCE.check(points=1, hint="the norm works token by token, so it can stay on the sequence shard: where then do "
+                               "the gather and the scatter go?")
 def sp_norm_on_shard(student, rng):
     """the norm runs on the rank's own tokens, before the all-gather"""
     world = rng.choice([2, 3])
@@ -448,9 +445,8 @@ def _kv_head(rank: int, tp: int, n_kv_heads: int) -> int:
     return rank // (tp // n_kv_heads)
 
 
-@GQA.check(points=2, hint="rank r's query heads are r·H/tp ... (r+1)·H/tp − 1 and head h reads KV head "
-                          "h // (H/n_kv): rank r needs KV head r // (tp/n_kv) — and the row layer's partial "
-                          "sums are all-reduced (g) as in exercise 2")
+@GQA.check(points=2, hint="each rank's query heads must meet the KV head they read under grouped-query attention; "
+                          "the row layer's partial sums are finished as in exercise 2")
 def gqa_output(student, rng):
     """forward: every rank's y equals one process's attention (tp 4, 2 KV heads)"""
     results, run = _gqa(student, rng, 4, 2)
@@ -458,9 +454,8 @@ def gqa_output(student, rng):
         expect_allclose(got.get("y"), run["ref"]["y"].flatten().tolist(), f"{run['call']}: rank {rank}'s y")
 
 
-@GQA.check(points=3, hint="each copy of a KV head saw only its own rank's query heads: its gradient is a partial "
-                          "sum over the tp/n_kv ranks that hold the same head — all-reduce it over those ranks "
-                          "only (a group per KV head), not over the whole TP group")
+@GQA.check(points=3, hint="each copy of a KV head saw only its own rank's query heads: its gradient is partial, and "
+                          "only the ranks that hold the same head share it")
 def gqa_kv_grads(student, rng):
     """backward: every rank's K and V gradients, summed over the replicas, are its KV head's (tp 2 and 4)"""
     for tp, n_kv in rng.sample([(4, 2), rng.choice([(2, 1), (4, 1)])], 2):  # with one KV head, any sum is right
@@ -503,8 +498,7 @@ def _chip(rng: random.Random) -> tuple[float, float]:
     return rng.uniform(2e14, 2.5e15), rng.uniform(5e10, 9e11)
 
 
-@PROBLEMS.check(points=1, hint="per token the MLP computes 4·D·F/Y FLOPs on each chip and moves 4·D bytes (the "
-                               "all-gather and reduce-scatter of D bf16 values): compute-bound while F/(Y·C) > 1/W")
+@PROBLEMS.check(points=1, hint="compare what the MLP computes per token on a chip with what it moves per token")
 def p1_tp_bound(student, rng):
     """P1 — the largest TP degree that stays compute-bound, Y < F·W/C"""
     for _ in range(2):
@@ -514,8 +508,8 @@ def p1_tp_bound(student, rng):
                      [Mistake(0.5, "the FLOPs of one matmul", "the MLP has two matmuls, 2·B·D·F/Y FLOPs each")])
 
 
-@PROBLEMS.check(points=1, hint="the two matmuls: 4·T·D·F/tp FLOPs per GPU; the ring all-reduce of the T·D output "
-                               "in bf16: 2·(tp−1)/tp · 2·T·D bytes per GPU; T and D cancel")
+@PROBLEMS.check(points=1, hint="compare the two matmuls' time per GPU with the all-reduce's: the tokens and the "
+                               "model width cancel")
 def p2_comm_to_compute(student, rng):
     """P2 — T_comm / T_math of a TP MLP's forward"""
     for tp in (rng.choice([2, 4]), rng.choice([8, 16, 32])):
@@ -525,8 +519,8 @@ def p2_comm_to_compute(student, rng):
                      f"tp_comm_to_compute({d_ff}, {tp}, {peak:.6g}, {bandwidth:.6g})", TOLERANCE, [MISSING_TWO])
 
 
-@PROBLEMS.check(points=1, hint="four all-reduces of the (b, s, h) activation per layer — g after attention and "
-                               "after the MLP forward, f before each backward — each sending 2·(tp−1)/tp of it")
+@PROBLEMS.check(points=1, hint="count the all-reduces of a layer, forward and backward, and what a ring all-reduce "
+                               "sends per GPU")
 def p3_layer_bytes(student, rng):
     """P3 — bytes each GPU sends per layer under TP, forward and backward"""
     for tp in (2, rng.choice([4, 8, 16])):
@@ -537,8 +531,8 @@ def p3_layer_bytes(student, rng):
                      [MISSING_TWO, Mistake(0.5, "two all-reduces", "forward has two (g), backward two more (f)")])
 
 
-@PROBLEMS.check(points=1, hint="Korthikanti et al.: TP alone keeps s·b·h·(10 + 24/t) bytes a layer, with SP "
-                               "34·s·b·h/t; subtract")
+@PROBLEMS.check(points=1, hint="Korthikanti et al. count a layer's activations with TP alone and with SP: the "
+                               "difference is what TP leaves unsplit")
 def p4_sp_saving(student, rng):
     """P4 — the activation bytes per layer sequence parallelism saves"""
     for tp in (2, rng.choice([4, 8])):
@@ -547,8 +541,8 @@ def p4_sp_saving(student, rng):
                      f"sp_activation_saving({s}, {b}, {h}, {tp})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="the column matmul on one GPU is x[T, D] · W1[D, F/tp]: 2·T·D·(F/tp) FLOPs over "
-                               "the bf16 bytes of both operands and the result")
+@PROBLEMS.check(points=1, hint="arithmetic intensity of the column matmul on one GPU: its FLOPs over the bytes of "
+                               "its operands and result")
 def p5_matmul_intensity(student, rng):
     """P5 — the arithmetic intensity of one GPU's column-parallel matmul"""
     for tp in (1, rng.choice([8, 16, 64])):
@@ -569,8 +563,8 @@ def p6_across_nodes(student, rng):
                      f"tp_max_across_nodes({d_ff}, {peak:.6g}, {gbits})", TOLERANCE, [BITS])
 
 
-@PROBLEMS.check(points=1, hint="gathering receives (tp−1)/tp of T·V logits of b bytes; the vocab-parallel loss "
-                               "all-reduces 3 float32 numbers a token (max, sum of exponentials, target logit)")
+@PROBLEMS.check(points=1, hint="compare the bytes of gathering the logits with the few numbers per token the "
+                               "vocab-parallel loss exchanges")
 def p7_vocab_ce(student, rng):
     """P7 — how many times fewer bytes vocab-parallel cross-entropy moves than gathering the logits"""
     for _ in range(2):
@@ -592,8 +586,7 @@ def p8_partial_sums(student, rng):
                      [MISSING_TWO])
 
 
-@PROBLEMS.check(points=1, hint="tp ≤ n_kv: n_kv/tp KV heads a rank; tp > n_kv: still one whole head on every rank "
-                               "(copied), never a fraction of one")
+@PROBLEMS.check(points=1, hint="a rank never holds a fraction of a KV head")
 def p9_kv_weights(student, rng):
     """P9 — bytes of one layer's Wk and Wv on each TP rank with GQA"""
     n_kv = rng.choice([2, 4, 8])

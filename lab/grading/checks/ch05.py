@@ -128,8 +128,8 @@ def _describe(case: dict) -> str:
            f"out ({heads}, {rows}, {dim}), lse ({heads}, {rows})"
 
 
-@MERGE.check(points=2, hint="each block's out is normalised by its own e^lse: reweight it by e^(lse_block − lse), "
-                            "with lse = log(e^lse_a + e^lse_b) — both outputs, the running one too")
+@MERGE.check(points=2, hint="each block's output is normalised by its own lse: both must be re-weighted to the "
+                            "merged normaliser, the running one too")
 def merge_values(student, rng):
     """two blocks of keys, merged: the out and lse of attention over all of them"""
     for _ in range(3):
@@ -137,16 +137,16 @@ def merge_values(student, rng):
         _expect_merge(student, case, _describe(case))
 
 
-@MERGE.check(points=1, hint="e^lse overflows float32 above lse ≈ 88: compute log(e^a + e^b) as "
-                            "max + log(1 + e^(min − max)), which torch.logaddexp does")
+@MERGE.check(points=1, hint="e^lse overflows float32 above lse ≈ 88: combine the two lse without exponentiating them "
+                            "directly")
 def merge_large_scores(student, rng):
     """scores in the hundreds: no overflow"""
     case = merge_case(rng, offset=rng.uniform(150.0, 400.0))
     _expect_merge(student, case, _describe(case) + ", scores in the hundreds")
 
 
-@MERGE.check(points=1, hint="a row that saw no key has lse = −inf; when both blocks' lse are −inf, lse − lse is "
-                            "−inf − (−inf) = NaN: give such rows weight 0 (out 0, lse −inf)")
+@MERGE.check(points=1, hint="a row that saw no key has lse = −inf in both blocks: what does your weight become "
+                            "there?")
 def merge_masked_rows(student, rng):
     """fully masked rows (lse = −inf in one block, or in both): no NaN"""
     case = merge_case(rng, masked=True)
@@ -186,8 +186,8 @@ def _seq_len(rng: random.Random, cp: int) -> int:
     return 2 * cp * rng.randrange(1, 12)
 
 
-@ZIGZAG.check(points=0.5, hint="2·cp chunks; rank r takes one from the front and its mirror from the back: "
-                             "[r, 2·cp − 1 − r], the early one first")
+@ZIGZAG.check(points=0.5, hint="zig-zag pairs a chunk from the front with its mirror from the back, so that every "
+                               "rank gets equal causal work")
 def zigzag_chunk_ids(student, rng):
     """rank r holds chunks r and 2·cp−1−r, in that order (cp up to 16)"""
     for cp in (2, rng.randrange(3, 9), rng.randrange(9, 17)):
@@ -196,9 +196,7 @@ def zigzag_chunk_ids(student, rng):
                          f"zigzag_chunks(rank={rank}, cp={cp})")
 
 
-@ZIGZAG.check(points=0.5, hint="chunk c holds positions c·L ... (c+1)·L − 1 with L = seq_len / (2·cp); a rank's "
-                             "positions are its first chunk's then its second's — the global positions, which "
-                             "RoPE must rotate by (not 0 ... seq_len/cp − 1)")
+@ZIGZAG.check(points=0.5, hint="RoPE rotates by a token's global position in the sequence, not its index on the rank")
 def zigzag_rope_positions(student, rng):
     """each rank's token positions (what RoPE rotates by), random cp and seq_len"""
     from lab.parallel.cp import sequence_positions
@@ -211,8 +209,8 @@ def zigzag_rope_positions(student, rng):
                          f"zigzag_positions(rank={rank}, cp={cp}, seq_len={seq_len})")
 
 
-@ZIGZAG.check(points=0.5, hint="the token at local index i of rank r has position zigzag_positions(r, ...)[i]: "
-                             "a rank's second chunk starts at local index L = seq_len / (2·cp), after its first")
+@ZIGZAG.check(points=0.5, hint="a rank's two chunks sit one after the other locally: find the rank whose positions "
+                               "include the token")
 def zigzag_owner_of_position(student, rng):
     """where a global position lives: [rank, local index]"""
     from lab.parallel.cp import sequence_positions
@@ -295,16 +293,16 @@ def _expect_ring(student, rng: random.Random, world: int, kind: str, causal: boo
         expect_allclose(got.get("out"), expected, f"{run['call']}: rank {rank}'s output (chunks {run['chunks'][rank]})")
 
 
-@RING.check(points=1, hint="at step s rank r holds the K/V of rank (r − s) % cp: attend to them, merge, and pass "
-                           "them to (r + 1) % cp while receiving the next from (r − 1) % cp; cp steps in all")
+@RING.check(points=1, hint="every rank's K/V must visit every rank once: which block does a rank hold at each step, "
+                           "and where does it go next?")
 def ring_not_causal(student, rng):
     """no mask: every rank's output equals attention over the whole sequence (2 and 3 ranks)"""
     for world in (2, 3):
         _expect_ring(student, rng, world, "contiguous", causal=False)
 
 
-@RING.check(points=2, hint="causal, block by block: a key chunk before the query chunk is attended fully, the same "
-                           "chunk with the lower triangle (key i ≤ query i), a later chunk not at all (skip it)")
+@RING.check(points=2, hint="under the causal mask a key block is seen fully, partly or not at all, depending on "
+                           "where it lies relative to the query block")
 def ring_causal_contiguous(student, rng):
     """causal, contiguous chunks: later chunks skipped, the diagonal masked (2, 3 and 4 ranks)"""
     for world in (2, 3, 4):
@@ -356,16 +354,15 @@ def _expect_work(student, cp: int, seq_len: int, layout: str) -> None:
                  f"causal_work(seq_len={seq_len}, cp={cp}, layout={layout!r})")
 
 
-@WORK.check(points=1, hint="rank r's queries (chunk r) see r earlier chunks fully and their own chunk's lower "
-                           "triangle: r·L² + L(L+1)/2 pairs, L = seq_len / cp")
+@WORK.check(points=1, hint="count the (query, key) pairs a rank's queries see under the causal mask: the chunks "
+                           "before them, and their own")
 def work_contiguous(student, rng):
     """contiguous chunks: query-key pairs per rank, random cp and seq_len"""
     for cp, seq_len in _work_cases(rng, "contiguous", 3):
         _expect_work(student, cp, seq_len, "contiguous")
 
 
-@WORK.check(points=1, hint="L = seq_len / (2·cp); chunk c scores c·L² + L(L+1)/2 pairs; rank r holds chunks r and "
-                           "2·cp − 1 − r")
+@WORK.check(points=1, hint="under zig-zag a rank's work is the sum of its two chunks' causal work")
 def work_zigzag(student, rng):
     """zig-zag: query-key pairs per rank, random cp and seq_len"""
     for cp, seq_len in _work_cases(rng, "zigzag", 3):
@@ -429,18 +426,16 @@ def _expect_ring_backward(student, rng: random.Random, world: int, kind: str, ca
                                                      f"{run['chunks'][rank]})")
 
 
-@BACKWARD.check(points=2, hint="every block's dq stays with the queries; its dk, dv belong to the K/V block you hold: "
-                               "add them into a buffer that travels with that block (cp hops: the last one brings "
-                               "it home to its owner), and receive from (r − 1) % cp what you pass to (r + 1) % cp")
+@BACKWARD.check(points=2, hint="dq belongs to your queries; dk and dv belong to the K/V block you hold, which must "
+                               "end on its owner")
 def ring_backward_not_causal(student, rng):
     """no mask: every rank's dq, dk, dv equal autograd's over the whole sequence (2 and 3 ranks)"""
     for world in (3, 2):  # 3 first: at 2 ranks the next rank is also the previous one
         _expect_ring_backward(student, rng, world, "contiguous", causal=False)
 
 
-@BACKWARD.check(points=3, hint="a block's probabilities are exp(s − lse) with the forward's final lse — not the "
-                               "block's own softmax — and the diagonal block needs the causal mask in the backward "
-                               "too (key i ≤ query i); skip the later chunks")
+@BACKWARD.check(points=3, hint="the backward's probabilities must be normalised like the forward's final output, not "
+                               "block by block; and the causal rule holds in the backward too")
 def ring_backward_causal(student, rng):
     """causal, zig-zag chunks: dq, dk, dv equal autograd's (2 and 3 ranks)"""
     for world in (2, 3):
@@ -487,9 +482,8 @@ def _heads(rng: random.Random) -> tuple[int, int]:
     return heads, rng.choice([g for g in (1, 2, 4, 8, 16) if heads % g == 0 and g < heads])
 
 
-@PROBLEMS.check(points=1, hint="causal compute per step 2·b·c²·H·d FLOPs at F against 2·b·c·G·d·β bytes at W: "
-                               "c* = G·β·F / (H·W), with F in FLOP/s (1e12 per TFLOP/s) and W in bytes/s (1e9 per "
-                               "GB/s)")
+@PROBLEMS.check(points=1, hint="compare a step's causal compute time with its K/V transfer time and solve for the "
+                               "chunk size (units: FLOP/s and bytes/s)")
 def p1_ring_hide_tokens(student, rng):
     """P1 — c*: the tokens per rank above which a ring step hides its K/V transfer"""
     for _ in range(2):
@@ -500,8 +494,8 @@ def p1_ring_hide_tokens(student, rng):
                      f"ring_hide_tokens({heads}, {kv_heads}, {dtype_bytes}, {tflops:.6g}, {gbytes:.6g})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="contiguous chunks of L = seq/cp tokens: rank r scores r·L² + L(L+1)/2 pairs (the "
-                               "diagonal block counts its diagonal); busiest / least busy = last rank / rank 0")
+@PROBLEMS.check(points=1, hint="with contiguous chunks the causal work grows with the rank: compare the busiest rank "
+                               "with the least busy")
 def p2_contiguous_spread(student, rng):
     """P2 — without zig-zag: the busiest rank's work over the least busy one's"""
     for cp, chunk in ((rng.randrange(2, 5), rng.randrange(1, 8)), (rng.randrange(5, 33), rng.randrange(8, 40))):
@@ -511,8 +505,7 @@ def p2_contiguous_spread(student, rng):
                      f"contiguous_spread({seq_len}, {cp})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="a step lasts as long as its busiest rank: max work contiguous (the last rank) over max "
-                               "work zig-zag (every rank: (2·cp − 1)·L² + L(L+1) with L = seq/(2·cp))")
+@PROBLEMS.check(points=1, hint="a step lasts as long as its busiest rank, under each layout")
 def p3_zigzag_speedup(student, rng):
     """P3 — zig-zag's speed-up of causal ring attention over contiguous chunks"""
     for cp, half in ((rng.randrange(2, 5), rng.randrange(1, 8)), (rng.randrange(5, 33), rng.randrange(8, 40))):
@@ -532,8 +525,8 @@ def p4_kv_step_mb(student, rng):
                      f"kv_step_mb({tokens}, {kv_heads}, {head_dim}, {dtype_bytes})", TOLERANCE, [NO_KV_TWO])
 
 
-@PROBLEMS.check(points=1, hint="Korthikanti et al. with sequence parallelism and a flash kernel (no s² term): "
-                               "34·s·h/tp bytes per layer and sequence, s = seq/cp; times the layers, in GiB (2^30)")
+@PROBLEMS.check(points=1, hint="the chapter's activation count with SP and a flash kernel, on the tokens one CP rank "
+                               "holds; in GiB (2^30)")
 def p5_activation_gib(student, rng):
     """P5 — activation memory per rank at long context with CP and TP (GiB)"""
     for tp in (rng.choice([1, 2]), rng.choice([4, 8])):
@@ -545,8 +538,8 @@ def p5_activation_gib(student, rng):
                      f"activation_gib_per_rank({seq}, {cp}, {tp}, {d_model}, {n_layers})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="ring: cp − 1 K/V blocks of s tokens, 2·s·G·d each; Ulysses: q, k, v in and the "
-                               "output back, each rank keeping 1/cp: (cp − 1)/cp · s·(2H + 2G)·d")
+@PROBLEMS.check(points=1, hint="count what each scheme moves per rank: the ring passes K/V blocks, Ulysses re-shards "
+                               "q, k, v and the output")
 def p6_ring_over_ulysses(student, rng):
     """P6 — ring attention's bytes per rank and layer over Ulysses' all-to-alls"""
     for _ in range(2):
@@ -574,8 +567,8 @@ def _layer(rng: random.Random) -> tuple[int, int, int, int, int]:
     return d_model, heads, kv_heads, head_dim, 256 * rng.randrange(8, 160)
 
 
-@PROBLEMS.check(points=1, hint="core (causal): 2·s²·H·d FLOPs; weights: 2·s·(h·(2H + 2G)·d + 3·h·d_ff) (q, k, v, o "
-                               "and a SwiGLU MLP); share = core / (core + weights)")
+@PROBLEMS.check(points=1, hint="compare attention's score and value products with the FLOPs of the layer's weights "
+                               "(projections and MLP)")
 def p8_attention_share(student, rng):
     """P8 — the share of a layer's forward FLOPs in causal attention at a context length"""
     for seq in (1024 * rng.randrange(1, 9), 1024 * rng.randrange(32, 257)):
@@ -584,7 +577,8 @@ def p8_attention_share(student, rng):
                      f"attention_share_at({seq}, {', '.join(map(str, dims))})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="per token: causal core 2·s·H·d FLOPs, SwiGLU MLP 2·3·h·d_ff: s = 3·h·d_ff / (H·d)")
+@PROBLEMS.check(points=1, hint="per token, attention's core grows with s and the MLP does not: find where they are "
+                               "equal")
 def p9_attention_mlp_crossover(student, rng):
     """P9 — the context at which causal attention costs as many FLOPs as the MLP"""
     for _ in range(2):

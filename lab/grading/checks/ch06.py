@@ -75,8 +75,8 @@ def order_first_and_last_stage(student, rng):
             _expect_order(student, p, m, r)
 
 
-@ORDER.check(points=2, hint="warm-up: forwards 0 … p − r − 2; steady state: F(w + i) then B(i), for i from 0 while "
-                            "forwards remain; cool-down: the remaining backwards, oldest first")
+@ORDER.check(points=2, hint="1F1B has three phases: how many forwards a stage runs before its first backward depends "
+                            "on its distance from the last stage")
 def order_every_stage(student, rng):
     """every stage: p − r − 1 warm-up forwards, then one forward and one backward in turn, then the cool-down"""
     for p in (rng.randrange(3, 6), rng.randrange(6, 11)):
@@ -147,39 +147,40 @@ def _expect_step(student, schedule: str, p: int, m: int, v: int, costs: tuple[fl
                   f"step_time({schedule!r}, p={p}, m={m}, v={v}, t_f={tf}, t_b={tb}, t_w={tw})")
 
 
-@BUBBLE.check(points=0.5, hint="bubble ratio = idle / useful time per rank: p − 1 slots of (t_f + t_b) idle, m of "
-                             "them busy")
+@BUBBLE.check(points=0.5, hint="the bubble ratio compares a rank's idle time with its useful time: count the slots "
+                               "of each")
 def bubble_afab_one_f_one_b(student, rng):
     """AFAB and 1F1B: the bubble ratio (p−1)/m"""
     for schedule in ("afab", "1f1b"):
         _expect_bubble(student, schedule, *_config(rng, schedule))
 
 
-@BUBBLE.check(points=0.5, hint="with v chunks per rank each op is v times shorter: the same p − 1 fill and drain "
-                             "steps now last 1/v as long, against the same useful time — (p − 1)/(v·m)")
+@BUBBLE.check(points=0.5, hint="with v chunks per rank each op is shorter: what happens to the fill and drain, and "
+                               "what to the useful time?")
 def bubble_interleaved(student, rng):
     """interleaved 1F1B: v chunks per rank shrink the bubble by v"""
     for _ in range(2):
         _expect_bubble(student, "interleaved", *_config(rng, "interleaved"))
 
 
-@BUBBLE.check(points=0.25, hint="the last micro-batch enters stage 0 after m − 1 forwards and crosses p stages each "
-                             "way: (m + p − 1)(t_f + t_b)")
+@BUBBLE.check(points=0.25, hint="follow the last micro-batch: when does it enter the pipeline, and how long is its "
+                                "way through and back?")
 def step_afab_one_f_one_b(student, rng):
     """step time of AFAB and 1F1B, random t_f and t_b"""
     for schedule in ("afab", "1f1b"):
         _expect_step(student, schedule, *_config(rng, schedule), _costs(rng))
 
 
-@BUBBLE.check(points=0.25, hint="useful time m·(t_f + t_b), plus the bubble: (p − 1)(t_f + t_b)/v")
+@BUBBLE.check(points=0.25, hint="the step is the useful time plus the bubble, and interleaving shrinks only one of "
+                                "them")
 def step_interleaved(student, rng):
     """step time of interleaved 1F1B"""
     for _ in range(2):
         _expect_step(student, "interleaved", *_config(rng, "interleaved"), _costs(rng))
 
 
-@BUBBLE.check(points=0.25, hint="ZB-H1 (m ≥ p, t_w ≤ t_f, 2·t_w ≤ t_b): the deferred W's fill 2·t_w of each of the "
-                             "p − 1 bubble slots — idle (p − 1)(t_f + t_b − 2·t_w)")
+@BUBBLE.check(points=0.25, hint="ZB-H1 keeps 1F1B's bubble slots but fills part of each with deferred "
+                                "weight-gradient work")
 def step_zero_bubble(student, rng):
     """ZB-H1: deferred weight gradients fill part of the bubble"""
     for _ in range(2):
@@ -217,8 +218,8 @@ def peak_afab(student, rng):
         _expect_peaks(student, "afab", p, rng.randrange(1, 65))
 
 
-@PEAK.check(points=1, hint="stage r holds its p − r − 1 warm-up forwards, plus the one it runs before its first "
-                           "backward frees one: p − r")
+@PEAK.check(points=1, hint="a stage's peak is reached just before its first backward: count the forwards it has run "
+                           "by then")
 def peak_one_f_one_b(student, rng):
     """1F1B with m ≥ p: stage r holds p − r"""
     for _ in range(2):
@@ -234,8 +235,8 @@ def peak_few_micro_batches(student, rng):
         _expect_peaks(student, "1f1b", p, rng.randrange(1, p))
 
 
-@PEAK.check(points=1, hint="rank r runs 2(p − r − 1) + (v − 1)·p warm-up forwards of chunks, then one more before "
-                           "its first backward; each chunk holds 1/v of a stage — at most m stages' worth")
+@PEAK.check(points=1, hint="interleaved 1F1B warms up longer than plain 1F1B, but each chunk holds only a part of "
+                           "the stage")
 def peak_interleaved(student, rng):
     """interleaved 1F1B, in stages' worth of activations: more than 1F1B's p − r"""
     for _ in range(2):
@@ -295,15 +296,15 @@ def _expect_weight_grad(student, rng: random.Random, kind: str, lead: list[int])
         expect_allclose(got.get(name), grad.flatten().tolist(), f"{call}: the {name} gradient", mistakes=mean)
 
 
-@SPLIT.check(points=1, hint="y = x Wᵀ + b: dW = dyᵀ x, of shape (out, in) like W; db = dy summed over the rows")
+@SPLIT.check(points=1, hint="derive the weight and bias gradients of a linear layer: each has the shape of its "
+                            "parameter")
 def weight_grad_linear(student, rng):
     """Linear's W: the weight gradient (out, in) and the bias gradient, 2-D input"""
     for _ in range(2):
         _expect_weight_grad(student, rng, "linear", [rng.randrange(1, 9)])
 
 
-@SPLIT.check(points=1, hint="y = x / rms(x) · g with rms(x) = sqrt(mean(x²) + eps): dg = Σ over rows of dy · "
-                            "x / rms(x) — the normalised input, not x")
+@SPLIT.check(points=1, hint="the gain multiplies the normalised input, not x itself")
 def weight_grad_rmsnorm(student, rng):
     """RMSNorm's W: the gradient of its scale"""
     for _ in range(2):
@@ -360,9 +361,8 @@ def _split(student, rng: random.Random, microbatches: int, ops: list[str], what:
     return got, split_reference(d_model, d_hidden, lead, microbatches, eps, seed), call
 
 
-@SPLIT.check(points=2, hint="B: torch.autograd.grad(output, [inputs] + every recorded module output, grad_output) "
-                            "— only what is asked for is computed; never .backward(), which also fills every "
-                            "parameter's .grad, and never the parameters among the inputs")
+@SPLIT.check(points=2, hint="B must compute the input gradients only: a call that also fills the parameters' .grad "
+                            "does W's work too early")
 def split_b_only_input_grads(student, rng):
     """B: the stage's input gradient, and no weight gradient computed or stored"""
     m = rng.randrange(2, 5)
@@ -379,8 +379,7 @@ def split_b_only_input_grads(student, rng):
                           f"{computed!r} and {changed!r}, expected 0 and [] (B leaves the weights to W)")
 
 
-@SPLIT.check(points=2, hint="W accumulates: param.grad = grad if param.grad is None else param.grad + grad — the "
-                            "micro-batches' weight gradients add up, in whatever order their W's run")
+@SPLIT.check(points=2, hint="the micro-batches' weight gradients add up, in whatever order their W's run")
 def split_w_accumulates(student, rng):
     """W after B, in a ZB-H1 rank's order: the accumulated weight gradients equal autograd's"""
     m = rng.randrange(3, 7)
@@ -467,9 +466,8 @@ def _expect_one_process(student, rng: random.Random, name: str, world: int, m: i
             expect_allclose(g, e, f"{call}: rank {rank}'s parameter {index} gradient", mistakes=share)
 
 
-@AFAB.check(points=2, hint="stage 0 runs its micro-batches, sending each output to rank 1; the last stage "
-                           "receives, computes the loss / m and, after every forward, sends each input's gradient "
-                           "back to rank − 1")
+@AFAB.check(points=2, hint="each stage talks only to its neighbours: activations go forward, their gradients come "
+                           "back, and the batch's loss is a mean over micro-batches")
 def afab_two_stages(student, rng):
     """2 stages: the loss and every stage's gradients equal one process's"""
     _expect_one_process(student, rng, "run_afab", 2, rng.randrange(2, 5))
@@ -506,9 +504,9 @@ def _expect_point_to_point(student, rng: random.Random, name: str, world: int, m
 ONE_F_ONE_B = exercise("06.one_f_one_b_ranks", entry=("run_one_f_one_b",), requires=("06.afab_step",), **RANKS)
 
 
-@ONE_F_ONE_B.check(points=2, hint="stage r warms up with min(p − r − 1, m) forwards; then, while forwards remain, "
-                                  "one forward and the backward of the OLDEST micro-batch it holds; then the "
-                                  "backwards still due, oldest first. The last stage has no warm-up: F0 B0 F1 B1 …")
+@ONE_F_ONE_B.check(points=2, hint="1F1B on a stage: a warm-up whose length depends on the stage, a steady state that "
+                                  "alternates, a cool-down; the backward in each pair is of the oldest micro-batch "
+                                  "held")
 def one_f_one_b_two_stages(student, rng):
     """2 stages, more micro-batches than stages: the loss and both stages' gradients equal one process's"""
     _expect_one_process(student, rng, "run_one_f_one_b", 2, rng.randrange(3, 6))
@@ -575,8 +573,7 @@ def p1_idle_fraction(student, rng):
                      TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="(p − 1)/m ≤ target ⇔ m ≥ (p − 1)/target: round UP (math.ceil); one micro-batch "
-                               "fewer is above the target")
+@PROBLEMS.check(points=1, hint="the smallest whole m that meets the target: one fewer must miss it")
 def p2_min_microbatches(student, rng):
     """P2 — the fewest micro-batches for a 1F1B bubble ratio at most a target"""
     from lab.calc.bubble import min_microbatches
@@ -588,8 +585,8 @@ def p2_min_microbatches(student, rng):
                      f"min_microbatches({p}, {target})")
 
 
-@PROBLEMS.check(points=1, hint="interleaving divides the bubble by v: m ≥ (p − 1)/(v·target) — then round up to a "
-                               "multiple of p, since Megatron's interleaved order walks micro-batches in groups of p")
+@PROBLEMS.check(points=1, hint="interleaving shrinks the bubble; and Megatron's interleaved order constrains which m "
+                               "are allowed")
 def p3_min_microbatches_interleaved(student, rng):
     """P3 — the same with v chunks per rank (interleaved 1F1B): fewer micro-batches, in multiples of p"""
     from lab.calc.bubble import min_microbatches
@@ -614,8 +611,8 @@ def p4_interleaved_messages(student, rng):
                      f"interleaved_messages({p}, {m}, {v})", TOLERANCE, [ONE_DIRECTION])
 
 
-@PROBLEMS.check(points=1, hint="ZB-H1 keeps 1F1B's p − 1 bubble slots of t_f + t_b, and the deferred W's fill 2·t_w "
-                               "of each: (p − 1)(t_f + t_b − 2·t_w)")
+@PROBLEMS.check(points=1, hint="ZB-H1 keeps 1F1B's bubble slots but fills part of each with deferred weight-gradient "
+                               "work")
 def p5_zb_h1_idle(student, rng):
     """P5 — ZB-H1's idle time per rank, in the paper's regime (m ≥ p, t_w ≤ t_f, 2·t_w ≤ t_b)"""
     from lab.calc.bubble import explore
@@ -627,8 +624,8 @@ def p5_zb_h1_idle(student, rng):
         expect_close(student.zb_h1_idle(p, tf, tb, tw), simulated, f"zb_h1_idle({p}, {tf}, {tb}, {tw})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="AFAB holds all m micro-batches on every stage; 1F1B holds min(m, p − r) on stage r: "
-                               "the difference, times one micro-batch's activations of the stage")
+@PROBLEMS.check(points=1, hint="compare how many micro-batches' activations each schedule holds at its peak on the "
+                               "stage")
 def p6_activation_bytes_saved(student, rng):
     """P6 — what 1F1B saves on stage r against AFAB: (m − min(m, p − r)) micro-batches' activations"""
     from lab.calc.bubble import explore
@@ -642,8 +639,8 @@ def p6_activation_bytes_saved(student, rng):
                      f"activation_bytes_saved({p}, {m}, {r}, {nbytes})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="one (b, s, h) tensor in bf16 (2 bytes) forward per micro-batch and its gradient "
-                               "back: 2·m·b·s·h·2 bytes, however many layers the stage holds")
+@PROBLEMS.check(points=1, hint="a stage boundary carries one activation forward and one gradient back per "
+                               "micro-batch, whatever the layers")
 def p7_boundary_bytes(student, rng):
     """P7 — bytes across one pipeline boundary per step: 2·m·b·s·h·2 (bf16, both ways)"""
     from lab.calc.bubble import boundary_bytes
@@ -676,8 +673,7 @@ def p8_tp_over_pp_bytes(student, rng):
                                                                  "tensor per GPU, not 2")])
 
 
-@PROBLEMS.check(points=1, hint="each pipeline replica gets global_batch / dp sequences: m = that / micro_batch "
-                               "micro-batches, and a 1F1B step lasts (m + p − 1)(t_f + t_b)")
+@PROBLEMS.check(points=1, hint="find the micro-batches per replica first, then the length of a 1F1B step")
 def p9_step_seconds(student, rng):
     """P9 — a 1F1B step in seconds, from the global batch: m = B/(b·dp), then (m + p − 1)(t_f + t_b)"""
     from lab.calc.bubble import explore
@@ -693,9 +689,8 @@ def p9_step_seconds(student, rng):
                      f"step_seconds({global_batch}, {micro}, {dp}, {p}, {tf}, {tb})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="the first stage keeps 16 bytes per parameter (bf16 weights and gradients, fp32 "
-                               "master and two Adam moments) for its N/p parameters, plus the activations of "
-                               "min(m, p) micro-batches through its L/p layers")
+@PROBLEMS.check(points=1, hint="the first stage's memory: model states for its share of the parameters, plus the "
+                               "activations 1F1B holds there at its peak")
 def p10_first_stage_bytes(student, rng):
     """P10 — the first stage's memory with 1F1B: 16·N/p + min(m, p)·(L/p)·A"""
     from lab.calc.bubble import explore

@@ -127,9 +127,8 @@ def _expect_route(student, rng: random.Random, n_experts: int, top_k: int, gatin
     expect_allclose(got.get("weights"), weights.flatten().tolist(), f"{call}: the weights, token by token", tol=1e-5)
 
 
-@ROUTING.check(points=0.5, hint="scores = softmax(logits) over the experts (dim=-1); scores.topk(top_k, dim=-1) gives "
-                                "the best first; for top_k > 1 divide the top_k scores by their sum so that they add "
-                                "up to one")
+@ROUTING.check(points=0.5, hint="the scores are a distribution over the experts; with top_k > 1 the chosen gates "
+                                "must add up to one")
 def route_softmax(student, rng):
     """softmax gating, top-2 to top-4: the experts, best first, and weights that sum to one"""
     for top_k in (2, rng.randrange(3, 5)):
@@ -145,8 +144,8 @@ def route_top1(student, rng):
         _expect_route(student, rng, rng.randrange(4, 17), 1, gating)
 
 
-@ROUTING.check(points=0.25, hint="sigmoid gating scores each expert on its own: σ(logit); the top_k scores, divided "
-                                 "by their sum (they do not sum to one as softmax scores would)")
+@ROUTING.check(points=0.25, hint="sigmoid scores each expert on its own, so the chosen scores do not add up to one "
+                                 "by themselves")
 def route_sigmoid(student, rng):
     """sigmoid gating (DeepSeek-V3): the chosen experts' σ(logit), renormalised"""
     for top_k in (2, rng.randrange(3, 7)):
@@ -195,8 +194,8 @@ def aux_uniform_router(student, rng):
         _expect_aux(student, rng, "softmax", uniform=True)
 
 
-@BALANCING.check(points=1, hint="f_e = assignments to e / (n_tokens·top_k); P_e = mean over tokens of e's softmax "
-                                "probability; loss = n_experts · Σ_e f_e·P_e (1 when balanced, up to n_experts)")
+@BALANCING.check(points=1, hint="the loss pairs each expert's share of the assignments with its mean router "
+                                "probability, scaled so that a balanced router gives 1")
 def aux_softmax(student, rng):
     """softmax gating, random routings: n_experts·Σ f_e·P_e"""
     for _ in range(2):
@@ -210,8 +209,8 @@ def aux_sigmoid(student, rng):
     _expect_aux(student, rng, "sigmoid")
 
 
-@BALANCING.check(points=1, hint="z = mean over tokens of logsumexp(logits)²; torch.logsumexp subtracts the max first "
-                                "— log(exp(x).sum()) overflows above 88")
+@BALANCING.check(points=1, hint="the z-loss penalises large router logits through their log-sum-exp; computed "
+                                "naively it overflows above 88")
 def z_loss_large_logits(student, rng):
     """the router z-loss, logits around 0 and in the hundreds: mean of logsumexp², no overflow"""
     for offset in (0.0, rng.uniform(150, 400)):
@@ -255,8 +254,8 @@ def _capacity_case(rng: random.Random, n_experts: int, top_k: int, skewed: bool,
                 return routing, factor
 
 
-@CAPACITY.check(points=1, hint="capacity = ceil(c · n_tokens · top_k / n_experts); walk the assignments token by "
-                               "token (a token's choices in order) and keep one while its expert has room")
+@CAPACITY.check(points=1, hint="an expert's capacity is its fair share of the assignments times c, rounded up; first "
+                               "come, first served")
 def capacity_first_come(student, rng):
     """capacity factor 1 and 2: c·n·k/E per expert, first come first served"""
     for top_k in (rng.randrange(2, 5), 1):
@@ -346,8 +345,8 @@ def _arriving(rng: random.Random, ep: int, local: int) -> list[list[int]]:
     return [[rng.choice([0, 0, rng.randrange(1, 6)]) for _ in range(local)] for _ in range(ep)]
 
 
-@DISPATCH.check(points=1, hint="order = experts.argsort(stable=True): order[i] is the index of the assignment that "
-                               "goes i-th (rows = tokens[token_of[order]]), not the place assignment i goes to")
+@DISPATCH.check(points=1, hint="a permutation can say where each assignment goes or which assignment comes i-th: the "
+                               "driver expects the latter, stable within an expert")
 def dispatch_order(student, rng):
     """the order: assignments sorted by expert, token order kept within each expert"""
     for ep, local in ((2, 2), (rng.randrange(2, 5), rng.randrange(2, 4)), (rng.randrange(3, 9), 1)):
@@ -355,9 +354,8 @@ def dispatch_order(student, rng):
         _expect_dispatch(student, experts, ep * local, ep, what, ("order",))
 
 
-@DISPATCH.check(points=2, hint="counts = torch.bincount(experts, minlength=n_experts): experts nobody chose count 0 "
-                               "too; rank j holds experts j·local ... (j+1)·local − 1, so send_splits = "
-                               "counts.view(ep, local).sum(dim=1)")
+@DISPATCH.check(points=2, hint="experts nobody chose still count (0); a rank's send split is the rows for all the "
+                               "experts that one rank holds")
 def dispatch_counts_and_send_splits(student, rng):
     """counts per expert (0 for experts no token chose) and the rows for each EP rank's block of experts"""
     for ep, local in ((2, 2), (rng.randrange(2, 5), rng.randrange(2, 4)), (rng.randrange(3, 9), rng.randrange(2, 5))):
@@ -365,9 +363,8 @@ def dispatch_counts_and_send_splits(student, rng):
         _expect_dispatch(student, experts, ep * local, ep, what, ("counts", "send_splits"))
 
 
-@DISPATCH.check(points=2, hint="rows arrive from rank 0 first (its rows for local expert 0, then 1, ...), then from "
-                               "rank 1 ...: block s·local + j holds arriving[s][j] rows; regroup lists, for each "
-                               "local expert j, its blocks from rank 0, 1, ... in turn")
+@DISPATCH.check(points=2, hint="rows arrive grouped by source rank, then by expert; the experts need them grouped by "
+                               "expert")
 def receive_splits_and_regroup(student, rng):
     """the receive side: rows from each rank, regrouped by local expert, then by source rank"""
     for ep, local in ((2, 2), (rng.randrange(3, 7), rng.randrange(2, 5)), (rng.randrange(2, 5), 3)):
@@ -482,9 +479,8 @@ def _expect_ep(student, rng: random.Random, world: int, local: int, top_k: int, 
                         f"{call}: rank {rank}'s output (the MoE layer on its {len(reference['out'][rank])} tokens)")
 
 
-@EP.check(points=2, hint="count rows per rank, exchange the counts (all_to_all_single of counts.view(ep, local)), "
-                         "dispatch tokens[token_of[order]], run each local expert on its rows, send them back, and "
-                         "add weight · row into token token_of[order[i]] — the sorted order, undone")
+@EP.check(points=2, hint="a rank cannot receive rows before it knows how many come: the counts travel first; and the "
+                         "combine must undo the dispatch's order")
 def ep_two_ranks(student, rng):
     """2 ranks of 2 experts: every rank's output equals the whole layer on its tokens"""
     _expect_ep(student, rng, 2, 2, 2, "softmax", skewed=False)
@@ -615,9 +611,8 @@ def ep_backward_two_ranks(student, rng):
     _expect_ep_backward(student, rng, 2, 1, 2, 2, "softmax", skewed=False)
 
 
-@EP_BACKWARD.check(points=4, hint="with dp replicas of every expert, its gradient after backward sums only its own "
-                                  "EP group's tokens: all-reduce it over the expert group (ranks e, e + ep, ...) and "
-                                  "divide by ep·dp, the number of ranks whose losses the global mean averages")
+@EP_BACKWARD.check(points=4, hint="with dp replicas of every expert, each replica's gradient saw only its own EP "
+                                  "group's tokens: the replicas must agree on the mean over the whole batch")
 def ep_backward_ep_times_dp(student, rng):
     """4 ranks, ep=2 × dp=2, imbalanced routing: every rank's gradients after the sync equal the global mean's"""
     _expect_ep_backward(student, rng, 2, 2, 2, 2, "softmax", skewed=True)
@@ -651,8 +646,8 @@ def _layer(rng: random.Random) -> tuple[int, int, int, int]:
     return rng.randrange(512, 16385), rng.randrange(1, 9), rng.randrange(1024, 8193), rng.randrange(256, 4097)
 
 
-@PROBLEMS.check(points=1, hint="dispatch and combine forward, their gradients backward: 4 all-to-alls, each "
-                               "sending (ep − 1)/ep of the tokens·top_k rows of d_model values")
+@PROBLEMS.check(points=1, hint="count the all-to-alls of a training step and the share of the rows that leaves the "
+                               "rank in each")
 def p1_all_to_all_bytes(student, rng):
     """P1 — the bytes one rank sends over all-to-alls per MoE layer, forward and backward"""
     from lab.calc.moe import expected_all_to_all_bytes
@@ -666,8 +661,8 @@ def p1_all_to_all_bytes(student, rng):
                      [NO_BACKWARD, *_crossing(ep)])
 
 
-@PROBLEMS.check(points=1, hint="a SwiGLU expert has 3·d·f weights; forward and backward cost 6 FLOPs per weight "
-                               "and row, and there are tokens·top_k rows")
+@PROBLEMS.check(points=1, hint="count an expert's weights, the training FLOPs per weight and row, and the rows the "
+                               "experts see")
 def p2_routed_flops(student, rng):
     """P2 — the routed experts' training FLOPs per layer: 6 · tokens·top_k · 3·d·f"""
     from lab.calc.moe import routed_expert_flops
@@ -682,8 +677,8 @@ def p2_routed_flops(student, rng):
                       Mistake(2 / 3, "2·d·f weights", "a SwiGLU expert has three matrices: w1, w3 and w2")])
 
 
-@PROBLEMS.check(points=1, hint="a token skips the n_experts − top_k routed experts it was not sent to, in every MoE "
-                               "layer: subtract their 3·d·f parameters each from the total")
+@PROBLEMS.check(points=1, hint="a token's active parameters leave out the routed experts it was not sent to, in "
+                               "every MoE layer")
 def p3_active_params(student, rng):
     """P3 — active parameters: the total less the routed experts a token skips"""
     from lab.calc.moe import active_params
@@ -698,9 +693,7 @@ def p3_active_params(student, rng):
                      f"active_params({total}, {moe_layers}, {n_experts}, {top_k}, {d_model}, {d_ff})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="capacity = ceil(c · tokens·top_k / n_experts) per expert; the hot expert gets "
-                               "hot_share of the tokens·top_k assignments, each other one an equal part of the rest; "
-                               "an expert drops what exceeds its capacity")
+@PROBLEMS.check(points=1, hint="compute each expert's load and its capacity; what exceeds the capacity is dropped")
 def p4_dropped(student, rng):
     """P4 — capacity factor and a skewed router: the assignments dropped"""
     from lab.calc.moe import dropped_assignments
@@ -713,8 +706,8 @@ def p4_dropped(student, rng):
                      f"dropped_assignments({tokens}, {top_k}, {n_experts}, {factor}, {hot_share:.6g})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="n_experts/ep experts per MoE layer on a GPU, 3·d·f parameters each, bytes_per_param "
-                               "each; GiB = 2**30 bytes (1 GB = 1e9)")
+@PROBLEMS.check(points=1, hint="count the experts a GPU holds per MoE layer and their bytes; GiB = 2**30 bytes (1 GB "
+                               "= 1e9)")
 def p5_expert_memory(student, rng):
     """P5 — the experts' memory per GPU at expert parallelism ep, in GiB"""
     from lab.calc.moe import expert_bytes_per_gpu
@@ -746,8 +739,7 @@ def p6_rows_per_expert(student, rng):
                                               "own")])
 
 
-@PROBLEMS.check(points=1, hint="one all-to-all: each rank sends (ep − 1)/ep of its tokens·top_k·d_model·bytes to "
-                               "the others, at bandwidth GB/s = 1e9 bytes/s")
+@PROBLEMS.check(points=1, hint="the bytes a rank sends in one all-to-all, over its bandwidth (GB/s = 1e9 bytes/s)")
 def p7_dispatch_time(student, rng):
     """P7 — one dispatch all-to-all's time at a given bandwidth"""
     from lab.calc.comms import collective_time
@@ -763,8 +755,7 @@ def p7_dispatch_time(student, rng):
                      _crossing(ep))
 
 
-@PROBLEMS.check(points=1, hint="4 all-to-alls of (ep − 1)/ep·tokens·top_k·d·2 bytes at the bandwidth, over "
-                               "6·tokens·top_k·3·d·f FLOPs at the GPU's rate: the tokens cancel")
+@PROBLEMS.check(points=1, hint="compare the step's all-to-all time with its expert compute time: the tokens cancel")
 def p8_comm_compute(student, rng):
     """P8 — EP's comm/compute ratio per layer (bf16, latency left out)"""
     from lab.calc.moe import comm_compute_ratio_on
@@ -779,8 +770,8 @@ def p8_comm_compute(student, rng):
                                                                                  "row: forward 2, backward 4")])
 
 
-@PROBLEMS.check(points=1, hint="the ratio grows with ep: 4·(ep − 1)·(α + rows_time/ep) against the experts' compute "
-                               "time; step ep up from 2 until the all-to-alls take at least as long (α in µs: 1e-6 s)")
+@PROBLEMS.check(points=1, hint="the communication share grows with ep: find the first ep where the all-to-alls take "
+                               "at least as long as the experts (α in µs: 1e-6 s)")
 def p9_ep_where_comm_dominates(student, rng):
     """P9 — the EP degree beyond which the all-to-alls outlast the experts' compute"""
     from lab.calc.moe import comm_compute_ratio_on, ep_where_comm_dominates

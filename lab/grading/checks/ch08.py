@@ -76,8 +76,7 @@ def _expect_coords(student, sizes: dict, order: tuple, ranks: list[int]) -> None
                  f"{call}: each rank's coordinates, in the order {order}")
 
 
-@MESH.check(points=1, hint="the last axis of `order` varies fastest: peel the coordinates off with divmod, from the "
-                           "last axis to the first (tp first in lab's order)")
+@MESH.check(points=1, hint="the last axis of `order` varies fastest, like the digits of a number")
 def coords_lab_order(student, rng):
     """lab's order (dp, pp, cp, tp): each rank's coordinates, as lab.distributed.layout lays them out"""
     from lab.distributed import layout
@@ -90,8 +89,7 @@ def coords_lab_order(student, rng):
         _expect_coords(student, sizes, AXES, ranks)
 
 
-@MESH.check(points=1, hint="nothing may assume lab's order: the grid is arange(world).view(*[sizes[a] for a in "
-                           "order]), whatever order the axes come in")
+@MESH.check(points=1, hint="nothing may assume lab's order: the axes may come in any order")
 def coords_any_order(student, rng):
     """other axis orders (Megatron's pp outermost, random ones): coordinates, and the rank back from them"""
     for order in (("pp", "dp", "cp", "tp"), tuple(rng.sample(AXES, 4)), tuple(rng.sample(AXES, 4))):
@@ -104,8 +102,7 @@ def coords_any_order(student, rng):
         expect_equal(got.get("ranks"), ranks, f"{call}: the rank at each coordinate")
 
 
-@MESH.check(points=1, hint="a group along `axis` keeps every other coordinate of the rank and runs `axis`'s "
-                           "coordinate from 0 to sizes[axis] - 1: rank_of for each")
+@MESH.check(points=1, hint="a group along an axis shares every other coordinate with the rank")
 def groups_along_an_axis(student, rng):
     """the group along each axis, by coordinate: lab.distributed.axis_groups for lab's order, the grid's lines for others"""  # noqa: E501 - the check's name
     for order in (AXES, tuple(rng.sample(AXES, 4))):
@@ -194,8 +191,8 @@ def dp_cp_groups(student, rng):
         _expect_groups(student, rng, sizes, 1, ("dense_grads", "zero3_params"))
 
 
-@GROUP.check(points=1, hint="number the dp x cp ranks d·cp + c; EP groups are consecutive runs of ep of them, "
-                            "ep_dp groups take the same place in every run (flat[position % ep::ep])")
+@GROUP.check(points=1, hint="EP groups and ep_dp groups cut the dp × cp ranks in two different ways: the statement "
+                            "says how they are numbered")
 def expert_groups(student, rng):
     """experts: tokens over the ep group (consecutive dp × cp ranks), gradients over ep_dp"""
     for _ in range(2):
@@ -249,16 +246,16 @@ def _layout(**degrees: int) -> ParallelConfig:
     return ParallelConfig(grad_accum=degrees.get("pp", 1), **degrees)
 
 
-@MEMORY.check(points=1, hint="mixed precision: 2 bytes per weight, 2 per gradient, 12 for the optimizer (fp32 "
-                             "master weights and Adam's two moments); a tied output layer is the embedding")
+@MEMORY.check(points=1, hint="count mixed precision's bytes per parameter for each kind of state; a tied output "
+                             "layer is not a second matrix")
 def memory_one_gpu(student, rng):
     """no parallelism: 2 + 2 + 12 bytes per parameter, tied and untied embeddings"""
     for tied in (False, True):
         _expect_memory(student, random_model(rng, 1, 1, tied), ParallelConfig(), 0)
 
 
-@MEMORY.check(points=1, hint="TP splits Q, the output projection, the FFN, the embedding and the output layer by tp; "
-                             "each rank holds max(n_kv_heads // tp, 1) K/V heads; the norms stay whole on every rank")
+@MEMORY.check(points=1, hint="TP splits most matrices by tp, but not the norms, and a rank never holds a fraction of "
+                             "a KV head")
 def memory_tensor_parallel(student, rng):
     """tensor parallelism: matrices split, norms replicated, K/V heads replicated beyond n_kv_heads ranks"""
     for tp in (rng.choice([2, 4]), rng.choice([8, 16])):
@@ -268,8 +265,8 @@ def memory_tensor_parallel(student, rng):
         _expect_memory(student, model, _layout(tp=tp), 0)
 
 
-@MEMORY.check(points=1, hint="stage s holds layers [s·L/pp, (s+1)·L/pp); stage 0 also the embedding, the last stage "
-                             "the final norm and its own output layer (tied or not, once pp > 1)")
+@MEMORY.check(points=1, hint="the first and the last stage hold more than their layers: which extra weights sit "
+                             "where?")
 def memory_pipeline_stages(student, rng):
     """pipeline stages: the first holds the embedding, the last the final norm and the output layer"""
     for tied in (False, True):
@@ -279,9 +276,8 @@ def memory_pipeline_stages(student, rng):
             _expect_memory(student, model, _layout(pp=pp, tp=tp), stage)
 
 
-@MEMORY.check(points=1, hint="ZeRO shards over the dp·cp ranks that hold the same weights — CP ranks do too; "
-                             "stage 1 the optimizer, 2 also the gradients, 3 also the weights; each unit (a block, "
-                             "the root) is padded on its own: ceil(unit / (dp·cp)) per unit")
+@MEMORY.check(points=1, hint="ZeRO shards over every rank that holds the same weights (CP ranks do too), unit by "
+                             "unit, each padded on its own")
 def memory_zero(student, rng):
     """ZeRO-1/2/3 over the dp × cp ranks, each unit's shard rounded up"""
     for zero in (1, 2, 3):
@@ -329,9 +325,8 @@ def _expect_budget(student, *args: int) -> None:
     expect_equal(got.get("layouts"), budget_reference(*args), f"{call}: every [dp, mbs, grad_accum], by mbs")
 
 
-@BUDGET.check(points=1, hint="gbs / seq sequences are shared by dp = gpus / (tp·pp·cp) replicas; each runs "
-                             "grad_accum micro-batches of mbs sequences: list every mbs ≤ max_mbs that divides a "
-                             "replica's share")
+@BUDGET.check(points=1, hint="the global batch, in sequences, is shared by the data-parallel replicas; each "
+                             "replica's share must split into whole micro-batches")
 def budget_playbook_example(student, rng):
     """the playbook's example (1 M tokens, seq 4096, 8 GPUs, pp 4) and random clusters with tp and cp"""
     _expect_budget(student, 2**20, 4096, 8, 1, 4, 1, rng.choice([4, 8, 16]))
@@ -546,8 +541,7 @@ def _call(args: tuple) -> str:
     return ", ".join(map(repr, args))
 
 
-@BEST.check(points=1, hint="search(...).candidates is ranked best first: take candidates[0], its parallel config's "
-                           "fields, its mbs and grad_accum")
+@BEST.check(points=1, hint="the search's candidates are ranked: read the fields of the best one")
 def best_is_the_first_candidate(student, rng):
     """the best layout: the search's first candidate (degrees, ZeRO, schedule, recompute, mbs, grad_accum)"""
     for _ in range(2):
@@ -568,8 +562,8 @@ def _expect_reasons(student, args: tuple, families: list[str], expected: list[st
         raise CheckFailed(f"{call} returned {got.get('reasons')}, expected {expected} ({what})")
 
 
-@BEST.check(points=1, hint="a family with no candidate left was rejected: result.rejected[family].main_reason()[0] "
-                           "names why (memory, batch, unsupported or shape) — the reason, not its message")
+@BEST.check(points=1, hint="a family with no candidate left was rejected: the search records why, as a reason and a "
+                           "message; the answer is the reason")
 def why_not_a_rejected_family(student, rng):
     """why not a family the search rejected: the reason that stops its layouts closest to running"""
     for _ in range(10):

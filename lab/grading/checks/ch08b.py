@@ -88,8 +88,8 @@ def rows_to_columns(student, rng):
         _expect_reads(student, random_shape(rng, save_tp, load_tp), save, load, list(range(load_tp)))
 
 
-@RESHARD.check(points=1, hint="ranks are numbered rank = dp_coordinate · tp + tp_coordinate (tp fastest): a rank's "
-                              "slice is rank % tp, and the dp replicas of slice t wrote it once, from rank t")
+@RESHARD.check(points=1, hint="tp varies fastest in the rank numbering; the dp replicas of a slice wrote it once, "
+                              "from the first of them")
 def dp_replicas_written_once(student, rng):
     """dp replicas: a rank holds slice rank % tp, read from the lowest saved rank that held each slice"""
     for _ in range(3):
@@ -122,15 +122,15 @@ def random_run(rng: random.Random) -> tuple[float, int, float]:
     return save_s, gpus, rng.uniform(1, 10) * 365 * 86400
 
 
-@INTERVAL.check(points=1, hint="any of the N GPUs stops a synchronous job: the job's MTBF is the GPU's divided by "
-                               "N; Young's interval is sqrt(2 · save time · the job's MTBF)")
+@INTERVAL.check(points=1, hint="any of the N GPUs stops a synchronous job, so the job fails more often than one GPU; "
+                               "Young's interval balances saving against redoing")
 def young_interval_of_a_cluster(student, rng):
     """Young's interval sqrt(2·C·M), with the job's MTBF M = the GPU's MTBF / the number of GPUs"""
     for _ in range(5):
         save_s, gpus, gpu_mtbf_s = random_run(rng)
         expected = young_interval(save_s, job_mtbf(gpus, gpu_mtbf_s))
-        mistakes = (Mistake(1 / math.sqrt(2), "1/sqrt(2)", "the interval is sqrt(2·C·M): the factor 2 comes from "
-                                                           "losing half an interval on average"),
+        mistakes = (Mistake(1 / math.sqrt(2), "1/sqrt(2)", "check Young's interval's constant: a failure loses half "
+                                                           "an interval on average"),
                     Mistake(math.sqrt(gpus), "sqrt(gpus)", "the job fails N times as often as one GPU: divide the "
                                                            "GPU's MTBF by the number of GPUs"))
         call = f"checkpoint_interval(save_s={save_s!r}, gpus={gpus}, gpu_mtbf_s={gpu_mtbf_s!r})"
@@ -138,8 +138,8 @@ def young_interval_of_a_cluster(student, rng):
         expect_number(got, expected, call, tol=1e-6, mistakes=mistakes)
 
 
-@INTERVAL.check(points=1, hint="per second of work: C/τ spent saving, and τ/(2M) redone — a failure strikes on average "
-                               "half-way through an interval, and one comes every M seconds")
+@INTERVAL.check(points=1, hint="the waste has two parts: time spent saving, and work redone after a failure (which "
+                               "strikes on average half-way through an interval)")
 def waste_at_an_interval(student, rng):
     """the expected waste C/τ + τ/(2M) at intervals around, below and above the optimum"""
     for factor in (1.0, rng.uniform(0.05, 0.5), rng.uniform(2, 20)):

@@ -89,8 +89,7 @@ def expect_dequantized(got, fp8: list, scale, what: str) -> None:
 
 def _inverted(amax: float, top: float) -> Mistake:
     return Mistake(amax * amax / (top * top), "amax/max instead of max/amax",
-                   "the scale maps the largest |x| onto the format's max: scale = max / amax, and x·scale is what "
-                   "is cast (amax / max is the dequantisation factor, 1/scale)")
+                   "the scale was inverted: it maps the largest |x| onto the format's max")
 
 
 # --- 10.quantize_tensorwise ------------------------------------------------------------------------------------
@@ -123,18 +122,17 @@ def _shape(rng: random.Random) -> tuple[int, ...]:
     return tuple(rng.randrange(1, 9) for _ in range(rng.randrange(1, 4)))
 
 
-@QUANTIZE.check(points=2, hint="scale = max / amax with max = torch.finfo(dtype).max (448 for e4m3, 57344 for e5m2) "
-                               "and amax = |x|.max(): the largest value lands on the format's max; cast x * scale, "
-                               "and dequantise by dividing by the scale")
+@QUANTIZE.check(points=2, hint="the scale must map the tensor's largest magnitude onto the format's largest value; "
+                               "dequantising undoes it")
 def quantize_current_scale(student, rng):
     """a per-tensor scale max/amax: the fp8 values nearest x·scale, and back (e4m3 and e5m2)"""
     for fmt in ("e4m3", "e5m2", "e4m3"):
         _expect_quantize(student, rng, _shape(rng), 10 ** rng.uniform(-4, 4), fmt)
 
 
-@QUANTIZE.check(points=1, hint="clamp x * scale to [-max, max] before the cast: a scale chosen from another "
-                               "tensor's amax (delayed scaling) overflows some values, and the cast does not "
-                               "saturate for you (e5m2 gives ±inf; e4m3fn has no inf at all)")
+@QUANTIZE.check(points=1, hint="a scale chosen from another tensor's amax (delayed scaling) can push values past the "
+                               "format's range, and the cast does not saturate for you (e5m2 gives ±inf; e4m3fn has "
+                               "no inf at all)")
 def quantize_saturates(student, rng):
     """a given scale that overflows some values: they saturate at ±max, never inf or NaN"""
     for fmt in ("e5m2", "e4m3"):
@@ -143,8 +141,8 @@ def quantize_saturates(student, rng):
                          given=FORMATS[fmt][1] / amax * rng.uniform(3.0, 8.0))
 
 
-@QUANTIZE.check(points=1, hint="an all-zero tensor has amax = 0: max / 0 is inf and 0 * inf is NaN. Use scale = 1 "
-                               "where amax == 0 (torch.where(amax > 0, max / amax, 1.0))")
+@QUANTIZE.check(points=1, hint="an all-zero tensor has amax = 0: what does your scale become, and what does 0 times "
+                               "it give?")
 def quantize_all_zeros(student, rng):
     """an all-zero tensor: scale 1, zeros back (no inf, no NaN)"""
     for fmt in ("e4m3", "e5m2"):
@@ -209,8 +207,8 @@ def _expect_trajectory(student, found_infs: list[bool], init_scale: float, growt
                           f"{preview(skipped)} (the steps with an inf/nan gradient)")
 
 
-@LOSS_SCALE.check(points=2, hint="count clean steps in the tracker; when it reaches growth_interval, multiply the "
-                                 "scale by growth_factor and set the tracker back to 0 (a growth starts a new count)")
+@LOSS_SCALE.check(points=2, hint="the scale grows after growth_interval clean steps in a row, and a growth starts a "
+                                 "new count")
 def loss_scale_growth(student, rng):
     """clean steps: the scale grows by growth_factor every growth_interval steps, the tracker restarts"""
     interval = rng.randrange(2, 7)
@@ -218,8 +216,7 @@ def loss_scale_growth(student, rng):
                        2.0, 0.5, interval)
 
 
-@LOSS_SCALE.check(points=2, hint="an inf/nan step: the optimizer step is skipped, the scale is multiplied by "
-                                 "backoff_factor and the tracker set to 0 — the count of clean steps starts again")
+@LOSS_SCALE.check(points=2, hint="an inf/nan step backs the scale off and restarts the count of clean steps")
 def loss_scale_backoff(student, rng):
     """an inf/nan step: back-off, the tracker restarts, the step is skipped"""
     interval = rng.randrange(2, 6)
@@ -277,10 +274,8 @@ def _expect_delayed(student, rng: random.Random, amaxes: list[float], length: in
                    hint)
 
 
-@DELAYED.check(points=2, hint="the scale of step t comes from the amaxes of steps t-length ... t-1 only: take the "
-                              "scale from the history first (from x's own amax only while the history is empty), "
-                              "quantise, and only then push this step's amax, dropping the oldest once the history "
-                              "holds `length`")
+@DELAYED.check(points=2, hint="delayed scaling uses only the steps before this one: mind the order of reading the "
+                              "history, quantising, and recording this step's amax")
 def delayed_history(student, rng):
     """the scale of step t comes from the amaxes of the `length` steps before it (the first: its own amax)"""
     length = rng.randrange(2, 5)
@@ -337,18 +332,15 @@ def _expect_tilewise(student, rng: random.Random, rows: int, cols: int, zero_til
                        f"{what}: the dequantised values (each fp8 value / its tile's scale)")
 
 
-@TILEWISE.check(points=3, hint="view each row as (n_tiles, 128) and take the amax over the last axis — the 128 "
-                               "values of one row's tile — keeping that axis (keepdim=True) so the scales "
-                               "broadcast back over their tiles; dequantising repeats each scale 128 times in a row "
-                               "(repeat_interleave), not the whole row of scales 128 times")
+@TILEWISE.check(points=3, hint="one scale per 128 consecutive values of a row: check that each amax covers one tile "
+                               "of one row, and that dequantising pairs every value with its own tile's scale")
 def tilewise_whole_tiles(student, rng):
     """rows of whole 1×128 tiles: one scale per tile, the fp8 values and back"""
     _expect_tilewise(student, rng, rng.randrange(2, 7), TILE * rng.randrange(2, 4))
 
 
-@TILEWISE.check(points=2, hint="a row of cols values has ceil(cols / 128) tiles, the last one narrower: pad the "
-                               "row with zeros to a whole number of tiles (a zero changes no amax) and cut the "
-                               "padding off the result")
+@TILEWISE.check(points=2, hint="when 128 does not divide the row, the last tile is narrower: it still gets its own "
+                               "scale")
 def tilewise_ragged_tile(student, rng):
     """a ragged last tile (cols not a multiple of 128), one row, and an all-zero tile (scale 1)"""
     _expect_tilewise(student, rng, rng.randrange(2, 6), TILE * rng.randrange(1, 3) + rng.randrange(1, TILE),

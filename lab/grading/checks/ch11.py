@@ -87,18 +87,17 @@ def _expect_kv_cache(student, rng: random.Random, chunks: list[int], heads: int,
         cache.length += chunks[i]
 
 
-@KV_CACHE.check(points=2, hint="write k and v at [length, length + T) of the cache's position axis (dim 2) and "
-                               "return cache[:, :, :length + T]; a decode step's one query sits at position "
-                               "length and sees every key: its mask row is all True")
+@KV_CACHE.check(points=2, hint="the chunk's keys and values go right after the ones already cached, and attention "
+                               "must see everything cached so far; a decode step's single query sees every key")
 def kv_prefill_then_decode(student, rng):
     """a prefill, then single-token decodes: k, v written at [length, length + T), positions [0, length + T) back"""
     heads = rng.choice((2, 4))
     _expect_kv_cache(student, rng, [rng.randrange(3, 7)] + [1] * rng.randrange(3, 5), heads, heads)
 
 
-@KV_CACHE.check(points=1, hint="query i of a chunk of T at offset S - T sits at absolute position S - T + i and sees "
-                               "keys 0 .. S - T + i: the causal mask is aligned to the bottom right, not the top "
-                               "left (is_causal=True assumes T == S)")
+@KV_CACHE.check(points=1, hint="the chunk's queries come after the cached keys: the causal rule compares absolute "
+                               "positions, not indices within the chunk (is_causal=True assumes as many queries as "
+                               "keys)")
 def kv_chunked_prefill(student, rng):
     """chunks of several queries at an offset (GQA): query i sees the keys up to its own absolute position"""
     kv_heads = rng.choice((1, 2))
@@ -203,10 +202,8 @@ def _shared_ops(rng: random.Random, block_size: int) -> list[list]:
             ["free", "B"], ["alloc", "E", rng.randrange(1, 2 * bs), None, 0], ["free", "C"], ["free", "D"]]
 
 
-@BLOCKS.check(points=2, hint="a shared block is used by several sequences: allocate adds 1 to its reference "
-                             "count, free subtracts 1, and only a block whose count reaches 0 goes back to "
-                             "free_ids — freeing one that another sequence still reads would let its K/V be "
-                             "overwritten")
+@BLOCKS.check(points=2, hint="a shared block is read by several sequences: it may only return to the free list when "
+                             "no sequence uses it any more")
 def blocks_shared_prefix(student, rng):
     """sequences sharing a prefix: shared blocks counted per user, freed only when their last user is done"""
     block_size = rng.choice((2, 4, 8))
@@ -230,9 +227,8 @@ def blocks_full_pool(student, rng):
     _expect_blocks(student, n, bs, ops, sharing=False)
 
 
-@BLOCKS.check(points=2, hint="position p lives in block block_table[p // block_size], at offset p % block_size "
-                             "in it: slot = block_table[p // block_size] * block_size + p % block_size, for p in "
-                             "range(start, end)")
+@BLOCKS.check(points=2, hint="a position's slot is found through the block table: which entry, and where inside that "
+                             "block?")
 def blocks_slot_mapping(student, rng):
     """slot mapping: position p of a sequence in slot block_table[p // bs] · bs + p % bs of the pool"""
     from lab.inference.block_manager import BlockManager
@@ -293,9 +289,8 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return rng.sample(range(100), n)
 
 
-@BATCHING.check(points=2, hint="running sequences first, in order, each taking min(tokens left, budget left) — a "
-                               "decode is 1 token and must never wait behind a prompt; then waiting prompts in "
-                               "arrival order, the last one cut to what the budget has left")
+@BATCHING.check(points=2, hint="running sequences come before waiting prompts (a decode must never wait behind a "
+                               "prompt), and the token budget is shared in that order")
 def batching_chunked(student, rng):
     """chunked prefill: running sequences first, then waiting prompts FCFS, cut to the token budget"""
     for _ in range(4):
@@ -365,9 +360,8 @@ def expect_distribution(counts, probs: list[float], what: str) -> None:
                               f"{n * p:.0f} ± {sd:.0f} were due")
 
 
-@SPECULATIVE.check(points=1, hint="greedy rows are one-hot: a proposal is accepted exactly when it is the target's "
-                                  "argmax (p(x)/q(x) is 1 or 0); at the first rejection the residual is one-hot at "
-                                  "the target's argmax; when all k are accepted the bonus comes from target_probs[k]")
+@SPECULATIVE.check(points=1, hint="with one-hot rows the acceptance rule becomes deterministic: check what it "
+                                  "accepts, what follows a rejection, and where the bonus token comes from")
 def speculative_greedy(student, rng):
     """one-hot rows (greedy): accept while the draft agrees with the target, then the target's token, or the bonus"""
     import torch
@@ -393,9 +387,8 @@ def speculative_greedy(student, rng):
                               f"expected tokens {tokens}, accepted {accepted}")
 
 
-@SPECULATIVE.check(points=1, hint="the residual is max(0, p - q) divided by its sum, so that it is a distribution: "
-                                  "after a rejection the token must come from where the target wants more than the "
-                                  "draft offered, in proportion")
+@SPECULATIVE.check(points=1, hint="after a rejection the token must come from where the target wants more than the "
+                                  "draft offered, as a proper distribution")
 def speculative_residual(student, rng):
     """the residual after a rejection: max(0, p − q), renormalised to sum to 1"""
     for _ in range(3):
@@ -421,10 +414,9 @@ def _spec_case(rng: random.Random, vocab: int, k: int) -> tuple[list, list]:
             return q, p
 
 
-@SPECULATIVE.check(points=3, hint="accept x with probability min(1, p(x) / q(x)) (one uniform draw against that "
-                                  "ratio); at the first rejection draw from the renormalised residual and stop; if all "
-                                  "k are accepted draw one bonus token from target_probs[k] — the target's, never the "
-                                  "draft's. Then every token follows the target's distribution")
+@SPECULATIVE.check(points=3, hint="the output must follow the target's distribution: check the acceptance "
+                                  "probability, what is drawn after the first rejection, and which distribution the "
+                                  "bonus token comes from")
 def speculative_distribution(student, rng):
     """over many seeded rounds: the first token follows p, the count accepted Σ min(p, q), the bonus p's last row"""
     vocab, k, rounds = rng.randrange(4, 7), 2, 6000
@@ -442,8 +434,8 @@ def speculative_distribution(student, rng):
 # --- 11.decode_latency -----------------------------------------------------------------------------------------
 
 LATENCY = exercise("11.decode_latency", entry=("kv_bytes_per_token", "decode_step_time", "critical_batch"))
-_K_AND_V = Mistake(0.5, "only K or only V", "each layer caches a key AND a value per KV head: 2 · n_layers · "
-                                            "n_kv_heads · head_dim · bytes per token")
+_K_AND_V = Mistake(0.5, "only K or only V", "count what one token leaves in the cache in every layer: keys and "
+                                            "values, for the KV heads")
 
 
 def random_model(rng: random.Random) -> ModelConfig:
@@ -480,8 +472,7 @@ def _call(what: str, fn, *args):
         raise explain(error, what, "a number") from None
 
 
-@LATENCY.check(points=1, hint="a key and a value per KV head and layer: 2 · n_layers · n_kv_heads · head_dim · "
-                              "kv_bytes — n_kv_heads, not n_heads (GQA shares each K/V head among several queries)")
+@LATENCY.check(points=1, hint="under GQA the cache holds the KV heads, not the query heads")
 def latency_kv_per_token(student, rng):
     """KV bytes per token: a key and a value per KV head and layer (GQA), in bf16 and in int8"""
     for kv_bytes in (2, 1):
@@ -491,9 +482,8 @@ def latency_kv_per_token(student, rng):
                      kv_bytes_per_token(cfg, kv_bytes), what, mistakes=[_K_AND_V])
 
 
-@LATENCY.check(points=2, hint="a decode step reads every weight once (n_params · weight_bytes) and every "
-                              "sequence's whole KV cache (batch · context · KV bytes per token): their sum over the "
-                              "HBM bandwidth is the least time the step can take")
+@LATENCY.check(points=2, hint="a decode step is memory-bound: count every byte it must read from HBM, weights and "
+                              "caches")
 def latency_decode_step(student, rng):
     """the memory-bound decode step: weights plus every sequence's KV cache over HBM bandwidth (random model, chip)"""
     for weight_bytes, kv_bytes in ((2, 2), (1, 1), (2, 1)):
@@ -511,9 +501,8 @@ def latency_decode_step(student, rng):
                                Mistake(share + (1 - share) / 2, "half the KV cache", _K_AND_V.hint)])
 
 
-@LATENCY.check(points=1, hint="2 FLOPs per weight per sequence against weight_bytes read per weight: the matmuls "
-                              "turn compute-bound when 2·B / weight_bytes exceeds peak / bandwidth, so "
-                              "B_crit = peak / bandwidth · weight_bytes / 2")
+@LATENCY.check(points=1, hint="the batch at which the FLOPs per byte read reach the chip's ridge point (peak over "
+                              "bandwidth)")
 def latency_critical_batch(student, rng):
     """the critical batch: the chip's ridge × weight bytes / 2, for bf16 and int8 weights"""
     for weight_bytes in (2, 1):

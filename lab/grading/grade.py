@@ -1,18 +1,22 @@
 """`python -m lab grade`: grade a class's notebooks, every exercise in its own sandbox.
 
-    python -m lab grade submissions/ --out grades.csv --feedback-dir feedback/ --jobs 4
+    python -m lab grade submissions/ --out grades.csv --totals totals.csv --feedback-dir feedback/ --jobs 4
     python -m lab grade submissions/ --assignment A1 --out grades.csv --submission-times times.csv
     python -m lab grade /autograder/submission --results-json /autograder/results/results.json   (Gradescope)
 
-A SUBMISSION is a notebook or a folder of them (searched recursively), one per student. The student id comes
+A SUBMISSION is a notebook or a folder of them (searched recursively), one per student and assignment: without
+--assignment each notebook is graded on the assignment its exercises belong to (a course at once, a row per
+student and assignment, --totals per student). With --results-json (Gradescope) the one SUBMISSION is a single
+student's: the notebook answering most of the assignment is graded, and results.json is written whatever was
+uploaded (a zero with the reason when there is nothing to grade). The student id comes
 from names the instructor controls, never from the notebook: a notebook given by name is its file name
 (without .ipynb); in a folder, a notebook at the top is its file name and one in a sub-folder is that
 sub-folder's name (submissions/ada/whatever.ipynb is "ada"). Inputs are random, derived from --seed-secret
 (or $LAB_SEED_SECRET, which process listings do not show); without one they are the public inputs learners
 see. A notebook that is broken, lacks a cell, edited a locked cell or whose code misbehaves scores 0 on the
 exercises concerned, with the reason; every other student is still graded. Whatever could make a grade
-wrong (two notebooks of one student, submission times that match nobody, no class secret, no Landlock) is a
-warning on stderr, and an error with --strict.
+wrong (two notebooks of one student for one assignment, submission times that match nobody, no class secret,
+no Landlock) is a warning on stderr, and an error with --strict.
 """
 
 from __future__ import annotations

@@ -1,20 +1,30 @@
 """Run one exercise's checks against a student's cells. This is the only place where points are decided.
 
 Points come from the checks' own verdicts in this process, never from the student's process: the sandbox
-returns plain values, the checks compare them with the reference (`lab.calc`), and a sandbox that dies,
-hangs, forks without end or tampers with its channel voids the whole exercise with one clear reason.
+returns plain values, the checks compare them with the reference (`lab.calc`). A call that stops its sandbox
+(it hangs, crashes, forks without end) fails its check with the function and, for a hang, the line it was
+stopped at; the exercise's other functions are checked on in a fresh sandbox (`Sandboxes`). A cell that fails
+when run, or a sandbox whose channel was tampered with, voids the whole exercise with one clear reason.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lab.grading.checks import CRASH_HINT, CheckFailed, Exercise
-from lab.grading.sandbox import CallError, ExerciseError, Sandbox
+from lab.grading.sandbox import CallError, ExerciseError, Sandbox, SandboxDied
+
+HANG_HINT = "your code did not return: the message names the line it was stopped at — a loop whose condition " \
+            "never changes, a wait for something that never comes, or a lock taken again by the code that holds it"
+STOPPED_HINT = "your code ended the process that ran it (a crash, os._exit, or a limit): the message says which"
+KERNEL_CRASH_HINT = "mask every tl.load and tl.store whose lanes can pass the end of their tensor (mask=cols < " \
+                    "n_cols), and check each address's strides: Triton's interpreter reads and writes raw memory"
+_MEMORY_FAULTS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)  # what a write outside a buffer ends in
 
 
 @dataclass
@@ -69,12 +79,75 @@ def seed(secret: str | None, exercise_id: str, check_name: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
 
 
+class CallStopped(Exception):
+    """A call into the student's code stopped its sandbox: the check fails with `message` and `hint`."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.message, self.hint = message, hint
+
+
+def stopped(name: str, died: SandboxDied, packages: Sequence[str]) -> CallStopped:
+    """What a check says of `name`'s call that stopped the sandbox: for a hang, the function and line it was
+    stopped in; in Triton's interpreter, a memory fault is an access outside a tensor (a lane without a mask)."""
+    if died.timed_out:
+        at = f" — stopped in {died.function} at {died.where.removeprefix('in ')}" if died.where else ""
+        return CallStopped(f"{name}() {died.reason}{at}", HANG_HINT)
+    if died.signal in _MEMORY_FAULTS and "triton" in packages:
+        return CallStopped(f"{name}() crashed the process (killed by {signal.Signals(died.signal).name}): in "
+                           f"Triton's interpreter, a tl.load or tl.store outside its tensor — a lane past the end "
+                           f"without a mask, or a wrong stride", KERNEL_CRASH_HINT)
+    return CallStopped(f"{name}(): {died.reason}", STOPPED_HINT)
+
+
+class Sandboxes:
+    """An exercise's sandbox, started on first use and again after a call stopped it (a hang, a crash, a limit):
+    the stop is that function's verdict, and the checks of the exercise's other functions go on in a fresh
+    sandbox. A function once stopped is not called again: each later call fails at once with the same message,
+    so N checks of a function that hangs cost one timeout, not N — at most one per function, each sandbox with
+    its own `limits.wall_s`."""
+
+    def __init__(self, make: Callable[[], Sandbox], packages: Sequence[str]) -> None:
+        self._make, self._packages = make, tuple(packages)
+        self._box: Sandbox | None = None
+        self._stopped: dict[str, CallStopped] = {}
+        self._printed: list[str] = []
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name in self._stopped:
+            raise self._stopped[name]
+        if self._box is None:
+            box = self._make()
+            try:
+                box.__enter__()  # closes the box when it cannot start: the cell itself fails (ExerciseError)
+            except BaseException:
+                self._printed.append(box.output())
+                raise
+            self._box = box
+        try:
+            return self._box.call(name, *args, **kwargs)
+        except SandboxDied as died:
+            self.close()
+            self._stopped[name] = stopped(name, died, self._packages)
+            raise self._stopped[name] from None
+
+    def close(self) -> None:
+        if self._box is not None:
+            self._box.close()
+            self._printed.append(self._box.output())
+            self._box = None
+
+    def output(self) -> str:
+        """The last 4000 characters the student's code printed, over every sandbox the exercise used."""
+        return "".join(self._printed)[-4000:]
+
+
 class Student:
     """What checks call: `student.fn(*args)` runs the exercise's `fn` in the sandbox and returns plain data;
     `student.ranks(fn, world_size, *args)` runs it on `world_size` ranks (through `lab.distributed.run`) and
     returns one value per rank."""
 
-    def __init__(self, box: Sandbox, entry: Sequence[str]) -> None:
+    def __init__(self, box: Sandboxes, entry: Sequence[str]) -> None:
         self._box, self._entry = box, tuple(entry)
 
     def __getattr__(self, name: str) -> Any:
@@ -121,19 +194,21 @@ def run_exercise(ex: Exercise, parts: Sequence[tuple[str, str]], *, secret: str 
                  wall_s: float = 60.0, protect: Sequence[str] = ()) -> ExerciseResult:
     """Grade `parts` ((label, cell source) in run order: required exercises' cells, then this one's)."""
     checks = [c for c in ex.checks if hidden or not c.hidden]
-    box = Sandbox(parts, entry=ex.entry, modules=ex.modules, packages=ex.packages, limits=ex.limits(wall_s),
-                  protect=protect)
+    box = Sandboxes(lambda: Sandbox(parts, entry=ex.entry, modules=ex.modules, packages=ex.packages,
+                                    limits=ex.limits(wall_s), protect=protect), ex.packages)
     results: list[CheckResult] = []
     stubs_hit: list[str] = []
     try:
-        with box:
-            student = Student(box, ex.entry)
-            for check in checks:
-                results.append(_run_check(ex, check, student, secret, stubs_hit))
+        student = Student(box, ex.entry)
+        for check in checks:
+            results.append(_run_check(ex, check, student, secret, stubs_hit))
     except ExerciseError as error:
+        box.close()
         result = not_graded(ex, error.reason, hidden, error.not_attempted)
         result.output = box.output()
         return result
+    finally:
+        box.close()
     points = sum(c.points for c in results)
     status = _status(results)
     reason = ""
@@ -156,6 +231,8 @@ def _run_check(ex: Exercise, check: Any, student: Student, secret: str | None, s
         check.fn(student, random.Random(seed(secret, ex.id, check.name)))
     except CheckFailed as failure:
         return verdict("failed", str(failure), failure.hint)
+    except CallStopped as stop:  # the check's own hint was written for a wrong answer, not for this
+        return verdict("failed", stop.message, stop.hint)
     except CallError as error:
         if not error.not_attempted:
             return verdict("failed", str(error), CRASH_HINT if error.where else None)

@@ -30,6 +30,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -53,6 +54,7 @@ from lab.grading.confine import (
     rss_bytes,
     system_rules,
 )
+from lab.grading.sandbox_child import STACK_FILE, _qualname
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 ZYGOTE = Path(__file__).with_name("zygote.py")
@@ -96,6 +98,18 @@ class CallError(Exception):
         self.message, self.where, self.not_attempted, self.function = message, where, not_attempted, function
 
 
+class SandboxDied(ExerciseError):
+    """The child is gone: stopped at its deadline, crashed, or killed for a limit. During a call that call's
+    function is to blame, not the exercise (the runner starts a fresh sandbox for the other functions' checks):
+    `timed_out` when the call overran its time, `where` and `function` then name the student's line and function
+    it was stopped in (from the stack the child dumped), and `signal` is what killed it otherwise (0: none)."""
+
+    def __init__(self, reason: str, where: str = "", function: str = "", timed_out: bool = False,
+                 signal_number: int = 0) -> None:
+        super().__init__(reason)
+        self.where, self.function, self.timed_out, self.signal = where, function, timed_out, signal_number
+
+
 # --- the sandbox -----------------------------------------------------------------------------------------
 
 def _encode(value: Any) -> Any:
@@ -125,6 +139,7 @@ class Sandbox:
         self.network_tried: list[str] = []  # what the student's code tried to reach, in vain
         self._buffer, self._ids = b"", itertools.count()
         self._stop = threading.Event()
+        self._allowed = limits.wall_s  # seconds the call in progress may run (the cell's import: the whole budget)
 
     # life cycle
     def start(self) -> None:
@@ -177,11 +192,14 @@ class Sandbox:
     def call(self, fn: str, *args: Any, world_size: int | None = None, deadline_s: float | None = None,
              **kwargs: Any) -> Any:
         """fn(*args, **kwargs) in the child (on `world_size` ranks through lab.distributed.run if given). Ranks
-        still running after `deadline_s` (default: what the sandbox's budget leaves) are stopped and reported."""
+        still running after `deadline_s` (default: what the sandbox's budget leaves) are stopped and reported; a
+        call in the child itself that runs longer than the budget leaves ends the child with a dump of its stack,
+        raised as SandboxDied naming the student's line."""
         request_id = next(self._ids)
         remaining = max(1.0, self.deadline - time.monotonic() - max(2.0, self.limits.wall_s / 5))  # to report
         if deadline_s is not None:
             remaining = min(remaining, deadline_s)
+        self._allowed = remaining
         self._send({"id": request_id, "fn": fn, "args": _encode(list(args)), "kwargs": _encode(kwargs),
                     "world_size": world_size, "timeout_s": remaining})
         answer = self._receive()
@@ -267,22 +285,22 @@ class Sandbox:
             self.proc.stdin.write((json.dumps(message) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            raise ExerciseError(self._death()) from None
+            raise self._died() from None
 
     def _receive(self) -> dict:
         while b"\n" not in self._buffer:
             timeout = self.deadline - time.monotonic()
             ready = select.select([self._read_end], [], [], max(0.0, timeout))[0] if timeout > 0 else []
             if not ready:
-                self._kill(f"did not finish within {self.limits.wall_s:g} s (an endless loop or a hang?)")
-                raise ExerciseError(self._death())
+                self._kill(self._overran())
+                raise self._died()
             chunk = os.read(self._read_end, 1 << 16)
             if not chunk:
-                raise ExerciseError(self._death())
+                raise self._died()
             self._buffer += chunk
             if len(self._buffer) > _MAX_LINE:
                 self._kill("sent more than 1 MiB in one answer")
-                raise ExerciseError(self._death())
+                raise self._died()
         line, self._buffer = self._buffer.split(b"\n", 1)
         try:
             message = json.loads(line)
@@ -305,12 +323,50 @@ class Sandbox:
         cpu_s = self._reap()
         if self.violation:
             return self.violation
+        if self._dump():
+            return self._overran()
         code = self.proc.returncode
         if code in (-signal.SIGXCPU, -signal.SIGKILL) and cpu_s >= self.limits.cpu_s - 0.5:
             return f"used more than {self.limits.cpu_s} s of CPU time"
         if code is not None and code < 0:
             return f"the process crashed (killed by {signal.Signals(-code).name})"
         return f"the process exited (status {code}) before answering: sys.exit, os._exit or a crash in the cell"
+
+    @property
+    def _answer(self) -> Path:
+        return self.root / "lib" / "answer.py"
+
+    def _overran(self) -> str:
+        return f"did not finish within {self._allowed:.0f} s (an endless loop or a deadlock?)"
+
+    def _died(self) -> SandboxDied:
+        """The child's death (see `_death`) with what the grader knows of it: the student's line it was stopped at
+        when it overran its time (the innermost frame of the answer in the thread that ran the call)."""
+        reason, dump = self._death(), self._dump()
+        code = self.proc.returncode or 0
+        frames = []
+        for block in re.split(r"\n(?=\S)", dump):  # one block per thread, most recent call first
+            found = re.findall(r'File "(.*)", line (\d+) in (\S+)', block)
+            if any(path.endswith(CHILD.name) and name == "_call" for path, _, name in found):
+                frames = [(int(line), name) for path, line, name in found if path == str(self._answer)]
+        where, function = "", ""
+        if frames:
+            line, name = frames[0]
+            text = self._answer.read_text(errors="replace").splitlines()[line - 1:line] or [""]
+            function = _qualname(str(self._answer), line, name)
+            where = self._where({"where": [[line, text[0].strip(), function]]}).removeprefix(", ")
+        return SandboxDied(reason, where, function, reason == self._overran(),
+                           -code if code < 0 and not self.violation and not dump else 0)
+
+    def _dump(self) -> str:
+        """What the child's faulthandler wrote when a call overran its time ("Timeout (0:00:08)!" and every
+        thread's stack), else "" (bounded: a student can write there too, and gain nothing by it)."""
+        try:
+            with open(self.root / "work" / STACK_FILE, errors="replace") as f:
+                text = f.read(1 << 16)
+        except OSError:
+            return ""
+        return text if text.startswith("Timeout (") else ""
 
     def _alive(self) -> bool:
         """Whether the child still runs, without reaping it (so that wait4 can still read its CPU time)."""

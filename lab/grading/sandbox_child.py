@@ -23,6 +23,7 @@ one JSON line of plain data. The grader compares those values itself: nothing pr
 
 import ast
 import ctypes
+import faulthandler
 import fcntl
 import json
 import os
@@ -49,6 +50,7 @@ _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _SECCOMP_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
 _MAX_DEPTH = 32
 _ALLOWED: list = []  # the modules and packages this exercise may import, for error messages
+STACK_FILE = "lab-stack.txt"  # in the working directory: where a call that overran its time is dumped
 _NETWORK_TRIED: list = []  # what the student's code tried to reach since the last answer ("connect to host:port")
 
 
@@ -353,7 +355,11 @@ def _failure(error: BaseException, answer: str) -> dict:
             "not_attempted": isinstance(error, NotImplementedError) or stub is not None}
 
 
-def _call(module, request: dict, answer: str) -> dict:
+def _call(module, request: dict, answer: str, stack) -> dict:
+    """One request's answer. A call in this process that is still running after its `timeout_s` dumps every
+    thread's stack to `stack` and ends the process (faulthandler's own thread does it, GIL or not: a lock taken
+    twice or a loop in C still gets its line named); the grader reads the dump. Ranks are not armed:
+    `lab.distributed.run` stops those that hang and says which operation each waits in."""
     fn = getattr(module, request["fn"], None)
     if not callable(fn):
         return {"error": f"NameError: {request['fn']} is not defined by the exercise cell (was it renamed?)",
@@ -366,7 +372,11 @@ def _call(module, request: dict, answer: str) -> dict:
             value = run(fn, request["world_size"], *args, timeout_s=request["timeout_s"],
                         pg_timeout_s=max(1.0, request["timeout_s"] / 2), **kwargs)
         else:
-            value = fn(*args, **kwargs)
+            faulthandler.dump_traceback_later(request["timeout_s"], exit=True, file=stack)
+            try:
+                value = fn(*args, **kwargs)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         return {"value": _plain(value)}
     except BaseException as error:  # SystemExit and KeyboardInterrupt included: they fail this call only
         return _failure(error, answer)
@@ -394,6 +404,7 @@ def main() -> None:
     sys.addaudithook(_watch_network)
 
     answer = os.path.join(settings["lib"], "answer.py")
+    stack = open(STACK_FILE, "w")  # in the working directory, before any student code runs (or chdirs)
     try:
         import answer as module
     except BaseException as error:
@@ -404,7 +415,7 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            send({"id": request["id"], **_call(module, request, answer)})
+            send({"id": request["id"], **_call(module, request, answer, stack)})
         except BaseException as error:  # e.g. a value that json cannot encode
             send({"id": request["id"], **_failure(error, answer)})
     os._exit(0)  # not sys.exit: threads or atexit hooks the student left must not keep us alive

@@ -1,6 +1,7 @@
 """The rank launcher: results in rank order, and every way a rank can fail ends with the rank named and
 no process left behind."""
 
+import inspect
 import os
 import pickle
 import signal
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from dist_workers import all_reduce_on_gpu, all_reduce_rank
 
-from lab.distributed import RankError, RankTimeout, init_from_env, launched_by_torchrun, restarts, run
+from lab.distributed import RankError, RankTimeout, flight, init_from_env, launched_by_torchrun, restarts, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -221,6 +222,51 @@ def test_the_deadline_names_the_rank_the_others_wait_for(no_leftovers):
     assert "(still running: [0, 1, 2], of which [0, 2] wait in torch.distributed" in str(err.value)
 
 
+def _collectives_apart(count: int, seconds: float) -> int:
+    for _ in range(count):
+        time.sleep(seconds)
+        dist.all_reduce(torch.ones(1))
+    return count
+
+
+def test_a_run_longer_than_the_hang_timeout_that_makes_progress_finishes(no_leftovers):
+    """A hang is no progress, not a long run: six collectives 0.6 s apart outlast hang_timeout_s=2 (and would
+    outlast any wall-clock limit that small), and the run finishes."""
+    start = time.monotonic()
+    assert run(_collectives_apart, 2, 6, 0.6, hang_timeout_s=2) == [6, 6]
+    assert time.monotonic() - start > 2 * 1.5  # it did run well past one hang timeout
+
+
+def _beats_without_collectives(count: int, seconds: float) -> int:
+    for _ in range(count):
+        time.sleep(seconds)  # work that issues no collective, e.g. a step on one rank
+        flight.heartbeat()
+    return count
+
+
+def test_a_heartbeat_is_progress_too(no_leftovers):
+    assert run(_beats_without_collectives, 1, 6, 0.6, hang_timeout_s=2) == [6]
+
+
+def test_no_wall_clock_limit_unless_asked():
+    """`lab serve --tp 2` died after 120 s while it progressed: that default limit is gone."""
+    assert inspect.signature(run).parameters["timeout_s"].default is None
+
+
+def test_a_hung_rank_is_named_within_the_hang_timeout(no_leftovers):
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as err:
+        run(_hang_on_rank_1, 2, hang_timeout_s=2, pg_timeout_s=60)  # the collective would wait for a minute
+    elapsed = time.monotonic() - start
+    assert err.value.rank == [1]
+    assert str(err.value).splitlines()[0] == (
+        "rank(s) [1] made no progress for hang_timeout_s=2 s (no collective finished, no heartbeat) (still running: "
+        "[0, 1], of which [0] wait in torch.distributed; finished: [])")
+    assert "collectives: rank 1 has not issued a collective; rank 0 is in all_reduce #1 on world" in str(err.value)
+    assert "rank 1 was here" in err.value.traceback_text and "in _hang_on_rank_1" in err.value.traceback_text
+    assert elapsed < 2 + 5
+
+
 def test_ranks_die_when_their_parent_is_killed(tmp_path):
     script = textwrap.dedent(f"""
         import os, time
@@ -262,8 +308,10 @@ def test_debug_mode_turns_silent_size_mismatches_into_errors(no_leftovers):
     (2.0, {}, "world_size=2.0 must be an integer >= 1"),
     (2, dict(backend="mpi"), "backend='mpi' must be one of 'gloo', 'nccl'"),
     (2, dict(start_method="forkserver"), "start_method='forkserver' must be one of 'fork', 'spawn'"),
-    (2, dict(timeout_s=0), "timeout_s=0 must be > 0"),
-    (2, dict(pg_timeout_s=-1), "pg_timeout_s=-1 must be > 0"),
+    (2, dict(timeout_s=0), "timeout_s=0 must be > 0 (seconds) or None (no limit)"),
+    (2, dict(hang_timeout_s=-1.5), "hang_timeout_s=-1.5 must be > 0 (seconds) or None (no limit)"),
+    (2, dict(hang_timeout_s="2"), "hang_timeout_s='2' must be > 0 (seconds) or None (no limit)"),
+    (2, dict(pg_timeout_s=-1), "pg_timeout_s=-1 must be > 0 (seconds)"),
 ])
 def test_bad_arguments_are_one_clear_line(world_size, kwargs, message):
     with pytest.raises(ValueError) as err:

@@ -32,6 +32,11 @@ run until the call returns, and a watcher thread would need the rank's cooperati
 mmap'd file (`rank<R>.flight`, fixed-size records) that the rank writes into: the launcher reads it with
 no help from the rank, while it hangs, after it was SIGKILLed, or after the whole job died.
 
+Progress. The header also holds a counter the rank bumps whenever it makes progress: each collective that
+finishes, and each call of `heartbeat()` (lab.train calls it once a step). `lab.distributed.run` reads it
+(`progress`) to tell a hung rank from a slow one: a rank whose counter stands still for `hang_timeout_s` is hung,
+however long the run has lasted before.
+
 Use. `lab.distributed.run` records always, and its RankTimeout / RankError message carries the diagnosis
 line. By hand, in a notebook or a script, with any launcher:
 
@@ -88,6 +93,8 @@ _SAME_SHAPE = ("all_reduce", "broadcast", "reduce")  # ops whose tensor must be 
 _MAGIC = b"LABFLT01"
 _HEADER = struct.Struct("<8siiiiQ16s")  # magic, rank, world size, capacity, groups, records written, backend
 _WORLD_AT, _GROUPS_N_AT, _COUNT_AT, _BACKEND_AT = 12, 20, 24, 32  # offsets of header fields written later
+_PROGRESS = struct.Struct("<Q")  # after the header: how often the rank made progress (`heartbeat`)
+_PROGRESS_AT = _HEADER.size
 _GROUP = struct.Struct("<16s32s208s")  # torch's group id, description (tp, dp, ...), ranks as start:stop:step runs
 _MAX_GROUPS = 256
 _GROUPS_AT = 4096
@@ -164,7 +171,7 @@ class _Recorder:
     """Writes this rank's entries into its mmap'd file; one per process, made by `start`."""
 
     def __init__(self, path: Path, rank: int, capacity: int) -> None:
-        self.path, self.capacity, self.count = path, capacity, 0
+        self.path, self.capacity, self.count, self.progress = path, capacity, 0, 0
         with open(path, "wb") as file:
             file.truncate(_RING_AT + capacity * _RECORD.size)
         self.file = open(path, "r+b")
@@ -210,6 +217,14 @@ class _Recorder:
         offset = _RING_AT + index * _RECORD.size
         struct.pack_into("<d", self.mm, offset + _END_AT, time.time())
         self.mm[offset + _STATE_AT] = state
+        if state == _FINISHED:
+            self.beat()
+
+    def beat(self) -> None:
+        """Count one more piece of progress. Async ops finish on a backend thread: an increment lost to a race
+        still changes the counter, which is all the reader looks at."""
+        self.progress += 1
+        _PROGRESS.pack_into(self.mm, _PROGRESS_AT, self.progress)
 
     def watch(self, index: int, work) -> None:
         """Mark an async op finished (or failed) when its future completes, if the backend gives one."""
@@ -314,13 +329,25 @@ def start(directory: str | os.PathLike, rank: int | None = None, capacity: int =
     stop()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _recorder = _Recorder(directory / f"rank{rank}.flight", rank, capacity)
+    _recorder = _Recorder(file_path(directory, rank), rank, capacity)
     for op in _PARAMETERS:
         _saved[op] = getattr(dist, op)
         setattr(dist, op, _recording(op, _saved[op]))
     _saved["batch_isend_irecv"], _saved["P2POp"] = dist.batch_isend_irecv, dist.P2POp
     dist.batch_isend_irecv, dist.P2POp = _recording_batch(dist.batch_isend_irecv), _P2POp
     return _recorder.path
+
+
+def file_path(directory: str | os.PathLike, rank: int) -> Path:
+    """Where rank `rank` records into, under `directory`."""
+    return Path(directory) / f"rank{rank}.flight"
+
+
+def heartbeat() -> None:
+    """Tell whoever watches this rank (`lab.distributed.run`) that it made progress: call it where work that
+    issues no collective finishes a piece (lab.train: every step). Does nothing when this rank does not record."""
+    if _recorder is not None:
+        _recorder.beat()
 
 
 def start_from_env() -> Path | None:
@@ -363,6 +390,17 @@ def read_file(path: str | os.PathLike) -> tuple[int, list[Entry], str]:
         entries.append(Entry(seq, OPS[op], name, ranks, STATES[state], shapes, _DTYPES[dtype],
                              None if peer < 0 else peer, t0, t1, group_id))
     return rank, entries, backend.rstrip(b"\0").decode()
+
+
+def progress(path: str | os.PathLike) -> int | None:
+    """A rank's progress counter (see `heartbeat`), read from its file with no help from the rank; None while
+    the file is not written yet (the rank is starting)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(_PROGRESS_AT + _PROGRESS.size)
+    except FileNotFoundError:
+        return None
+    return _PROGRESS.unpack_from(head, _PROGRESS_AT)[0] if len(head) == _PROGRESS_AT + _PROGRESS.size else None
 
 
 def read_all(directory: str | os.PathLike) -> tuple[dict[int, list[Entry]], bool]:

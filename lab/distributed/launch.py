@@ -9,7 +9,10 @@ ways a course cannot afford (measured in the course's reference notes):
 - A forked child hangs forever in its first parallel op if the parent had used OpenMP, unless the child
   calls `torch.set_num_threads(1)` first — which every rank does before anything else.
 - Plain `multiprocessing` waits forever on a rank stuck outside a collective, so the parent watches every
-  rank and kills them all at the first failure or at a deadline.
+  rank and kills them all at the first failure, or when one is hung. Hung means no progress, not a long run:
+  each rank bumps a counter in its flight-recorder file (every finished collective, every `flight.heartbeat()`;
+  lab.train beats once a step), and a rank whose counter stands still for `hang_timeout_s` is hung. A run that
+  progresses may last for days; a wall-clock limit (`timeout_s`) applies only when one is asked for.
 - When the notebook kernel or pytest is killed, its children would live on; each rank asks the kernel to
   SIGKILL it when its parent dies (`PR_SET_PDEATHSIG`), and leads its own process group so that anything
   it started dies with it when the parent kills that group. (If the parent is SIGKILLed, only the ranks
@@ -34,6 +37,7 @@ import contextlib
 import ctypes
 import faulthandler
 import functools
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -46,6 +50,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -60,6 +65,7 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _RESTART_COUNT, _MAX_RESTARTS = "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"  # torchrun's names
 _PR_SET_PDEATHSIG = 1
 _GRACE_S = 1.0  # how long a bystander's error waits for the culprit's error to arrive
+HANG_TIMEOUT_S = 300.0  # no progress for this long and a rank is hung (lab.train and lab serve: --hang-timeout)
 # Errors a rank reports because *another* rank failed; they never name the culprit.
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
               "timed out", "DistNetworkError", "DistStoreError", "NCCL communicator was aborted")
@@ -77,7 +83,8 @@ class RankError(RuntimeError):
 
 
 class RankTimeout(RankError):
-    """Ranks were still running at the deadline; `traceback_text` shows where each one was."""
+    """Ranks were hung (no progress for `hang_timeout_s`) or still running at the deadline (`timeout_s`);
+    `traceback_text` shows where each one was."""
 
 
 def launched_by_torchrun() -> bool:
@@ -142,6 +149,7 @@ def _rank_main(payload: tuple | bytes, rank: int, world_size: int, backend: str,
                               timeout=timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
+        flight.heartbeat()  # joined: the watchdog's clock starts from here, not from the fork
         result = fn(*args, **kwargs)
         if dist.is_initialized():  # fn may have destroyed it itself
             dist.destroy_process_group()
@@ -163,8 +171,8 @@ def _rank_main(payload: tuple | bytes, rank: int, world_size: int, backend: str,
 
 # --- the parent side -----------------------------------------------------------------------------------
 
-def _validate(fn: Callable, world_size: int, backend: str, start_method: str, timeout_s: float,
-              pg_timeout_s: float) -> None:
+def _validate(fn: Callable, world_size: int, backend: str, start_method: str, timeout_s: float | None,
+              hang_timeout_s: float | None, pg_timeout_s: float) -> None:
     if not callable(fn):
         raise TypeError(f"fn={fn!r} must be callable")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -179,9 +187,10 @@ def _validate(fn: Callable, world_size: int, backend: str, start_method: str, ti
     if backend == "nccl" and start_method == "fork" and torch.cuda.is_initialized():
         raise ValueError("backend='nccl' with start_method='fork' needs a parent that has not used CUDA yet "
                          "(a forked child cannot initialise it again); pass start_method='spawn'")
-    for name, value in (("timeout_s", timeout_s), ("pg_timeout_s", pg_timeout_s)):
-        if not value > 0:
-            raise ValueError(f"{name}={value!r} must be > 0")
+    for name, value in (("timeout_s", timeout_s), ("hang_timeout_s", hang_timeout_s), ("pg_timeout_s", pg_timeout_s)):
+        if value is not None and not (isinstance(value, int | float) and value > 0):
+            raise ValueError(f"{name}={value!r} must be > 0 (seconds)" + ("" if name == "pg_timeout_s" else
+                                                                           " or None (no limit)"))
 
 
 @functools.cache
@@ -212,14 +221,16 @@ def _pickle_for_spawn(fn: Callable, args: tuple, kwargs: dict) -> bytes:
                         f"arguments ({error}); define fn at module level, or pip install cloudpickle") from error
 
 
-def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0,
-        pg_timeout_s: float = 30.0, start_method: str = "fork", debug: bool = False, max_restarts: int = 0,
-        **kwargs: Any) -> list:
+def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None,
+        hang_timeout_s: float | None = HANG_TIMEOUT_S, pg_timeout_s: float = 30.0, start_method: str = "fork",
+        debug: bool = False, max_restarts: int = 0, **kwargs: Any) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks in one process group; return their results.
 
-    Results come back in rank order (pickled through pipes). On the first failure, or if ranks are still
-    running after `timeout_s` seconds, every rank is killed and `RankError` (or `RankTimeout`) names the
-    culprit. A collective that waits for a missing rank fails after `pg_timeout_s`. `debug=True` makes
+    Results come back in rank order (pickled through pipes). On the first failure, when a rank has made no
+    progress for `hang_timeout_s` seconds (finished no collective, called no `flight.heartbeat()`), or — only if
+    `timeout_s` is given — when ranks are still running after `timeout_s` seconds, every rank is killed and
+    `RankError` (or `RankTimeout`) names the culprit. None turns either limit off. A collective that waits for a
+    missing rank fails after `pg_timeout_s`. `debug=True` makes
     mismatched collectives (e.g. different sizes on different ranks, which gloo can silently get wrong)
     fail loudly, at about 2.5x the latency. With `start_method="spawn"`, `fn` is sent with cloudpickle if
     it is installed, else by name (then it must be importable, and the usual multiprocessing rule applies:
@@ -231,12 +242,12 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "glo
     checkpoint under either launcher. Each failure and restart is logged on stderr; when the restarts are spent,
     the last failure is raised.
     """
-    _validate(fn, world_size, backend, start_method, timeout_s, pg_timeout_s)
+    _validate(fn, world_size, backend, start_method, timeout_s, hang_timeout_s, pg_timeout_s)
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} must be an integer >= 0")
     _preimport()
-    launch = functools.partial(_launch_connecting, fn, world_size, args, kwargs, backend, timeout_s, pg_timeout_s,
-                               start_method, debug, max_restarts=max_restarts)
+    launch = functools.partial(_launch_connecting, fn, world_size, args, kwargs, backend, _Limits(timeout_s,
+                               hang_timeout_s), pg_timeout_s, start_method, debug, max_restarts=max_restarts)
     for restart in range(max_restarts):
         try:
             return launch(restart)
@@ -288,7 +299,7 @@ def _launch_connecting(*args: Any, max_restarts: int) -> list:
         return _launch(*args, max_restarts=max_restarts)
 
 
-def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict, backend: str, timeout_s: float,
+def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict, backend: str, limits: _Limits,
             pg_timeout_s: float, start_method: str, debug: bool, restart: int, max_restarts: int) -> list:
     """One attempt of `run`: start the ranks, supervise them, and leave none behind."""
     payload = (fn, args, kwargs) if start_method == "fork" else _pickle_for_spawn(fn, args, kwargs)
@@ -315,7 +326,7 @@ def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict, backend: s
         for conn in conns:
             with contextlib.suppress(OSError):  # a rank that already died is reported by _supervise
                 conn.send(store.port)
-        return _supervise(ranks, conns, timeout_s, stack_paths)
+        return _supervise(ranks, conns, limits, stack_paths)
     finally:
         _kill_all(ranks)
         for conn in conns:
@@ -324,9 +335,40 @@ def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict, backend: s
         del store
 
 
-def _supervise(ranks: list, conns: list[Connection], timeout_s: float, stack_paths: list[str]) -> list:
-    """Collect every rank's result; raise at the first failure (once its cause is known) or at the deadline."""
-    deadline = time.monotonic() + timeout_s
+@dataclass(frozen=True)
+class _Limits:
+    """When the parent stops ranks that have not failed: at a wall-clock limit, and when a rank has made no
+    progress for `hang_timeout_s` (None: never)."""
+
+    timeout_s: float | None
+    hang_timeout_s: float | None
+
+
+class _Watchdog:
+    """When each rank last made progress, from the counters in their flight-recorder files (`flight.progress`):
+    reading a file needs no help from the rank, so a rank blocked in C++ is watched as well as a busy one."""
+
+    def __init__(self, stack_paths: list[str]) -> None:
+        from lab.distributed import flight  # not at the top: see _rank_main
+
+        self.progress = flight.progress
+        self.paths = [flight.file_path(Path(path).parent, rank) for rank, path in enumerate(stack_paths)]
+        self.counts: list[int | None] = [None] * len(stack_paths)
+        self.since = [time.monotonic()] * len(stack_paths)
+
+    def idle(self, rank: int, now: float) -> float:
+        """Seconds since `rank`'s counter last moved (or since the launch, if it never did)."""
+        count = self.progress(self.paths[rank])
+        if count != self.counts[rank]:
+            self.counts[rank], self.since[rank] = count, now
+        return now - self.since[rank]
+
+
+def _supervise(ranks: list, conns: list[Connection], limits: _Limits, stack_paths: list[str]) -> list:
+    """Collect every rank's result; raise at the first failure (once its cause is known), at the first hung rank,
+    or at the deadline if there is one."""
+    deadline = time.monotonic() + (math.inf if limits.timeout_s is None else limits.timeout_s)
+    watchdog = _Watchdog(stack_paths)
     results: dict[int, Any] = {}
     failures: dict[int, tuple[float, str, str]] = {}  # rank -> (when, one-line summary, traceback)
     first_failure_at = 0.0
@@ -337,7 +379,15 @@ def _supervise(ranks: list, conns: list[Connection], timeout_s: float, stack_pat
                          or any(not _is_secondary(summary) for _, summary, _ in failures.values())):
             raise _culprit(failures, running, ranks, stack_paths)
         if now >= deadline:
-            raise _timeout(running, sorted(results), timeout_s, ranks, stack_paths)
+            raise _stuck(running, running, sorted(results), f"did not finish within timeout_s={limits.timeout_s:g} s",
+                         ranks, stack_paths)
+        if limits.hang_timeout_s is not None and not failures:
+            idle = {r: watchdog.idle(r, now) for r in running}
+            if max(idle.values()) >= limits.hang_timeout_s:
+                # the ranks one hang stopped stop within moments of each other: those idle half as long are suspects
+                stalled = [r for r in running if idle[r] >= limits.hang_timeout_s / 2]
+                raise _stuck(stalled, running, sorted(results), f"made no progress for hang_timeout_s="
+                             f"{limits.hang_timeout_s:g} s (no collective finished, no heartbeat)", ranks, stack_paths)
         watched = {conns[r]: r for r in running} | {ranks[r].sentinel: r for r in running}
         for ready in wait(list(watched), timeout=min(0.2, deadline - now)):
             rank = watched[ready]
@@ -399,20 +449,20 @@ def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[
     return RankError(f"rank {rank} failed: {summary}{diagnosis}", rank, f"{tb}\n{collectives}")
 
 
-def _timeout(running: list[int], finished: list[int], timeout_s: float, ranks: list,
-             stack_paths: list[str]) -> RankTimeout:
-    """Name the ranks still running at the deadline, and — from their stacks — which of them were stuck
-    somewhere other than a torch.distributed call (those waiting in a collective are waiting for them); if all
-    wait in one, the ranks the flight recorders single out (they called another collective)."""
+def _stuck(suspects: list[int], running: list[int], finished: list[int], what: str, ranks: list,
+           stack_paths: list[str]) -> RankTimeout:
+    """Name the ranks stuck (the suspects: all those still running at the deadline, or those a hang stopped), and
+    — from the stacks — which of them were stuck somewhere other than a torch.distributed call (those waiting in a
+    collective are waiting for them); if all wait in one, those the flight recorders single out (they called
+    another collective). `what` says how they are stuck ("did not finish within timeout_s=2 s")."""
     stacks = _dump_stacks(running, ranks, stack_paths)
     waiting = [r for r in running if _innermost_frame_in_torch_distributed(stacks[r])]
     diagnosis, collectives, odd = _collectives(stack_paths)
     # stuck outside torch.distributed; else, if all wait in it, those the recorders point at (a different op)
-    culprits = [r for r in running if r not in waiting] or [r for r in odd if r in running] or running
+    culprits = [r for r in suspects if r not in waiting] or [r for r in odd if r in suspects] or suspects
     note = f", of which {waiting} wait in torch.distributed" if waiting and culprits != running else ""
-    return RankTimeout(f"rank(s) {culprits} did not finish within timeout_s={timeout_s:g} s "
-                       f"(still running: {running}{note}; finished: {finished}){diagnosis}", culprits,
-                       "\n".join([*stacks.values(), collectives]))
+    return RankTimeout(f"rank(s) {culprits} {what} (still running: {running}{note}; finished: {finished})"
+                       f"{diagnosis}", culprits, "\n".join([*stacks.values(), collectives]))
 
 
 def _collectives(stack_paths: list[str]) -> tuple[str, str, list[int]]:

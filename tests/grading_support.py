@@ -13,8 +13,9 @@ which are
   inputs and with a class secret;
 * `test_released_stubs_score_nothing_and_say_not_attempted`: `python -m lab release`'s stubs score 0 and say so;
 * `test_mutant_fails_its_check[name]`: a mutant fails exactly the checks named for it (only those run, to keep
-  this fast), as check verdicts — never as a dead sandbox — with messages that say what came back and what was
-  expected;
+  this fast; with `isolated`, every check runs, so that no other check fails too with a hint written for another
+  mistake, and each failed check shows its own hint), as check verdicts — never as a dead sandbox — with messages
+  that say what came back and what was expected;
 * `test_every_exercise_has_a_mutant_and_every_check_catches_one`: a check that goes soft fails here, not in a
   classroom.
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from lab.grading import checks
+from lab.grading.checks import CRASH_HINT
 from lab.grading.notebook import answer_parts, read
 from lab.grading.release import release_notebook
 from lab.grading.runner import ExerciseResult, run_exercise
@@ -50,6 +52,7 @@ class Chapter:
     hangs: Collection[str] = ()  # mutants whose ranks wait forever for a message: graded with a third of the budget
     said: tuple[str, ...] = ("returned",)  # a failed check's message has one of these words, and "expected"
     released_stubs: bool = True  # whether to test the released stubs here
+    isolated: bool = False  # mutants run every check of their exercise: only theirs may fail
 
     @property
     def number(self) -> str:
@@ -104,10 +107,14 @@ def chapter_tests(chapter: Chapter) -> dict[str, Callable]:
     def test_mutant_fails_its_check(name):
         exercise_id, replace, must_fail = chapter.mutants[name]
         wall_s = chapter.wall_s / 3 if name in chapter.hangs else chapter.wall_s
-        result = chapter.grade(exercise_id, replace, only=must_fail, wall_s=wall_s)
+        result = chapter.grade(exercise_id, replace, only=None if chapter.isolated else must_fail, wall_s=wall_s)
         failed = {c.name: c.message for c in result.checks if c.status == "failed"}
         assert set(failed) == must_fail, f"{name}: expected {must_fail} to fail, failed: {failed} ({result.reason})"
-        assert result.points == 0 and not result.reason, result  # check verdicts, not a dead sandbox
+        assert not result.reason and result.points == result.max_points - sum(
+            c.max_points for c in result.checks if c.name in must_fail), result  # check verdicts, not a dead sandbox
+        own = {c.name: c.hint for c in checks.get(exercise_id).checks}
+        assert not chapter.isolated or all(c.hint in (own[c.name], CRASH_HINT) for c in result.checks
+                                           if c.name in must_fail), result  # written for this mistake, or a raise
         for message in failed.values():  # says what came back (or what was raised) and what was due
             assert any(word in message for word in chapter.said) and "expected" in message, message
 

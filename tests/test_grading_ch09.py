@@ -5,8 +5,9 @@ Every kernel runs in Triton's interpreter inside the sandbox (which sets `TRITON
 allowed). A mutant is the solution cell with one classic mistake — a tail padded with 0 instead of −inf before a
 max, a K loop that stops at the last full slab (the tail never loaded), a running output not rescaled when the max
 moves, keys past the end that score 0, reductions over the wrong axis or the padded width, programs that write
-their partial sums to one place — planted so that no load or store leaves its tensor. Only the checks that must
-catch a mutant are run, to keep this file fast.
+their partial sums to one place — planted so that no store leaves its tensor. Every check of the mutant's exercise
+runs (`isolated`): only the checks named for it may fail, each with the hint written for that mistake. A store
+outside its tensor, which crashes the interpreter, is a test of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ SOFTMAX_STRIDED = "a slice of a wider tensor: rows in_stride elements apart"
 MATMUL_RAGGED = "M, N and K that are not multiples of the 32-wide tiles, several slabs of K"
 MATMUL_SHORT_K = "one row of A (M = 1), K shorter than one slab"
 MATMUL_TRANSPOSED = "fp16 inputs and a transposed (non-contiguous) B"
-FLASH_BLOCKS = "sequences of several key blocks (not a multiple of the block), no mask"
+FLASH_BLOCKS = "sequences of several whole key blocks, no mask"
 FLASH_SHORT = "one token, and a sequence shorter than one key block"
 FLASH_CAUSAL = "causal mask, sequences of several blocks"
 RMS_DX = "dx: one row, and rows over several programs; widths not a power of two"
@@ -34,6 +35,10 @@ RMS_DW = "dweight: the sum over every row, rows spread over several programs"
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "softmax_tail_padded_with_zero": (  # the issue's mutant: the tail enters the max and the sum
         "09.fused_softmax", [('other=float("-inf")', "other=0.0")], {SOFTMAX_RAGGED}),
+    "softmax_tail_loaded_without_other": (  # masked lanes read as 0, as with other=0.0
+        "09.fused_softmax", [('mask=mask, other=float("-inf")', "mask=mask")], {SOFTMAX_RAGGED}),
+    "softmax_load_unmasked": (  # a mask on the store only: the tail reads the next row (the last row: past the end)
+        "09.fused_softmax", [('cols, mask=mask, other=float("-inf"))', "cols)")], {SOFTMAX_RAGGED}),
     "softmax_no_max_subtracted": (
         "09.fused_softmax", [("x = x - tl.max(x, axis=0)", "x = x")],
         {SOFTMAX_LARGE}),
@@ -51,10 +56,15 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "09.flash_attention_loop", [("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot")],
         {FLASH_BLOCKS, FLASH_CAUSAL}),
     "flash_running_sum_not_rescaled": (
-        "09.flash_attention_loop", [("l_i = l_i * alpha + tl.sum", "l_i = l_i + tl.sum")], {FLASH_BLOCKS}),
+        "09.flash_attention_loop", [("l_i = l_i * alpha + tl.sum", "l_i = l_i + tl.sum")],
+        {FLASH_BLOCKS, FLASH_CAUSAL}),  # the causal check's hint names the rescaling too
     "flash_tail_keys_score_zero": (  # unmasked tail: keys past the end keep the score 0 of their zero padding
         "09.flash_attention_loop", [("visible = rn[None, :] < seq_len", "visible = rn[None, :] < start + BLOCK_N")],
-        {FLASH_SHORT, FLASH_BLOCKS}),
+        {FLASH_SHORT}),
+    "flash_causal_by_lanes": (  # the block's lanes instead of the global positions: right in the first block only
+        "09.flash_attention_loop", [("(rn[None, :] <= rm[:, None])",
+                                     "(tl.arange(0, BLOCK_N)[None, :] <= tl.arange(0, BLOCK_M)[:, None])")],
+        {FLASH_CAUSAL}),
     "flash_no_causal_mask": (
         "09.flash_attention_loop", [("visible = visible & (rn[None, :] <= rm[:, None])", "visible = visible")],
         {FLASH_CAUSAL}),
@@ -64,13 +74,28 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "rmsnorm_mean_over_the_padded_width": (
         "09.rmsnorm_backward", [("keep_dims=True) / n_cols", "keep_dims=True) / BLOCK_COLS")], {RMS_DX}),
     "rmsnorm_dweight_summed_over_features": (  # the issue's mutant: dweight reduced along the wrong axis
-        "09.rmsnorm_backward", [("tl.sum(dy * x_hat, axis=0)", "tl.sum(dy * x_hat, axis=1)")], {RMS_DW}),
+        "09.rmsnorm_backward", [("tl.sum(dy * x_hat, axis=0)", "tl.sum(dy * x_hat, axis=1)")],
+        {RMS_DX, RMS_DW}),  # the store raises (its shape does not fit), so dx is lost too: both name the line
     "rmsnorm_programs_share_one_partial": (
         "09.rmsnorm_backward", [("dw_partial_ptr + pid * n_cols + cols", "dw_partial_ptr + cols")], {RMS_DW}),
 }
 
-CHAPTER = Chapter("09_gpu_kernels.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
+CHAPTER = Chapter("09_gpu_kernels.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"), isolated=True)
 globals().update(chapter_tests(CHAPTER))
+
+
+def test_a_kernel_that_writes_outside_its_tensor_is_told_about_masks():
+    """Triton's interpreter writes raw memory: a store far outside its tensor kills the process (SIGSEGV; a few lanes
+    past the end corrupt the heap, SIGABRT). The checks say so, and the hint is about masks and strides, not the
+    wrong-answer hint of each check; the function is not called again (every check fails at once)."""
+    from lab.grading.runner import KERNEL_CRASH_HINT
+
+    result = CHAPTER.grade("09.fused_softmax", [("tl.store(out_ptr + row * out_stride + cols",
+                                                 "tl.store(out_ptr + row * out_stride * 100_000 + cols")])
+    assert result.points == 0 and not result.reason, result
+    for check in result.checks:
+        assert check.message.startswith("run_softmax() crashed the process (killed by SIG"), check.message
+        assert "a lane past the end without a mask" in check.message and check.hint == KERNEL_CRASH_HINT, check
 
 
 def test_sandboxes_with_triton_run_kernels_in_the_interpreter():

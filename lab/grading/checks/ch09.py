@@ -7,7 +7,9 @@ kernel's largest error against a float64 reference must be at most `RATIO` times
 dtype (its floor: one roundoff unit at the reference's scale). Shapes are random and chosen to expose the classic
 mistakes — widths that are not a power of two (a masked tail), one row, K and sequence lengths that are not a
 multiple of the block, several key blocks (a running output that must be rescaled), strided inputs, several
-programs adding up one reduction.
+programs adding up one reduction. Each check isolates one mistake, so that its hint is the one that helps: the
+checks of overflow, strides and rescaling use whole blocks, leaving the tail's mistakes to the tail's checks; a
+kernel that writes outside its tensor crashes the interpreter, and is told about masks (`lab.grading.runner`).
 
 The sandbox runs kernels in the interpreter (`TRITON_INTERPRET=1` wherever triton is allowed, see
 `lab.grading.sandbox`), whose cost is per program instance and per block operation: the shapes are tiny and the
@@ -73,6 +75,12 @@ def answer(what: str, fn, *args):
         raise explain(error, what, "the kernel's result (flat lists)") from None
 
 
+def _whole(rng: random.Random, low: int, high: int) -> int:
+    """A power of two in [low, high]: a launcher's BLOCK that covers it exactly leaves no tail to mask, so a check
+    meant for another mistake (overflow, strides) does not also fail on a tail bug and show the wrong hint."""
+    return rng.choice([n for n in (2 ** i for i in range(high.bit_length())) if low <= n <= high])
+
+
 def _ragged(rng: random.Random, low: int, high: int) -> int:
     """A size in [low, high] that is not a power of two."""
     while True:
@@ -104,8 +112,9 @@ def _expect_softmax(student, rows: int, cols: int, seed: int, scale: float = 1.0
 
 
 @SOFTMAX.check(points=2, hint="BLOCK is the power of two at or above n_cols: the lanes past n_cols must be masked "
-                              "on load with other=-inf, so that they count for nothing in the max and add e^-inf = 0 "
-                              "to the sum (other=0 adds e^(0 - max) per lane)")
+                              "(cols < n_cols, the same mask on the load and the store) and loaded with other=-inf, "
+                              "so that they count for nothing in the max and add e^-inf = 0 to the sum (other=0, or "
+                              "no other, adds e^(0 - max) per lane)")
 def softmax_ragged_rows(student, rng):
     """widths that are not a power of two (a masked tail), one row among them; fp32 and fp16"""
     _expect_softmax(student, rng.randrange(2, 40), _ragged(rng, 33, 300), rng.randrange(10**6))
@@ -117,7 +126,7 @@ def softmax_ragged_rows(student, rng):
                               "does not change when every logit moves by the same amount)")
 def softmax_large_logits(student, rng):
     """logits in the hundreds: no overflow"""
-    _expect_softmax(student, rng.randrange(2, 20), _ragged(rng, 33, 200), rng.randrange(10**6),
+    _expect_softmax(student, rng.randrange(2, 20), _whole(rng, 32, 128), rng.randrange(10**6),
                     scale=rng.uniform(150.0, 400.0))
 
 
@@ -125,7 +134,7 @@ def softmax_large_logits(student, rng):
                               "has rows in_stride > n_cols elements apart")
 def softmax_strided_rows(student, rng):
     """a slice of a wider tensor: rows in_stride elements apart"""
-    _expect_softmax(student, rng.randrange(2, 30), _ragged(rng, 33, 200), rng.randrange(10**6),
+    _expect_softmax(student, rng.randrange(2, 30), _whole(rng, 32, 128), rng.randrange(10**6),
                     pad=rng.randrange(1, 40))
 
 
@@ -177,7 +186,7 @@ def matmul_one_row_short_k(student, rng):
                              "n * stride_bn), never with the shape: a transposed view is not contiguous")
 def matmul_fp16_transposed(student, rng):
     """fp16 inputs and a transposed (non-contiguous) B"""
-    _expect_matmul(student, _off_tile(rng, 33, 70), _off_tile(rng, 33, 70), _off_tile(rng, 40, 100),
+    _expect_matmul(student, _off_tile(rng, 33, 70), _off_tile(rng, 33, 70), TILE,  # one whole slab: no K tail
                    rng.randrange(10**6), dtype="float16", transpose_b=True)
 
 
@@ -205,10 +214,10 @@ def _expect_flash(student, heads: int, seq_len: int, head_dim: int, seed: int, c
                             "weighted by e^(s - m): multiply both l and acc by alpha = e^(m - m_new) before adding "
                             "the block's terms")
 def flash_several_key_blocks(student, rng):
-    """sequences of several key blocks (not a multiple of the block), no mask"""
-    for head_dim in (16, 32):
-        _expect_flash(student, rng.randrange(1, 3), _off_key_block(rng, 2 * KEY_BLOCK + 1, 4 * KEY_BLOCK), head_dim,
-                      rng.randrange(10**6), causal=False)
+    """sequences of several whole key blocks, no mask"""
+    for head_dim in (16, 32):  # whole blocks: no tail keys, whose mistake flash_short_sequences isolates
+        _expect_flash(student, rng.randrange(1, 3), KEY_BLOCK * rng.randrange(2, 5), head_dim, rng.randrange(10**6),
+                      causal=False)
 
 
 def _off_key_block(rng: random.Random, low: int, high: int) -> int:

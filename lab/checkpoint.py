@@ -546,12 +546,17 @@ def to_single_file(path: str) -> tuple[dict[str, torch.Tensor], object]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lab import hf  # which imports this module
+
     p = argparse.ArgumentParser(prog="python -m lab checkpoint", description="look into and convert DCP checkpoints")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("inspect", help="step, layout, tensors and bytes of a checkpoint").add_argument("dir")
-    convert = sub.add_parser("convert", help="write a plain torch state_dict (load it into lab.model.build_model)")
+    convert = sub.add_parser("convert", help="write a plain torch state_dict (load it into lab.model.build_model), "
+                                             "or Hugging Face weights (lab.hf)")
     convert.add_argument("dir")
-    convert.add_argument("--to-single-file", metavar="OUT", required=True)
+    target = convert.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to-single-file", metavar="OUT")
+    hf.add_arguments(convert, target)
     args = p.parse_args(argv)
     path = args.dir
     if not os.path.exists(os.path.join(path, ".metadata")) and complete_checkpoints(path):
@@ -559,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             print(inspect(path))
+        elif args.to_single_file is None:
+            print(hf.convert(args, path))
         else:
             state, _ = to_single_file(path)
             torch.save(state, args.to_single_file)

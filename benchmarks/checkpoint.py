@@ -8,11 +8,18 @@ exist), then saves it with `lab.checkpoint` several times each way. Per mode it 
 the slowest rank's blocking time (what training waits for: for a synchronous save the whole save; for an
 asynchronous one the planning and the copy of the state to CPU memory) and of the total time until the
 checkpoint is complete and renamed, each also in ms per GB (1e9 bytes) of tensors in the checkpoint.
+
+Integrity costs, on the last checkpoint: `verify` is what resume and `inspect` pay (read every file and compare
+its sha256 with lab.json's, in threads, from the page cache here: a cold disk adds its read time), and `sha256`
+is the hashing alone over the same bytes in memory, which is what a save adds: each rank hashes its files as DCP
+writes them (in the background thread when asynchronous), so the slowest rank pays its share of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import shutil
 import statistics
 import sys
@@ -54,9 +61,22 @@ def _worker(config: Config, directory: str, saves: int) -> dict[str, list[tuple[
             blocking = time.perf_counter() - start
             checkpoint.finish_save(pending)
             times[mode].append((blocking, time.perf_counter() - start))
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0 and i < saves - 1:  # the last one stays, for the integrity costs
                 shutil.rmtree(pending.final)
     return times
+
+
+def _integrity_ms(path: str) -> tuple[float, float]:
+    """(verify: read and check every file as resume does, sha256 alone over the same bytes in memory), in ms."""
+    checkpoint._INTACT.clear()  # a verdict this process remembers would skip the reading
+    start = time.perf_counter()
+    assert checkpoint._damage(path) is None
+    verify = time.perf_counter() - start
+    blobs = [open(os.path.join(path, name), "rb").read() for name in os.listdir(path) if name != checkpoint.LAB_FILE]
+    start = time.perf_counter()
+    for blob in blobs:
+        hashlib.sha256(blob).hexdigest()
+    return verify * 1e3, (time.perf_counter() - start) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = run(_worker, args.world, config, directory, args.saves, timeout_s=1200)
         gb = 3 * 4 * num_params(build_model(config.model)) / 1e9  # parameters and AdamW's two moments, fp32
+        verify, sha = _integrity_ms(checkpoint.complete_checkpoints(directory)[-1])
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(f"{args.world} gloo rank(s), zero={args.zero}, {gb:.3f} GB of tensors per checkpoint, "
@@ -85,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         blocking = statistics.median(max(r[mode][i][0] for r in results) for i in range(args.saves)) * 1e3
         total = statistics.median(max(r[mode][i][1] for r in results) for i in range(args.saves)) * 1e3
         print(f"{mode:<6} {blocking:>12.1f} {total:>10.1f} {blocking / gb:>15.1f} {total / gb:>12.1f}")
+    print(f"integrity: verify {verify:.1f} ms ({verify / gb:.1f} ms/GB, at resume and inspect); sha256 alone "
+          f"{sha:.1f} ms ({sha / gb:.1f} ms/GB, what saves add, shared by the {args.world} ranks' writers)")
     return 0
 
 

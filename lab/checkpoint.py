@@ -26,26 +26,44 @@ load each rank reads those boxes and keeps its shard. This costs one unit's full
 Atomicity: a save writes into `DIR/.tmp-step-N`, DCP's `.metadata` last, and once every rank is done rank 0
 renames it to `DIR/step-N` — one `rename`, so a checkpoint is visible only when complete. A kill during a save
 leaves a `.tmp-*` directory that resume ignores (it says so) and the next save of that step replaces.
+
+Integrity: every file is hashed (sha256) as DCP writes it — in the async save's background thread when
+asynchronous, so no file is read twice — and `lab.json`, written last, lists each file's size and hash. Resume
+and `inspect` check them: a missing, truncated or flipped file names itself, and resume goes back to the newest
+intact checkpoint, saying which one it skipped and why. When step folders exist but none is intact, `--resume`
+refuses (a silent restart from step 0 would throw the run away) unless `--fresh` says to start over.
+
+What a resume may change: the layout (resharded exactly), the length and learning rate of the run (the lr
+schedule is recomputed from the new values), the global batch (the data stream goes on from the saved step with
+batches of the new size) and the other training knobs (weight decay, clipping, kernels, device, reduce dtype).
+It refuses another model (any model field but its name), another precision or another data stream (seed,
+sequence length, branching): that is another experiment, which belongs in another directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -66,8 +84,11 @@ from lab.precision.loss_scale import DynamicLossScaler
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
-LAB_FILE = "lab.json"  # step, layout and config, for `inspect`/`convert` (written before the rename)
+LAB_FILE = "lab.json"  # step, layout, config and each file's size and sha256 (written last, before the rename)
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
+# what a resume refuses to change: another model, precision or data stream is another experiment
+MUST_MATCH = ("model.", "train.precision", "train.seq_len", "train.seed", "train.data_branching")
+SCHEDULE = ("train.steps", "train.lr", "train.warmup_steps")  # the lr schedule is a function of these
 
 Box = tuple[tuple[int, ...], torch.Size]  # (offsets in the full tensor, full size)
 
@@ -81,12 +102,22 @@ class CheckpointOptions:
     keep: int = 0  # keep the newest `keep` checkpoints (0: all)
     resume: bool = False
     asynchronous: bool = False  # write in the background; a checkpoint appears when the next save starts
+    fresh: bool = False  # with resume: start from step 0 when no checkpoint in `dir` is intact, instead of refusing
 
     def __post_init__(self) -> None:
         for name in ("every", "keep"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{'checkpoint-every' if name == 'every' else name}={getattr(self, name)} "
                                  f"must be >= 0")
+        if self.fresh and not self.resume:
+            raise ValueError("--fresh goes with --resume (it lets a resume that finds no intact checkpoint start "
+                             "from step 0); without --resume a run starts from step 0 anyway")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved, trusted or resumed, said in one line that names the file and the newest
+    checkpoint still good. A ValueError: `python -m lab.train` and `python -m lab checkpoint` print it as their
+    one error line and exit 2, as for any bad input."""
 
 
 # --- DCP planners: each rank's tensors are boxes of full tensors --------------------------------------------
@@ -295,6 +326,52 @@ def layout_of(parallel) -> dict:
     return {k: getattr(parallel, k) for k in ("dp", "tp", "cp", "pp", "ep", "zero", "pp_virtual_stages")}
 
 
+class _HashedFile:
+    """A file DCP is writing, hashed as its bytes go by (DCP writes each file front to back, never seeking): the
+    checksum costs no second read. A write that fails names the file (a full disk's OSError names none)."""
+
+    def __init__(self, file, path: str) -> None:
+        self.file, self.path, self.sha, self.size = file, path, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as err:
+            err.filename = err.filename or self.path
+            raise
+        self.sha.update(data)
+        self.size += memoryview(data).nbytes
+        return written
+
+    def __getattr__(self, name: str):  # tell, flush, fileno, close: the file's own
+        return getattr(self.file, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording the size and sha256 of each file written, by its final name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashed = _HashedFile(stream, str(path))
+            yield hashed
+        name = os.path.basename(path).removesuffix(".tmp")  # DCP writes `.metadata.tmp`, then renames it
+        self.sums[name] = {"bytes": hashed.size, "sha256": hashed.sha.hexdigest()}
+
+
+def _writer(path: str) -> dcp.FileSystemWriter:
+    writer = dcp.FileSystemWriter(path)
+    writer.fs = _HashingFileSystem()
+    return writer
+
+
 @dataclass
 class PendingSave:
     """A save whose files are being written (in the background when asynchronous): visible once `finish`ed."""
@@ -303,6 +380,7 @@ class PendingSave:
     final: str
     lab_info: dict
     future: object | None = None  # DCP's future for an asynchronous save
+    sums: dict[str, dict] = field(default_factory=dict)  # this rank's files: size and sha256, filled as written
 
 
 def start_save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config,
@@ -325,11 +403,11 @@ def start_save(directory: str, step: int, par, optimizer: torch.optim.Optimizer,
              f"rng.rank{_rank()}": torch.get_rng_state()}
     if scaler is not None and scaler.enabled:
         state["scaler"] = scaler.state_dict()
-    pending = PendingSave(tmp, final, {**meta, "config": config.to_dict()})
     # the writer named, not found from a path: DCP would import fsspec to probe it (~0.3 s per process)
-    options = {"storage_writer": dcp.FileSystemWriter(tmp), "planner": _BoxSavePlanner(boxes),
-               "no_dist": not dist.is_initialized()}
-    with _quiet_single_process():
+    writer = _writer(tmp)
+    pending = PendingSave(tmp, final, {**meta, "config": config.to_dict()}, sums=writer.fs.sums)
+    options = {"storage_writer": writer, "planner": _BoxSavePlanner(boxes), "no_dist": not dist.is_initialized()}
+    with _quiet_single_process(), _save_failures(pending):
         if asynchronous:
             pending.future = dcp.async_save(state, process_group=async_group, **options)
         else:
@@ -338,17 +416,53 @@ def start_save(directory: str, step: int, par, optimizer: torch.optim.Optimizer,
 
 
 def finish_save(pending: PendingSave) -> str:
-    """Wait for the files, then make the checkpoint visible with one rename (rank 0); return its path."""
+    """Wait for the files, then (rank 0) write `lab.json` with every rank's file sizes and hashes and make the
+    checkpoint visible with one rename; return its path."""
     if pending.future is not None:
-        pending.future.result()
-    _barrier()  # every rank's files and the metadata are written
+        with _save_failures(pending):
+            pending.future.result()
+    sums = [pending.sums]
+    if dist.is_initialized():  # also the barrier: every rank's files and the metadata are written
+        sums = [None] * dist.get_world_size()
+        dist.all_gather_object(sums, pending.sums)
     if _rank() == 0:
+        files = {name: sum_ for rank_sums in sums for name, sum_ in rank_sums.items()}
         with open(os.path.join(pending.tmp, LAB_FILE), "w") as f:
-            json.dump(pending.lab_info, f, indent=1)
+            json.dump({**pending.lab_info, "files": dict(sorted(files.items()))}, f, indent=1)
         shutil.rmtree(pending.final, ignore_errors=True)
         os.rename(pending.tmp, pending.final)  # the checkpoint appears, complete
     _barrier()
     return pending.final
+
+
+@contextlib.contextmanager
+def _save_failures(pending: PendingSave) -> Iterator[None]:
+    """A save that fails (a full disk, a lost mount) as one line: the cause, the file, the partial save removed
+    and the previous checkpoint, which the save never touched. DCP's own error is a CheckpointException (a
+    BaseException) whose headline lists only the ranks."""
+    try:
+        yield
+    except (CheckpointException, OSError) as err:
+        cause = _cause(err)
+        if _rank() == 0:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+        directory = os.path.dirname(pending.final)
+        done = complete_checkpoints(directory)
+        kept = (f"the newest complete checkpoint, {os.path.basename(done[-1])}, is untouched" if done else
+                "no earlier checkpoint exists")
+        raise CheckpointError(f"could not save step {pending.lab_info['step']} to {directory}: {cause}; the "
+                              f"partial save {os.path.basename(pending.tmp)} was removed and {kept}") from None
+
+
+def _cause(err: BaseException) -> str:
+    """The first rank's underlying error, in a few words: an OSError's message and file, else its type and text."""
+    failures = sorted(err.failures.items()) if isinstance(err, CheckpointException) else [(_rank(), (err, None))]
+    for rank, (exc, _) in failures:
+        if isinstance(exc, OSError):
+            where = f" writing {os.path.basename(exc.filename)}" if exc.filename else ""
+            return f"{exc.strerror or exc} (errno {errno.errorcode.get(exc.errno, exc.errno)}{where} on rank {rank})"
+    rank, (exc, _) = failures[0]
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (rank {rank})"
 
 
 def save(directory: str, step: int, par, optimizer: torch.optim.Optimizer, scheduler, data, config,
@@ -380,17 +494,184 @@ def complete_checkpoints(directory: str) -> list[str]:
 
 
 def newest(directory: str) -> tuple[str | None, str]:
-    """The newest complete checkpoint (or None) and one line saying what resume will do."""
-    done = complete_checkpoints(directory)
+    """The newest intact checkpoint (or None) and one line saying what resume will do: which newer ones it skips
+    and why, and which unfinished saves it ignores."""
+    path, skipped = _newest_intact_and_skipped(directory)
+    return path, _resume_line(directory, path, skipped)
+
+
+def _resume_line(directory: str, path: str | None, skipped: list[tuple[str, str]], moved: str = "") -> str:
     unfinished = sorted(n for n in os.listdir(directory) if n.startswith(TMP_PREFIX + "step-")) \
         if os.path.isdir(directory) else []
-    if not done:
-        note = f"no complete checkpoint in {directory}: starting from step 0"
-    else:
-        note = f"resuming from {done[-1]}"
+    note = (f"resuming from {path}" if path else
+            f"no {'intact' if skipped else 'complete'} checkpoint in {directory}: starting from step 0")
+    if skipped:
+        note += f" (skipping {_skipped_words(skipped)}{moved})"
     if unfinished:
         note += f" (ignoring {', '.join(unfinished)}: a save that did not finish)"
-    return (done[-1] if done else None), note
+    return note
+
+
+def _newest_intact_and_skipped(directory: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint (or None), and the newer damaged ones with why each is."""
+    skipped = []
+    for candidate in reversed(_step_dirs(directory)):
+        if (why := _damage(candidate)) is None:
+            return candidate, skipped
+        skipped.append((candidate, why))
+    return None, skipped
+
+
+def _skipped_words(skipped: list[tuple[str, str]]) -> str:
+    return "; ".join(f"{os.path.basename(path)}: {why}" for path, why in skipped)
+
+
+def _step_dirs(directory: str) -> list[str]:
+    """Every `step-N` folder in `directory`, oldest first, complete or not (a rename made each: only damage, or a
+    hand, can have left one incomplete)."""
+    if not os.path.isdir(directory):
+        return []
+    found = sorted((int(m.group(1)), name) for name in os.listdir(directory) if (m := STEP_DIR.match(name)))
+    return [os.path.join(directory, name) for _, name in found]
+
+
+_INTACT: dict[str, tuple] = {}  # checkpoint -> the sizes and mtimes of its files when they were last verified
+
+
+def _damage(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted, in a few words naming the file, or None when each file its
+    `lab.json` lists has the size and sha256 it had when written. The files are hashed in threads (hashlib
+    releases the GIL); a checkpoint verified before, unchanged since, is not read again (ranks forked after the
+    launcher's check inherit its verdicts)."""
+    try:
+        files = _lab_info(path).get("files")
+    except CheckpointError as err:
+        return str(err)
+    if files is None:  # written before lab recorded checksums: nothing to check against
+        return None if os.path.exists(os.path.join(path, ".metadata")) else ".metadata is missing"
+    if not files:
+        return f"{LAB_FILE} lists no files"
+    stats = {}
+    for name, want in files.items():
+        try:
+            stats[name] = os.stat(os.path.join(path, name))
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if stats[name].st_size != want["bytes"]:
+            return f"{name} has {stats[name].st_size:,} bytes, {want['bytes']:,} were written"
+    signature = tuple((name, st.st_size, st.st_mtime_ns) for name, st in sorted(stats.items()))
+    if _INTACT.get(path) == signature:
+        return None
+    with ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:
+        digests = dict(zip(files, pool.map(_sha256, [os.path.join(path, name) for name in files]), strict=True))
+    for name, want in files.items():
+        if digests[name] != want["sha256"]:
+            return f"{name} is corrupt: its sha256 differs from the one recorded when it was written"
+    _INTACT[path] = signature
+    return None
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _lab_info(path: str) -> dict:
+    """The checkpoint's `lab.json`, or a CheckpointError saying, in a few words, what is wrong with it."""
+    try:
+        with open(os.path.join(path, LAB_FILE)) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{LAB_FILE} is missing (the manifest a save writes last)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{LAB_FILE} is not valid JSON ({err})") from None
+    if not isinstance(info, dict) or not {"step", "layout", "world", "config"} <= info.keys():
+        raise CheckpointError(f"{LAB_FILE} lacks step, layout, world or config")
+    return info
+
+
+def resume_from(directory: str, config, fresh: bool = False, move_damaged: bool = True) -> tuple[str | None, str]:
+    """The checkpoint `--resume` loads and the line that says so. Refuses (CheckpointError) when step folders
+    exist but none is intact, unless `fresh` (a run resubmitted with `--resume` would otherwise throw its work
+    away without a word), and when the checkpoint is another experiment's (`compatibility`). Damaged checkpoints
+    it skips are moved aside to `.damaged-step-N`: left in place, `--keep` would count them as the newest and
+    delete the good ones, and the next resume would skip them again (`move_damaged=False`: a check only)."""
+    path, skipped = _newest_intact_and_skipped(directory)
+    if path is None and skipped and not fresh:
+        raise CheckpointError(f"no intact checkpoint in {directory} to resume from ({_skipped_words(skipped)}); "
+                              f"pass --fresh to start from step 0 anyway, or restore a good copy")
+    compatible = compatibility(path, config) if path is not None else ""
+    for damaged, _ in skipped if move_damaged else []:
+        aside = os.path.join(directory, ".damaged-" + os.path.basename(damaged))
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(damaged, aside)
+    moved = f"; moved aside to .damaged-step-*{' (--fresh)' if path is None else ''}" if move_damaged and skipped \
+        else ""
+    return path, _resume_line(directory, path, skipped, moved) + compatible
+
+
+def check_resume(options: CheckpointOptions | None, config) -> None:
+    """What `--resume` will refuse, refused before any rank starts (one line, exit 2, not a rank's traceback)."""
+    if options is not None and options.resume:
+        resume_from(options.dir, config, options.fresh, move_damaged=False)  # rank 0 moves them, and says so
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def compatibility(path: str, config) -> str:
+    """What this run changes from the checkpoint's run, with its consequence ("" when nothing: the layout is
+    `resume_note`'s); a CheckpointError naming each differing field and tensor when it is another model,
+    precision or data stream."""
+    info = _lab_info(path)  # intact: `newest` checked it
+    saved, now, step = _leaves(info["config"]), _leaves(config.to_dict()), info["step"]
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k] and k != "model.name"}
+    refused = [k for k in changed if k.startswith(MUST_MATCH)]
+    if refused:
+        fields = ", ".join(f"{k} {changed[k][0]}->{changed[k][1]}" for k in refused)
+        raise CheckpointError(f"{path} is another experiment's: this run changes {fields}{_tensor_diff(path, config)}"
+                              f"; a resume may change only the layout, steps, lr schedule, global batch and "
+                              f"training knobs (weight decay, clipping, kernels): point --checkpoint-dir at a new "
+                              f"directory for a new experiment")
+    allowed = [k for k in changed if not k.startswith("parallel.") or k.removeprefix("parallel.")
+               not in layout_of(config.parallel)]
+    if not allowed:
+        return ""
+    schedule = [k for k in allowed if k in SCHEDULE]
+    parts = [", ".join(f"{k} {changed[k][0]}->{changed[k][1]}" for k in schedule)
+             + f" (the lr schedule is recomputed from them: from step {step + 1} the lr follows the new one)"
+             ] if schedule else []
+    if "train.global_batch" in allowed:
+        parts.append(f"train.global_batch {changed['train.global_batch'][0]}->{changed['train.global_batch'][1]} "
+                     f"(from step {step + 1} each step reads {changed['train.global_batch'][1]} sequences, not the "
+                     f"ones the saved run would have read; the lr is not rescaled)")
+    parts += [f"{k} {changed[k][0]}->{changed[k][1]}" for k in allowed
+              if k not in SCHEDULE and k != "train.global_batch"]
+    return f"; this run changes {', '.join(parts)}"
+
+
+def _tensor_diff(path: str, config) -> str:
+    """The model tensors only the checkpoint has, only this model needs, or of another shape: a count and the
+    first one of each."""
+    from lab.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(config.model)
+    need = {f"model.{name}": tuple(p.shape) for name, p in model.named_parameters()}
+    have = {k: tuple(md.size) for k, md in _read_metadata(path).state_dict_metadata.items()
+            if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    parts = []
+    for what, keys in (("only in the checkpoint", sorted(have.keys() - need.keys())),
+                       ("missing from it", sorted(need.keys() - have.keys())),
+                       ("of another shape", sorted(k for k in need.keys() & have.keys() if need[k] != have[k]))):
+        if keys:
+            shape = f" {have[keys[0]]} vs {need[keys[0]]}" if what == "of another shape" else ""
+            parts.append(f"{len(keys)} tensor(s) {what} (first: {keys[0]}{shape})")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def load(path: str, par, optimizer: torch.optim.Optimizer, scheduler, data, config,
@@ -407,15 +688,20 @@ def load(path: str, par, optimizer: torch.optim.Optimizer, scheduler, data, conf
     with_scaler = scaler is not None and scaler.enabled and any(k.startswith("scaler") for k in saved)
     if with_scaler:
         state["scaler"] = None
-    with open(os.path.join(path, LAB_FILE)) as f:
-        saved_world = json.load(f)["world"]
+    try:
+        saved_world = _lab_info(path)["world"]
+    except CheckpointError as err:
+        raise CheckpointError(f"{path}: {err}") from None
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_key = f"rng.rank{_rank()}"
     if saved_world == world:
         state[rng_key] = torch.get_rng_state()
     with _quiet_single_process():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_BoxLoadPlanner(boxes),
-                 no_dist=not dist.is_initialized())
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_BoxLoadPlanner(boxes),
+                     no_dist=not dist.is_initialized())
+        except CheckpointException as err:  # a file changed after it was verified, or a model that does not fit
+            raise CheckpointError(f"could not load {path}: {_cause(err)}") from None
     apply()
     scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
@@ -436,9 +722,24 @@ def resume_note(meta: dict, config) -> str | None:
     changed = ", ".join(f"{k} {meta['layout'][k]}->{now[k]}" for k in now if meta["layout"].get(k) != now[k])
     note = f"resharded ({changed}): model and optimizer state are exact"
     if meta["layout"]["dp"] != now["dp"]:
-        note += ("; the data stream continues at the same global batch, but each dp rank now reads other rows "
-                 "of it")
+        note += "; each dp rank now reads other rows of each global batch"
     return note
+
+
+def _decided_by_rank_0(decide: Callable[[], tuple]) -> tuple:
+    """What rank 0 decides, given to every rank (each rank reading and hashing the same files would multiply the
+    I/O by the world size); rank 0's CheckpointError is raised on every rank."""
+    result: list = [None]
+    if _rank() == 0:
+        try:
+            result = [decide()]
+        except CheckpointError as err:
+            result = [err]
+    if dist.is_initialized():
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], CheckpointError):
+        raise result[0]
+    return result[0]
 
 
 class Checkpointer:
@@ -454,7 +755,7 @@ class Checkpointer:
         """Load the newest complete checkpoint if asked to; return the step to continue from."""
         if not self.options.resume:
             return 0
-        path, note = newest(self.options.dir)
+        path, note = _decided_by_rank_0(lambda: resume_from(self.options.dir, self.config, self.options.fresh))
         step = 0
         if path is not None:
             meta = load(path, par, optimizer, scheduler, data, self.config, self.scaler)
@@ -488,16 +789,34 @@ class Checkpointer:
 
 def _read_metadata(path: str):
     if not os.path.exists(os.path.join(path, ".metadata")):
-        raise ValueError(f"{path} is not a complete checkpoint (no .metadata); complete ones: "
-                         f"{', '.join(complete_checkpoints(path)) or 'none'}")
-    return dcp.FileSystemReader(path).read_metadata()
+        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata); {_newest_intact(path)}")
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, ValueError) as err:
+        raise CheckpointError(f"{path}: .metadata is unreadable ({type(err).__name__}: {err}); "
+                              f"{_newest_intact(path)}") from None
+
+
+def _newest_intact(path: str) -> str:
+    """The newest intact checkpoint beside `path` (or in it, when it is a directory of checkpoints), as words."""
+    others = [p for p in _step_dirs(path) or _step_dirs(os.path.dirname(os.path.abspath(path)))
+              if os.path.abspath(p) != os.path.abspath(path)]
+    good = next((p for p in reversed(others) if _damage(p) is None), None)
+    return f"the newest intact checkpoint is {good}" if good else "no intact checkpoint is left beside it"
 
 
 def inspect(path: str) -> str:
-    """What a checkpoint holds: its step, the layout that wrote it, each tensor's full shape, dtype and bytes."""
+    """What a checkpoint holds: its step, the layout that wrote it, each tensor's full shape, dtype and bytes,
+    and whether its files are intact (a CheckpointError naming the damaged file and the step when not)."""
+    if not os.path.exists(os.path.join(path, LAB_FILE)):
+        _read_metadata(path)  # neither it nor .metadata: "not a complete checkpoint"
+    try:
+        info = _lab_info(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{path}: {err}; {_newest_intact(path)}") from None
+    if (why := _damage(path)) is not None:
+        raise CheckpointError(f"{path} (step {info['step']}) is damaged: {why}; {_newest_intact(path)}")
     metadata = _read_metadata(path)
-    with open(os.path.join(path, LAB_FILE)) as f:
-        info = json.load(f)
     layout = ", ".join(f"{k}={v}" for k, v in info["layout"].items())
     lines = [f"{path}: step {info['step']}, saved by {info['world']} rank(s) [{layout}], "
              f"model {info['config']['model']['name']}"]
@@ -512,6 +831,9 @@ def inspect(path: str) -> str:
             lines.append(f"  {fqn:<44} (object)")
     on_disk = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
     lines.append(f"tensors: {total:,} bytes ({total / 1e9:.3f} GB); files on disk: {on_disk:,} bytes")
+    files = info.get("files")
+    lines.append(f"files: {len(files)} intact (size and sha256 as written)" if files is not None else
+                 "files: not verified (saved before lab recorded checksums)")
     return "\n".join(lines)
 
 
@@ -559,8 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     hf.add_arguments(convert, target)
     args = p.parse_args(argv)
     path = args.dir
-    if not os.path.exists(os.path.join(path, ".metadata")) and complete_checkpoints(path):
-        path = complete_checkpoints(path)[-1]  # a checkpoint directory: its newest checkpoint
+    if not any(os.path.exists(os.path.join(path, name)) for name in (".metadata", LAB_FILE)) and _step_dirs(path):
+        path = _step_dirs(path)[-1]  # a checkpoint directory: its newest checkpoint (intact or not: say which)
     try:
         if args.command == "inspect":
             print(inspect(path))

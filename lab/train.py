@@ -34,7 +34,7 @@ from torch import nn
 
 from lab import distributed as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
-from lab.checkpoint import Checkpointer, CheckpointOptions, newest
+from lab.checkpoint import Checkpointer, CheckpointOptions, check_resume, newest
 from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
 from lab.dryrun import dry_run
@@ -115,8 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--async-checkpoint", action="store_true", help="write checkpoints in the background "
                       "(DCP async_save): training waits only for the copy to CPU memory")
     ckpt.add_argument("--keep", type=int, default=0, metavar="K", help="keep the newest K checkpoints (0: all)")
-    ckpt.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
-                      "--checkpoint-dir, at this run's layout (which may differ from the one that saved it)")
+    ckpt.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in "
+                      "--checkpoint-dir (naming newer damaged ones it skips), at this run's layout (which may differ "
+                      "from the one that saved it); refuses another model, precision or data stream, and step "
+                      "folders none of which is intact")
+    ckpt.add_argument("--fresh", action="store_true", help="with --resume: start from step 0 when no checkpoint in "
+                      "--checkpoint-dir is intact, instead of refusing")
     faults = p.add_argument_group("failures and restarts (lab.faults)")
     faults.add_argument("--inject-failure", metavar=USAGE, help="make rank R fail in step S, before its optimizer "
                         "step: raise an error (default), SIGKILL itself, or hang (first attempt only)")
@@ -492,6 +496,7 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
     if nproc != config.parallel.world_size:
         p = config.parallel
         raise ValueError(f"nproc={nproc} must equal dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
+    check_resume(checkpoint, config)  # a damaged or foreign checkpoint: one line now, not a traceback per rank
     if nproc == 1 and inject is None and not max_restarts:  # a failure on purpose runs in a rank of its own
         return train_worker(config, log_path, verbose, checkpoint, on_step=on_step)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
@@ -518,11 +523,12 @@ def _check_faults(config: Config, checkpoint: CheckpointOptions | None, inject: 
 
 def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions | None:
     if args.checkpoint_dir is None:
-        if args.resume or args.checkpoint_every or args.keep or args.async_checkpoint:
-            raise ValueError("--resume, --checkpoint-every, --keep and --async-checkpoint need --checkpoint-dir")
+        if args.resume or args.fresh or args.checkpoint_every or args.keep or args.async_checkpoint:
+            raise ValueError("--resume, --fresh, --checkpoint-every, --keep and --async-checkpoint need "
+                             "--checkpoint-dir")
         return None
     return CheckpointOptions(args.checkpoint_dir, args.checkpoint_every, args.keep, args.resume,
-                             args.async_checkpoint)
+                             args.async_checkpoint, args.fresh)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,9 @@ config cut to two layers, trained four steps."""
 
 import contextlib
 import dataclasses
+import errno
+import hashlib
+import json
 import multiprocessing as mp
 import os
 import random
@@ -23,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lab import checkpoint, train
 from lab import distributed as lab_dist
@@ -144,22 +148,51 @@ def _record_loaded_state(directory: str) -> None:
     Checkpointer.resume = resume
 
 
-def _rank_trains(config: Config, options: CheckpointOptions, kill: Kill | None, loaded: str | None) -> list[float]:
+class _FullDiskFile:
+    """A checkpoint file on a full disk: every write fails with ENOSPC, which (like the real one) names no file."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def _full_disk_at(step: int) -> Callable:
+    """DCP's file system with the disk full from the save of `step` on (the writer monkeypatched, nothing
+    mounted: the test does not depend on the machine)."""
+    original = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(fs, path, mode):
+        with original(fs, path, mode) as stream:
+            yield _FullDiskFile(stream) if _name(step) in str(path) and "w" in mode else stream
+
+    return create_stream
+
+
+def _rank_trains(config: Config, options: CheckpointOptions, kill: Kill | None, loaded: str | None,
+                 full_disk: int | None = None) -> list[float]:
     if loaded is not None:
         _record_loaded_state(loaded)
+    if full_disk is not None and dist.get_rank() == 1:
+        FileSystem.create_stream = _full_disk_at(full_disk)
     if kill is not None:  # after: a kill at resume comes once the loaded state is recorded
         kill.arm()
     return [entry.loss for entry in train.train_worker(config, None, False, options)]
 
 
 def _train(layout: str, ckpt, every: int = 0, keep: int = 0, resume: bool = False, asynchronous: bool = False,
-           kill: Kill | None = None, loaded=None) -> list[float]:
+           kill: Kill | None = None, loaded=None, full_disk: int | None = None) -> list[float]:
     """Train `layout` for STEPS steps with checkpoints in `ckpt`; rank 0's losses of the steps it made (after a
-    resume: those after the checkpoint's step)."""
+    resume: those after the checkpoint's step). `full_disk`: rank 1's disk is full from the save of that step."""
     config = _config(layout)
     options = CheckpointOptions(str(ckpt), every, keep, resume, asynchronous)
     return lab_dist.run(_rank_trains, config.parallel.world_size, config, options, kill,
-                        loaded and str(loaded), timeout_s=120)[0]
+                        loaded and str(loaded), full_disk, timeout_s=120)[0]
 
 
 def _train_killed(kill: Kill, layout: str, ckpt, **options) -> None:
@@ -311,6 +344,153 @@ def test_async_checkpoints_hold_the_same_state(trained, tmp_path):
     assert _train("dp2", ckpt, every=2, asynchronous=True) == reference
     for step in (2, 4):
         _assert_same(_tensors(ckpt / _name(step)), _tensors(source / _name(step)), _name(step))
+        _assert_manifest_is_the_files(ckpt / _name(step))  # hashed in the background writer's thread
+
+
+def _assert_manifest_is_the_files(path) -> None:
+    """lab.json lists every file of the checkpoint but itself, with its size and sha256."""
+    files = json.loads((path / "lab.json").read_text())["files"]
+    assert sorted(files) == sorted(n for n in os.listdir(path) if n != "lab.json")
+    for name, recorded in files.items():
+        data = (path / name).read_bytes()
+        assert recorded == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+# --- damaged, foreign and unwritable checkpoints: one line each -----------------------------------------------
+
+
+def _flip(path, count: int = 64) -> None:
+    """Flip `count` bytes in the middle of a file (of a .distcp shard: inside a tensor's bytes)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(data)
+
+
+DAMAGE = {  # how: (what it does to a checkpoint folder, the words that name it)
+    "flipped": (lambda d: _flip(d / "__1_0.distcp"), "__1_0.distcp is corrupt: its sha256 differs"),
+    "truncated": (lambda d: os.truncate(d / "__0_0.distcp", 1000), "__0_0.distcp has 1,000 bytes"),
+    "missing shard": (lambda d: os.remove(d / "__1_0.distcp"), "__1_0.distcp is missing"),
+    "garbage metadata": (lambda d: (d / ".metadata").write_bytes(b"garbage"), ".metadata has 7 bytes"),
+    "missing lab.json": (lambda d: os.remove(d / "lab.json"), "lab.json is missing"),
+}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_inspect_and_resume_name_a_damaged_file(trained, tmp_path, capsys, how):
+    """Each kind of damage to the newest checkpoint: `inspect` refuses it in one line naming the file, the step
+    and the newest intact checkpoint; resume skips it, saying which and why."""
+    source, _ = trained("dp2")
+    for step in (2, 4):
+        shutil.copytree(source / _name(step), tmp_path / _name(step))
+    assert checkpoint.main(["inspect", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.endswith("files: 3 intact (size and sha256 as written)\n")
+    damage, words = DAMAGE[how]
+    damage(tmp_path / _name(4))
+    assert checkpoint.main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and str(tmp_path / _name(4)) in err, err
+    assert f"the newest intact checkpoint is {tmp_path / _name(2)}" in err and ("step 4" in err or how ==
+                                                                                 "missing lab.json"), err
+    path, note = checkpoint.newest(str(tmp_path))
+    assert path == str(tmp_path / _name(2)) and f"(skipping {_name(4)}: {words}" in note, note
+
+
+def test_flipped_bytes_are_skipped_and_the_run_goes_on_exactly(trained, tmp_path, capfd):
+    """The issue's case: 64 flipped bytes in a shard of the newest checkpoint. The resumed run says it skips it,
+    moves it aside (else --keep would count it as the newest), and resumes from the one before it, exactly."""
+    source, reference = trained("dp2")
+    for step in (2, 4):
+        shutil.copytree(source / _name(step), tmp_path / _name(step))
+    _flip(tmp_path / _name(4) / "__1_0.distcp")
+    capfd.readouterr()
+    assert _train("dp2", tmp_path, every=2, resume=True) == reference[2:]
+    out = capfd.readouterr().out
+    assert (f"checkpoint: resuming from {tmp_path / _name(2)} (skipping {_name(4)}: __1_0.distcp is corrupt: its "
+            f"sha256 differs from the one recorded when it was written; moved aside to .damaged-step-*)\n") in out
+    assert sorted(os.listdir(tmp_path)) == [f".damaged-{_name(4)}", _name(2), _name(4)]
+    _assert_same(_tensors(tmp_path / _name(4)), _tensors(source / _name(4)), "the step-4 checkpoint saved again")
+
+
+def _main(ckpt, *flags: str) -> int:
+    return train.main(["--config", "configs/tiny.toml", "--set", "model.n_layers=2", "--steps", str(STEPS),
+                       "--checkpoint-dir", str(ckpt), "--quiet", *flags])
+
+
+def test_no_intact_checkpoint_refuses_unless_fresh(trained, tmp_path, capsys):
+    """Step folders, none intact: --resume refuses in one line naming each and why (exit 2) instead of starting
+    from step 0; --fresh starts from step 0 and says so. No step folder at all (a first run): step 0, no flag."""
+    source, _ = trained("dp2")
+    for step in (2, 4):
+        shutil.copytree(source / _name(step), tmp_path / _name(step))
+    os.remove(tmp_path / _name(2) / "lab.json")
+    _flip(tmp_path / _name(4) / "__0_0.distcp")
+    assert _main(tmp_path, "--resume") == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and not captured.out, captured
+    assert (f"no intact checkpoint in {tmp_path} to resume from ({_name(4)}: __0_0.distcp is corrupt" in captured.err
+            and f"{_name(2)}: lab.json is missing" in captured.err and "pass --fresh" in captured.err), captured.err
+    assert _main(tmp_path, "--resume", "--fresh", "--checkpoint-every", "2") == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: no intact checkpoint in {tmp_path}: starting from step 0 (skipping {_name(4)}" in out
+    assert f"trained tiny (106,816 parameters) for {STEPS} steps" in out
+    assert checkpoint.newest(str(tmp_path))[0] == str(tmp_path / _name(STEPS))
+    assert _main(tmp_path / "new", "--resume", "--steps", "1") == 0
+    assert f"checkpoint: no complete checkpoint in {tmp_path / 'new'}: starting from step 0\n" in \
+        capsys.readouterr().out
+
+
+def test_resume_into_another_model_is_refused(trained, tmp_path, capsys):
+    """A 2-layer checkpoint resumed with 8 layers, another vocabulary, precision or data stream: one line naming
+    each differing field and the tensors that differ, before any rank starts. What a resume may change (steps,
+    lr, global batch, layout) is said in the line it prints, with what follows from it."""
+    source, _ = trained("dp2")
+    shutil.copytree(source / _name(2), tmp_path / _name(2))
+    for flags, words in [
+        (["--set", "model.n_layers=8"], ["model.n_layers 2->8", "54 tensor(s) missing from it (first: "
+                                                                  "model.layers.2."]),
+        (["--set", "model.vocab_size=512", "--set", "train.precision='bf16'"],
+         ["model.vocab_size 256->512, train.precision fp32->bf16", "2 tensor(s) of another shape (first: "
+                                                                   "model.output.weight (256, 64) vs (512, 64))"]),
+        (["--set", "train.seq_len=16", "--set", "train.seed=1"], ["train.seq_len 32->16", "train.seed 0->1"]),
+    ]:
+        assert _main(tmp_path, "--resume", "--nproc", "2", "--dp", "2", *flags) == 2
+        captured = capsys.readouterr()
+        assert captured.err.count("\n") == 1 and not captured.out, captured
+        assert f"{tmp_path / _name(2)} is another experiment's: this run changes " in captured.err
+        assert all(w in captured.err for w in [*words, "a resume may change only the layout, steps"]), captured.err
+    assert os.listdir(tmp_path) == [_name(2)]
+    assert _main(tmp_path, "--resume", "--steps", "3", "--set", "train.global_batch=16", "--set", "train.lr=1e-3") == 0
+    out = capsys.readouterr().out
+    assert ("this run changes train.steps 4->3, train.lr 0.003->0.001 (the lr schedule is recomputed from them: "
+            "from step 3 the lr follows the new one), train.global_batch 8->16 (from step 3 each step reads 16 "
+            "sequences") in out, out
+    assert "for 1 steps" in out
+
+
+def test_disk_full_in_a_save_is_one_line_and_keeps_the_previous_checkpoint(trained, tmp_path, capsys, monkeypatch):
+    """The disk fills during the save of step 4 (ENOSPC from the writer: monkeypatched). Single process: one
+    error line naming the cause, the file, and the checkpoint left intact; the partial save is removed. Two
+    ranks, asynchronous (the failure is in the background thread of rank 1): the same line is the rank's error.
+    A resume then continues from step 2 exactly."""
+    source, reference = trained("dp2")
+    monkeypatch.setattr(FileSystem, "create_stream", _full_disk_at(4))
+    assert _main(tmp_path / "single", "--checkpoint-every", "2") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (f"could not save step 4 to {tmp_path / 'single'}: No space left on device (errno ENOSPC writing "
+            f"__0_0.distcp on rank 0); the partial save .tmp-{_name(4)} was removed and the newest complete "
+            f"checkpoint, {_name(2)}, is untouched") in err, err
+    assert os.listdir(tmp_path / "single") == [_name(2)]
+    monkeypatch.undo()
+    ckpt = tmp_path / "dp2"
+    with pytest.raises(lab_dist.RankError) as failed:
+        _train("dp2", ckpt, every=2, asynchronous=True, full_disk=4)
+    assert (f"CheckpointError: could not save step 4 to {ckpt}: No space left on device (errno ENOSPC writing "
+            f"__1_0.distcp on rank 1); the partial save .tmp-{_name(4)} was removed and the newest complete "
+            f"checkpoint, {_name(2)}, is untouched") in failed.value.message, failed.value.message
+    assert os.listdir(ckpt) == [_name(2)]
+    assert _train("dp2", ckpt, every=2, resume=True) == reference[2:]
 
 
 # --- resharding -----------------------------------------------------------------------------------------------
@@ -402,6 +582,8 @@ def test_checkpoint_flags():
     args = train.build_parser().parse_args(["--checkpoint-dir", "d", "--checkpoint-every", "3", "--keep", "2",
                                             "--resume", "--async-checkpoint"])
     assert train._checkpoint_options(args) == CheckpointOptions("d", every=3, keep=2, resume=True, asynchronous=True)
+    args = train.build_parser().parse_args(["--checkpoint-dir", "d", "--resume", "--fresh"])
+    assert train._checkpoint_options(args) == CheckpointOptions("d", resume=True, fresh=True)
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
@@ -410,3 +592,6 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "not a complete checkpoint" in err
     assert train.main(["--resume"]) == 2
     assert "need --checkpoint-dir" in capsys.readouterr().err
+    assert train.main(["--checkpoint-dir", str(tmp_path), "--fresh"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fresh goes with --resume" in err

@@ -21,6 +21,11 @@ falls, hold fewer elements (calc's `zero_rank`). The comparison is in the calc p
 The two are independent accounts of the same layout — one
 counts tensors that exist, the other multiplies out a formula — so they must agree to the byte; a difference is a
 bug in one of them.
+
+The report ends with a verdict for the layout's fullest rank (calc's fullest pipeline stage, first place of its
+ZeRO group), whichever rank was built: whether its static bytes and activations fit the accelerator the config
+names (`train.hardware`), "fits on h100: 71.2 of 80 GiB" or "does not fit on h100: 11.1 GiB over". It is a
+verdict, not an error: the exit status stays 0 (1 only when the two accounts disagree).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lab.calc.memory import estimate_memory, training_precision
+from lab.calc.hardware import GiB, get_accelerator
+from lab.calc.memory import MemoryEstimate, estimate_memory, training_precision
 from lab.config import Config, check_supported
 from lab.distributed.mesh import AXES, GROUPS
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
@@ -53,6 +59,23 @@ class DryRun:
     estimated: dict[str, int]  # bytes from lab.calc.memory for this rank's stage (and its activations)
     precision: str  # the calc.memory precision the measured dtypes correspond to
     seconds: float
+    fullest: MemoryEstimate  # calc.memory's estimate for the layout's fullest rank, whichever rank was built
+
+    @property
+    def headroom(self) -> int:
+        """Bytes the fullest rank leaves free on `train.hardware`; negative when it needs that much more."""
+        return self.fullest.headroom(get_accelerator(self.config.train.hardware).memory_bytes)
+
+    def verdict(self) -> str:
+        """One line: whether the fullest rank fits the config's accelerator, and by how much."""
+        hardware, est = self.config.train.hardware, self.fullest
+        total, capacity = est.per_gpu["total"], get_accelerator(hardware).memory_bytes
+        static = total - est.per_gpu["activations"]
+        where = (f"the fullest rank, pipeline stage {est.stage}: {static / GiB:.1f} GiB static + "
+                 f"{est.per_gpu['activations'] / GiB:.1f} GiB activations")
+        if self.headroom >= 0:
+            return f"fits on {hardware}: {total / GiB:.1f} of {capacity / GiB:.0f} GiB ({where})"
+        return f"does not fit on {hardware}: {-self.headroom / GiB:.1f} GiB over ({where})"
 
     @property
     def mismatches(self) -> list[str]:
@@ -85,6 +108,7 @@ class DryRun:
                      f"flash attention), micro-batch {mbs} x {c.train.seq_len} tokens")
         lines.append("static bytes agree exactly" if not self.mismatches else
                      f"static bytes differ in {', '.join(self.mismatches)}: a bug in the modules or in calc.memory")
+        lines.append(self.verdict())
         return "\n".join(lines)
 
 
@@ -148,7 +172,8 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
     seconds = time.perf_counter() - start
     mbs = config.train.global_batch // (p.dp * p.grad_accum)
     precision, fp32_grad_accum = training_precision(config.train.precision, config.train.reduce_dtype)
-    estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, precision=precision,
-                               fp32_grad_accum=fp32_grad_accum, stage=coords["pp"],
-                               zero_rank=groups["dp_cp"].index(rank), flash=True)  # SDPA's fused kernel on a GPU
-    return DryRun(config, rank, coords, groups, measured, estimate.per_gpu, precision, seconds)
+    kw = {"precision": precision, "fp32_grad_accum": fp32_grad_accum, "flash": True}  # SDPA's fused kernel on a GPU
+    estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, stage=coords["pp"],
+                               zero_rank=groups["dp_cp"].index(rank), **kw)
+    fullest = estimate_memory(config.model, config.train.seq_len, mbs, p, **kw)  # the fullest stage, ZeRO place 0
+    return DryRun(config, rank, coords, groups, measured, estimate.per_gpu, precision, seconds, fullest)

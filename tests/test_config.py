@@ -40,12 +40,20 @@ def test_overrides_take_toml_values():
     (["train.seq_len=512"], "seq_len=512 must be <= max_seq_len=256"),
     (["steps=3"], "must look like section.field=value"),
     (["optim.lr=1"], "unknown config section(s) ['optim']"),
+    (["train.warmup_steps=21"], "warmup_steps=21 must be between 0 and steps=20"),
+    (["train.steps=1"], "warmup_steps=2 must be between 0 and steps=1"),
+    (["train.hardware='h800'"], "hardware='h800' must be one of 'h100', 'h200', 'a100'"),
 ])
 def test_invalid_configs_fail_with_one_clear_line(overrides, message):
     with pytest.raises(ValueError) as err:
         load_config("configs/tiny.toml", overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_warm_up_as_long_as_the_run_is_accepted():
+    """The boundary of the rule above: the peak learning rate is reached at the last step (benchmarks do this)."""
+    assert load_config("configs/tiny.toml", ["train.warmup_steps=20"]).train.warmup_steps == 20
 
 
 def test_missing_and_malformed_files(tmp_path):

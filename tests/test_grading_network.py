@@ -20,7 +20,7 @@ import pytest
 from lab.grading import checks, sandbox
 from lab.grading.confine import isolation, network_layer
 from lab.grading.notebook import answer_parts, read
-from lab.grading.runner import run_exercise
+from lab.grading.runner import NETWORK_HINT, run_exercise
 from lab.grading.sandbox import CallError, Limits, Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,14 +180,17 @@ def test_an_unprivileged_user_namespace_keeps_ranks_working(listeners, monkeypat
 ORACLE = "08b.checkpoint_interval"
 
 
-def _oracle_cell(port: int) -> str:
-    """A submission with no formula in it: each function asks a server outside the sandbox."""
+def _oracle_cell(port: int, quiet: bool = False) -> str:
+    """A submission with no formula in it: each function asks a server outside the sandbox (`quiet`: and answers 1.0
+    when the server cannot be reached, so that no error reaches the grader)."""
     entry = checks.get(ORACLE).entry
     lines = ["import json, socket",
              "def _ask(name, *args):",
+             "  try:" if quiet else "  if True:",
              f"    with socket.create_connection(('127.0.0.1', {port}), timeout=5) as s:",
              "        s.sendall(json.dumps([name, args]).encode() + b'\\n')",
-             "        return json.loads(s.makefile().readline())"]
+             "        return json.loads(s.makefile().readline())",
+             *(["  except OSError:", "    return 1.0"] if quiet else [])]
     lines += [f"def {name}(*args):\n    return _ask({name!r}, *args)" for name in entry]
     return "\n".join(lines) + "\n"
 
@@ -205,18 +208,23 @@ def oracle() -> Iterator[Listeners]:
         server.close()
 
 
-def _grade_oracle(oracle: Listeners):
-    return run_exercise(checks.get(ORACLE), [("oracle", _oracle_cell(oracle.tcp_port))], secret="class-secret",
-                        hidden=True, wall_s=60)
+def _grade_oracle(oracle: Listeners, quiet: bool = False):
+    return run_exercise(checks.get(ORACLE), [("oracle", _oracle_cell(oracle.tcp_port, quiet))],
+                        secret="class-secret", hidden=True, wall_s=60)
 
 
 @needs_namespace
-def test_the_oracle_submission_scores_nothing(oracle):
-    result = _grade_oracle(oracle)
+@pytest.mark.parametrize("quiet", [False, True], ids=["raises", "catches_the_error"])
+def test_the_oracle_submission_scores_nothing(quiet, oracle):
+    """Its functions fail (or, catching the error, answer 1.0): each check says the network was blocked, and its
+    hint is about the network rather than about the exercise."""
+    result = _grade_oracle(oracle, quiet)
     assert result.points == 0, [(c.name, c.status, c.message) for c in result.checks]
     assert oracle.received == []
     for check in result.checks:
-        assert "blocked: graded code has no network (it tried to connect to 127.0.0.1" in check.message, check
+        assert "blocked: graded code has no network" in check.message and \
+            f"to connect to 127.0.0.1:{oracle.tcp_port}" in check.message, check
+        assert check.hint == NETWORK_HINT, check
 
 
 def test_control_without_the_namespace_the_oracle_scores_full_marks(oracle, monkeypatch):

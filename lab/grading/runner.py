@@ -21,6 +21,7 @@ from lab.grading.sandbox import CallError, ExerciseError, Sandbox, SandboxDied
 
 HANG_HINT = "your code did not return: the message names the line it was stopped at — a loop whose condition " \
             "never changes, a wait for something that never comes, or a lock taken again by the code that holds it"
+NETWORK_HINT = "graded code runs without a network (only its own loopback): compute the answer in your function"
 STOPPED_HINT = "your code ended the process that ran it (a crash, os._exit, or a limit): the message says which"
 KERNEL_CRASH_HINT = "mask every tl.load and tl.store whose lanes can pass the end of their tensor (mask=cols < " \
                     "n_cols), and check each address's strides: Triton's interpreter reads and writes raw memory"
@@ -112,6 +113,7 @@ class Sandboxes:
         self._box: Sandbox | None = None
         self._stopped: dict[str, CallStopped] = {}
         self._printed: list[str] = []
+        self._tried: list[str] = []  # what closed sandboxes' code tried to reach on the network
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if name in self._stopped:
@@ -135,7 +137,12 @@ class Sandboxes:
         if self._box is not None:
             self._box.close()
             self._printed.append(self._box.output())
+            self._tried += self._box.network_tried
             self._box = None
+
+    def network_tried(self) -> list[str]:
+        """Every attempt to reach the network (blocked) of the student's code so far, oldest first."""
+        return self._tried + (self._box.network_tried if self._box is not None else [])
 
     def output(self) -> str:
         """The last 4000 characters the student's code printed, over every sandbox the exercise used."""
@@ -201,7 +208,7 @@ def run_exercise(ex: Exercise, parts: Sequence[tuple[str, str]], *, secret: str 
     try:
         student = Student(box, ex.entry)
         for check in checks:
-            results.append(_run_check(ex, check, student, secret, stubs_hit))
+            results.append(_run_check(ex, check, student, box, secret, stubs_hit))
     except ExerciseError as error:
         box.close()
         result = not_graded(ex, error.reason, hidden, error.not_attempted)
@@ -219,9 +226,24 @@ def run_exercise(ex: Exercise, parts: Sequence[tuple[str, str]], *, secret: str 
     return ExerciseResult(ex.id, sum(c.points for c in checks), points, status, reason, results, box.output())
 
 
-def _run_check(ex: Exercise, check: Any, student: Student, secret: str | None, stubs_hit: list[str]) -> CheckResult:
-    """One check's verdict. A crash of the student's code replaces the check's hint (it was written for a wrong
-    answer, not a crash); the student's functions that still raise the released stub go to `stubs_hit`."""
+def _run_check(ex: Exercise, check: Any, student: Student, box: Sandboxes, secret: str | None,
+               stubs_hit: list[str]) -> CheckResult:
+    """One check's verdict, said of the network when the student's code reached for it during the check (the
+    sandbox has none, so that was the failure, even where the code caught the error and returned something)."""
+    tried = len(box.network_tried())
+    result = _check_verdict(ex, check, student, secret, stubs_hit)
+    attempts = box.network_tried()[tried:]
+    if attempts and result.status == "failed":
+        if "blocked: graded code has no network" not in result.message:
+            result.message += f" (blocked: graded code has no network, and it tried to {attempts[-1]})"
+        result.hint = NETWORK_HINT
+    return result
+
+
+def _check_verdict(ex: Exercise, check: Any, student: Student, secret: str | None,
+                   stubs_hit: list[str]) -> CheckResult:
+    """A crash of the student's code replaces the check's hint (it was written for a wrong answer, not a crash);
+    the student's functions that still raise the released stub go to `stubs_hit`."""
     def verdict(status: str, message: str = "", hint: str | None = None) -> CheckResult:
         points = check.points if status == "passed" else 0
         return CheckResult(check.name, check.points, points, status, message,

@@ -310,7 +310,7 @@ class Sandbox:
             raise ExerciseError("the sandbox's channel was tampered with (not a JSON object)")
         tried = message.get("network")
         if isinstance(tried, list):
-            self.network_tried += [str(t)[:200] for t in tried[:5] if str(t)[:200] not in self.network_tried]
+            self.network_tried += [str(t)[:200] for t in tried[:5]]  # per answer: each check learns of its own
         return message
 
     def _death(self) -> str:

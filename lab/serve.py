@@ -21,8 +21,10 @@ sampling; every rank runs the same engine on the same requests and samples the s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,12 +36,14 @@ from torch import nn
 
 from lab import distributed as lab_dist
 from lab.calc.hardware import device_accelerator
-from lab.checkpoint import newest, to_single_file
-from lab.config import Config, load_config
+from lab.checkpoint import LAB_FILE, newest, to_single_file
+from lab.config import Config, ParallelConfig, check_supported, load_config
 from lab.data import SyntheticTokens
+from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.inference.engine import EngineConfig, LLMEngine
 from lab.inference.sampling import SamplingParams
 from lab.model import Transformer, build_model, materialize
+from lab.outputs import check_output_file
 
 
 @dataclass
@@ -137,10 +141,14 @@ def tensor_parallel(model: Transformer, group: dist.ProcessGroup | None) -> nn.M
 
 
 def serve(config: Config, engine_config: EngineConfig, params: SamplingParams, requests: int,
-          prompt_len: tuple[int, int], checkpoint: str | None = None, tp: int = 1) -> tuple[ServeReport, list]:
-    """Serve `requests` prompts (on `tp` local ranks when tp > 1); the report and each request's tokens."""
+          prompt_len: tuple[int, int], checkpoint: str | None = None, tp: int = 1,
+          hang_timeout_s: float | None = HANG_TIMEOUT_S, time_limit_s: float | None = None) -> tuple[ServeReport, list]:
+    """Serve `requests` prompts (on `tp` local ranks when tp > 1); the report and each request's tokens. The ranks
+    are stopped when one makes no progress (every decode step all-gathers logits) for `hang_timeout_s`, and after
+    `time_limit_s` only if given: a long batch that progresses is not a hang."""
     if tp > 1:
-        results = lab_dist.run(_serve_rank, tp, config, engine_config, params, requests, prompt_len, checkpoint)
+        results = lab_dist.run(_serve_rank, tp, config, engine_config, params, requests, prompt_len, checkpoint,
+                               timeout_s=time_limit_s, hang_timeout_s=hang_timeout_s)
         return results[0]
     return _serve_rank(config, engine_config, params, requests, prompt_len, checkpoint)
 
@@ -222,8 +230,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("torch", "triton"), default="torch",
                    help="paged attention of decode steps: torch's gather, or chapter 09's Triton kernel")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (local gloo ranks on a CPU)")
+    p.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="SECONDS",
+                   help="with --tp: stop when a rank makes no progress for this long (default: %(default)g s)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="with --tp: stop after this long, progressing or not (default: no limit)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     return p
+
+
+def served_config(config: Config, checkpoint: str | None) -> Config:
+    """The config of the model that will be served: the checkpoint's own (as `load_model` uses it), else `config`.
+    A missing or incomplete checkpoint is one ValueError line here, before any weight is read."""
+    if checkpoint is None:
+        return config
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"--checkpoint {checkpoint}: no such directory (give a lab train --checkpoint-dir, or one "
+                         f"of its step-N directories)")
+    path = newest(checkpoint)[0] or checkpoint
+    if not all(os.path.exists(os.path.join(path, name)) for name in (".metadata", LAB_FILE)):
+        raise ValueError(f"--checkpoint {checkpoint}: no complete lab train checkpoint there (a step-N directory "
+                         f"holding .metadata and {LAB_FILE})")
+    with open(os.path.join(path, LAB_FILE)) as file:
+        return Config.from_dict(json.load(file)["config"])
+
+
+def check_request(config: Config, tp: int, prompt_len: tuple[int, int], max_tokens: int) -> None:
+    """Refuse, in one line, what the served model cannot do: a tensor-parallel layout lab train would refuse (the
+    rules' one home is lab.config), or sequences longer than its max_seq_len."""
+    layout = dataclasses.replace(config, parallel=ParallelConfig(tp=tp))
+    layout.validate()
+    check_supported(layout)
+    longest = prompt_len[1] + max_tokens
+    if longest > config.model.max_seq_len:
+        raise ValueError(f"--prompt-len MAX={prompt_len[1]} + --max-tokens={max_tokens} = {longest} tokens must be "
+                         f"<= the model's max_seq_len={config.model.max_seq_len}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,13 +278,23 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--prompt-len {lo} {hi}: need 1 <= MIN <= MAX")
         if args.tp < 1:
             raise ValueError(f"--tp={args.tp} must be >= 1")
+        for flag, value in (("--hang-timeout", args.hang_timeout), ("--time-limit", args.time_limit)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag}={value!r} must be a number of seconds > 0 (inf: no limit)")
         engine_config = EngineConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_batched_tokens,
                                      not args.no_chunked_prefill, not args.no_prefix_caching, args.attention)
         params = SamplingParams(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-        report, _ = serve(config, engine_config, params, args.requests, (lo, hi), args.checkpoint, args.tp)
+        check_request(served_config(config, args.checkpoint), args.tp, (lo, hi), args.max_tokens)
+        if args.json:
+            check_output_file(args.json, "--json")
+        report, _ = serve(config, engine_config, params, args.requests, (lo, hi), args.checkpoint, args.tp,
+                          args.hang_timeout, args.time_limit)
     except ValueError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    except lab_dist.RankError as err:  # which rank failed or hangs, and where: lab.distributed.run's report
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        return 1
     print(report.text())
     if args.json:
         with open(args.json, "w") as f:

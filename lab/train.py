@@ -37,9 +37,12 @@ from lab.calc.schedules import INTERLEAVED_CHUNKS
 from lab.checkpoint import Checkpointer, CheckpointOptions, check_resume, newest
 from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
+from lab.distributed import flight
+from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.dryrun import dry_run
 from lab.faults import USAGE, InjectedFailure
 from lab.model import MoE, build_model, moe_losses, num_params
+from lab.outputs import check_output_dir, check_output_file
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
 from lab.parallel.pp import cross_entropy
@@ -129,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "under torchrun, give torchrun --max-restarts instead)")
     faults.add_argument("--collective-timeout", type=float, metavar="SECONDS", help="how long a collective waits "
                         "for a missing rank before it fails (default: 30 s for --nproc, 1800 s under torchrun)")
+    faults.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="SECONDS",
+                        help="with --nproc: stop the run when a rank finishes no step and no collective for this "
+                        "long, naming it and where it hangs (default: %(default)g s; raise it when a checkpoint "
+                        "save or the first step takes longer)")
+    faults.add_argument("--time-limit", type=float, metavar="SECONDS", help="with --nproc: stop the run after this "
+                        "long, progressing or not (default: no limit)")
     group = p.add_argument_group("parallelism (the fields of [parallel]; each flag sets one)")
     for spec in dataclasses.fields(ParallelConfig):
         flag, meta = spec.metadata.get("flag", "--" + spec.name.replace("_", "-")), spec.metadata
@@ -310,6 +319,9 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             scaler.unscale_(par.parameters())  # fp16: divide by the scale; all ranks agree on any inf/nan
             norm = clip_grad_norm(par.parameters(), train.grad_clip)
             lr = scheduler.get_last_lr()[0]
+            if non_finite(loss.item(), norm.item(), scaler.enabled) is not None:  # every rank holds the same two
+                logs.append(StepLog(step + 1, loss.item(), lr, norm.item(), math.nan, None))
+                break  # before the update, which would write nan into every weight: `run` says so
             if inject is not None:  # gradients reduced, update not made: the step is lost
                 inject.maybe_fire(rank, step + 1)
             stepped = scaler.step(optimizer)  # fp16: skipped when a gradient overflowed
@@ -329,6 +341,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
                 log_file.write(json.dumps(entry.as_dict()) + "\n")
                 log_file.flush()
             progress(entry)
+            flight.heartbeat()  # a step is progress, whether or not the launcher saw its collectives
             if on_step is not None:  # e.g. a profiler's step(), so that it records chosen steps and not the set-up
                 on_step(entry)
             if checkpointer is not None:
@@ -476,17 +489,35 @@ def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tup
 
 def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True,
         checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None, max_restarts: int = 0,
-        collective_timeout_s: float | None = None, on_step: Callable[[StepLog], None] | None = None
-        ) -> list[StepLog]:
+        collective_timeout_s: float | None = None, on_step: Callable[[StepLog], None] | None = None,
+        hang_timeout_s: float | None = HANG_TIMEOUT_S, time_limit_s: float | None = None) -> list[StepLog]:
     """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched. A layout
     lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`).
 
     `inject` makes a rank fail on purpose (`lab.faults`); `max_restarts` starts the local ranks again after a
     failure, resuming from the newest checkpoint (under torchrun, torchrun's own `--max-restarts` does this).
     `collective_timeout_s` bounds how long a collective waits for a missing rank (the process group's timeout).
-    `on_step(log)` is called after every step, in every rank (benchmarks/gpu_lane.py steps a profiler with it)."""
+    `on_step(log)` is called after every step, in every rank (benchmarks/gpu_lane.py steps a profiler with it).
+    Local ranks are stopped when one makes no progress (finishes no step, no collective) for `hang_timeout_s`, and
+    after `time_limit_s` if given: a run that progresses has no time limit (`lab.distributed.run`).
+    Every output path is checked first, and a non-finite loss or gradient norm stops the run (`NonFiniteLoss`)."""
     check_supported(config)
     _check_faults(config, checkpoint, inject, max_restarts, collective_timeout_s)
+    _check_limits(hang_timeout_s, time_limit_s)
+    _check_outputs(log_path, checkpoint)
+    logs = _run(config, nproc, log_path, verbose, checkpoint, inject, max_restarts, collective_timeout_s, on_step,
+                hang_timeout_s, time_limit_s)
+    if logs and (reason := non_finite(logs[-1].loss, logs[-1].grad_norm, logs[-1].loss_scale is not None)):
+        raise NonFiniteLoss(f"step {logs[-1].step}: {reason}; stopped before its update (lower train.lr="
+                            f"{config.train.lr:g}, or look at the data and the model's numerics)")
+    return logs
+
+
+def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkpoint: CheckpointOptions | None,
+         inject: InjectedFailure | None, max_restarts: int, collective_timeout_s: float | None,
+         on_step: Callable[[StepLog], None] | None, hang_timeout_s: float | None, time_limit_s: float | None
+         ) -> list[StepLog]:
+    """`run` once its arguments are checked: train here, on local ranks, or in torchrun's group."""
     if lab_dist.launched_by_torchrun():
         lab_dist.init_from_env(**({} if collective_timeout_s is None else {"timeout_s": collective_timeout_s}))
         if dist.get_world_size() != config.parallel.world_size:
@@ -501,8 +532,34 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
         return train_worker(config, log_path, verbose, checkpoint, on_step=on_step)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
     return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, on_step, backend=backend,
-                        timeout_s=max(600.0, 10.0 * config.train.steps), max_restarts=max_restarts,
+                        timeout_s=time_limit_s, hang_timeout_s=hang_timeout_s, max_restarts=max_restarts,
                         **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm of a step was inf or nan: every later step would be nan too."""
+
+
+def non_finite(loss: float, grad_norm: float, loss_scaled: bool) -> str | None:
+    """What is not finite in a step ("loss nan, grad norm inf"), or None when it can go on. Under fp16's loss
+    scaling an inf/nan gradient is the scaler's business (it skips the step and lowers the scale), not a stop."""
+    if math.isfinite(loss) and (loss_scaled or math.isfinite(grad_norm)):
+        return None
+    return f"loss {loss:g}, grad norm {grad_norm:g}: both must be finite"
+
+
+def _check_limits(hang_timeout_s: float | None, time_limit_s: float | None) -> None:
+    for flag, value in (("--hang-timeout", hang_timeout_s), ("--time-limit", time_limit_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag}={value!r} must be a number of seconds > 0 (inf: no limit)")
+
+
+def _check_outputs(log_path: str | None, checkpoint: CheckpointOptions | None) -> None:
+    """Every path the run writes, checked before any rank starts: a bad one would fail at its first use."""
+    if log_path is not None:
+        check_output_file(log_path, "--log-json")
+    if checkpoint is not None:
+        check_output_dir(checkpoint.dir, "--checkpoint-dir")
 
 
 def _check_faults(config: Config, checkpoint: CheckpointOptions | None, inject: InjectedFailure | None,
@@ -555,9 +612,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         logs = run(config, nproc, args.log_json, verbose=not args.quiet, checkpoint=checkpoint, inject=inject,
-                   max_restarts=args.max_restarts, collective_timeout_s=args.collective_timeout)
+                   max_restarts=args.max_restarts, collective_timeout_s=args.collective_timeout,
+                   hang_timeout_s=args.hang_timeout, time_limit_s=args.time_limit)
     except ValueError as err:
         return _error_once(parser.prog, str(err))
+    except NonFiniteLoss as err:  # a run that diverged did not succeed: one line, and a failing exit status
+        _error_once(parser.prog, str(err))
+        return 1
     except lab_dist.RankError as err:
         print(f"{parser.prog}: {err}", file=sys.stderr)
         return 1

@@ -3,9 +3,11 @@
 import contextlib
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -13,7 +15,21 @@ import torch
 
 import lab.train
 from lab.config import load_config
-from lab.train import INTERLEAVED_CHUNKS, StepLog, build_parser, config_from_args, main, run, summary, throughput
+from lab.distributed import RankTimeout
+from lab.distributed.launch import HANG_TIMEOUT_S
+from lab.faults import InjectedFailure
+from lab.precision.loss_scale import DynamicLossScaler
+from lab.train import (
+    INTERLEAVED_CHUNKS,
+    NonFiniteLoss,
+    StepLog,
+    build_parser,
+    config_from_args,
+    main,
+    run,
+    summary,
+    throughput,
+)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -300,3 +316,79 @@ def test_model_seq_and_mbs_flags_speak_lab_calcs_vocabulary():
     assert (config.model.name, config.train.seq_len, config.train.global_batch, nproc) == ("tiny-moe", 64, 12, 2)
     with pytest.raises(ValueError, match=r"--mbs=3 and train.global_batch both set the batch size: give one"):
         config_from_args(build_parser().parse_args([*args, "--set", "train.global_batch=8"]))
+
+
+# --- no wall-clock limit, a progress watchdog instead (lab.distributed.run) -------------------------------------
+
+def test_nproc_runs_have_no_wall_clock_limit_unless_asked(monkeypatch):
+    """A 1000-step run died at max(600 s, 10 s x steps) = 10,000 s whatever its progress; now only a hang (no step
+    and no collective for --hang-timeout) stops it, and a wall-clock limit only when --time-limit asks for one."""
+    calls = []
+    monkeypatch.setattr(lab.train.lab_dist, "run", lambda *args, **kwargs: calls.append(kwargs) or [[]])
+    config = load_config("configs/tiny.toml", ["parallel.dp=2", "train.steps=1000"])
+    run(config, 2, verbose=False)
+    run(config, 2, verbose=False, hang_timeout_s=30, time_limit_s=7200)
+    assert [(kwargs["timeout_s"], kwargs["hang_timeout_s"]) for kwargs in calls] == [(None, HANG_TIMEOUT_S),
+                                                                                   (7200, 30)]
+
+
+def test_a_hung_rank_is_named_at_the_hang_timeout_not_the_collective_timeout():
+    config = load_config("configs/tiny.toml", ["parallel.dp=2", "train.steps=3"])
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as err:
+        run(config, 2, verbose=False, inject=InjectedFailure(1, 2, "hang"), collective_timeout_s=120,
+            hang_timeout_s=2)
+    assert err.value.rank == [1]
+    assert str(err.value).startswith("rank(s) [1] made no progress for hang_timeout_s=2 s")
+    assert "in maybe_fire" in err.value.traceback_text
+    assert time.monotonic() - start < 60  # far from the collective's 120 s
+
+
+# --- output paths are checked before any rank starts ------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, path, why", [
+    ("--checkpoint-dir", "{file}", "not a directory (a file is there)"),
+    ("--checkpoint-dir", "{file}/ckpt", "{file} is not a directory"),
+    ("--log-json", "{tmp}/missing/x.jsonl", "its directory {tmp}/missing does not exist"),
+    ("--log-json", "{tmp}", "is a directory; give a file path"),
+    ("--log-json", "{file}/x.jsonl", "{file} is not a directory"),
+    pytest.param("--log-json", "/sys/x.jsonl", "not writable (no file can be created in /sys): Permission denied",
+                 marks=pytest.mark.skipif(not os.path.isdir("/sys"), reason="Linux's /sys: unwritable, even by root"),
+                 id="unwritable"),
+])
+def test_a_bad_output_path_is_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch, flag, path, why):
+    """Formerly a checkpoint dir that is a file failed at the first save (hours in, on a real job), a log path in a
+    missing directory once the model was built. The checks work as root too (no permission bits involved)."""
+    monkeypatch.setattr(lab.train.lab_dist, "run", lambda *args, **kwargs: pytest.fail("ranks were started"))
+    (tmp_path / "file").write_text("")
+    names = {"file": str(tmp_path / "file"), "tmp": str(tmp_path)}
+    path, why = path.format(**names), why.format(**names)
+    assert main(["--config", "configs/tiny.toml", "--nproc", "2", "--quiet", flag, path]) == 2
+    err = capsys.readouterr().err
+    assert err == f"python -m lab.train: error: {flag} {path}: {why}\n"
+
+
+# --- a non-finite loss or gradient norm stops the run --------------------------------------------------------
+
+def test_a_non_finite_loss_or_norm_stops_at_its_step_with_one_line(capsys):
+    """lr=1e30 makes step 1's update blow the weights up: step 2's gradient norm is nan. The run used to go on to
+    the end printing `loss nan`, and exit 0."""
+    status = main(["--config", "configs/tiny.toml", "--steps", "6", "--quiet", "--set", "train.lr=1e30"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.startswith("python -m lab.train: error: step 2: loss ") and err.count("\n") == 1, err
+    assert "grad norm nan: both must be finite; stopped before its update (lower train.lr=1e+30" in err
+
+
+def test_a_non_finite_step_stops_every_rank_of_a_group():
+    config = load_config("configs/tiny.toml", ["parallel.dp=2", "train.steps=6", "train.lr=1e30"])
+    with pytest.raises(NonFiniteLoss, match="^step 2: loss .*, grad norm nan: both must be finite"):
+        run(config, 2, verbose=False)
+
+
+def test_fp16_overflow_is_still_skipped_not_stopped(monkeypatch):
+    """fp16's loss scaler owns an inf/nan gradient: a scale of 2^24 overflows the first steps, which it skips
+    while it halves the scale; the run goes on."""
+    monkeypatch.setattr(lab.train, "DynamicLossScaler", functools.partial(DynamicLossScaler, init_scale=2.0**24))
+    logs = run(load_config("configs/tiny.toml", ["train.steps=6", "train.precision='fp16'"]), 1, verbose=False)
+    assert len(logs) == 6 and logs[0].skipped and not math.isfinite(logs[0].grad_norm) and not logs[-1].skipped

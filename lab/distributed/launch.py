@@ -436,7 +436,7 @@ def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[
         others = sorted(set(failures) - {rank})
         tail = f" (then rank(s) {others} failed too)" if others else ""
         return RankError(f"rank {rank} {verb}{summary}{tail}", rank, tb)
-    diagnosis, collectives, odd = _collectives(stack_paths)
+    diagnosis, collectives, odd, _ = _collectives(stack_paths)
     rank = min(failures, key=lambda r: failures[r][0])
     if len(odd) == 1 and odd[0] in failures and not running:  # the recorders point at it: it called another op
         rank = odd[0]
@@ -456,8 +456,9 @@ def _stuck(suspects: list[int], running: list[int], finished: list[int], what: s
     collective are waiting for them); if all wait in one, those the flight recorders single out (they called
     another collective). `what` says how they are stuck ("did not finish within timeout_s=2 s")."""
     stacks = _dump_stacks(running, ranks, stack_paths)
-    waiting = [r for r in running if _innermost_frame_in_torch_distributed(stacks[r])]
-    diagnosis, collectives, odd = _collectives(stack_paths)
+    diagnosis, collectives, odd, inside = _collectives(stack_paths)
+    # in a collective: by its stack, or by its recorder (an async op's wait() is called from lab's code, not torch's)
+    waiting = [r for r in running if r in inside or _innermost_frame_in_torch_distributed(stacks[r])]
     # stuck outside torch.distributed; else, if all wait in it, those the recorders point at (a different op)
     culprits = [r for r in suspects if r not in waiting] or [r for r in odd if r in suspects] or suspects
     note = f", of which {waiting} wait in torch.distributed" if waiting and culprits != running else ""
@@ -465,19 +466,20 @@ def _stuck(suspects: list[int], running: list[int], finished: list[int], what: s
                        f"{diagnosis}", culprits, "\n".join([*stacks.values(), collectives]))
 
 
-def _collectives(stack_paths: list[str]) -> tuple[str, str, list[int]]:
+def _collectives(stack_paths: list[str]) -> tuple[str, str, list[int], list[int]]:
     """The flight recorder's diagnosis, as lines for the error message ("\ncollectives: rank 3 is in ..."), every
-    rank's last collectives (with the pointer to torch's own recorder on NCCL) for the details below it, and the
-    ranks the diagnosis points at. Read from the files the ranks keep next to their stacks: no help from a stuck
-    rank is needed."""
+    rank's last collectives (with the pointer to torch's own recorder on NCCL) for the details below it, the
+    ranks the diagnosis points at, and the ranks inside a collective now. Read from the files the ranks keep next
+    to their stacks: no help from a stuck rank is needed."""
     from lab.distributed import flight
     try:
         buffers, nccl = flight.read_all(Path(stack_paths[0]).parent)
     except (OSError, ValueError, struct.error) as error:  # a rank killed while it created its file
-        return f"\ncollectives: the flight recorder could not be read ({error})", "", []
+        return f"\ncollectives: the flight recorder could not be read ({error})", "", [], []
     hint = [flight.NCCL_HINT] if nccl else []
     diagnosis = "".join(f"\ncollectives: {line}" for line in flight.diagnose(buffers).splitlines())
-    return diagnosis, "\n".join([flight.tail(buffers), *hint]), flight.culprits(buffers)
+    inside = [rank for rank, entries in buffers.items() if entries and entries[-1].state == "entered"]
+    return diagnosis, "\n".join([flight.tail(buffers), *hint]), flight.culprits(buffers), inside
 
 
 def _dump_stacks(which: list[int], ranks: list, stack_paths: list[str], wait_s: float = 1.0) -> dict[int, str]:

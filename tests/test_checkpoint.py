@@ -435,18 +435,20 @@ def test_no_intact_checkpoint_refuses_unless_fresh(trained, tmp_path, capsys):
     assert f"checkpoint: no intact checkpoint in {tmp_path}: starting from step 0 (skipping {_name(4)}" in out
     assert f"trained tiny (106,816 parameters) for {STEPS} steps" in out
     assert checkpoint.newest(str(tmp_path))[0] == str(tmp_path / _name(STEPS))
-    assert _main(tmp_path / "new", "--resume", "--steps", "1") == 0
+    assert _main(tmp_path / "new", "--resume", "--steps", "2") == 0
     assert f"checkpoint: no complete checkpoint in {tmp_path / 'new'}: starting from step 0\n" in \
         capsys.readouterr().out
 
 
 def test_resume_into_another_model_is_refused(trained, tmp_path, capsys):
-    """A 2-layer checkpoint resumed with 8 layers, another vocabulary, precision or data stream: one line naming
+    """A 2-layer checkpoint resumed with 1 or 8 layers, another vocabulary, precision or data stream: one line naming
     each differing field and the tensors that differ, before any rank starts. What a resume may change (steps,
     lr, global batch, layout) is said in the line it prints, with what follows from it."""
     source, _ = trained("dp2")
     shutil.copytree(source / _name(2), tmp_path / _name(2))
     for flags, words in [
+        (["--set", "model.n_layers=1"], ["model.n_layers 2->1", "9 tensor(s) only in the checkpoint (first: "
+                                                                 "model.layers.1."]),  # the issue's: it trained
         (["--set", "model.n_layers=8"], ["model.n_layers 2->8", "54 tensor(s) missing from it (first: "
                                                                   "model.layers.2."]),
         (["--set", "model.vocab_size=512", "--set", "train.precision='bf16'"],

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lab.config import PRESETS as MODELS
+from lab.config import ModelConfig, ParallelConfig
+from lab.model import build_model, materialize
 from lab.parallel.optim import adamw
+from lab.parallel.parallelize import build_mesh, parallelize
 from lab.parallel.placement import Placement, place, placement_of
 from lab.precision.loss_scale import DynamicLossScaler
 from lab.precision.master import PRESETS, MasterWeights, MixedPrecisionPolicy
+from lab.precision.scheme import precision_scheme
 
 BF16 = MixedPrecisionPolicy.preset("bf16")
 STEPS, LR = 20, 1e-4
@@ -206,3 +212,55 @@ def test_policy_presets_and_validation():
         MixedPrecisionPolicy(torch.float32, torch.bfloat16)
     with pytest.raises(ValueError, match="torch.float32 given for param_dtype=torch.bfloat16"):
         MasterWeights(_model(torch.float32).parameters(), BF16)
+
+
+def _fp32_reference(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The single-process fp32 model of the same seed: the values every layout and precision starts from."""
+    return materialize(build_model(cfg), seed=seed)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp8-tilewise"])
+def test_masters_start_from_the_fp32_initial_values_bitwise(precision):
+    """Issue 33: the masters were the upcast of the already-rounded weights, so at step 0 they differed from the fp32
+    run's (an fp16 embedding by 9.7e-4 in norm). FSDP2's masters are the fp32 values themselves; so are lab's."""
+    cfg = MODELS["tiny"]
+    par = parallelize(cfg, None, ParallelConfig(), torch.device("cpu"), 3, 32, precision=precision_scheme(precision))
+    reference = dict(_fp32_reference(cfg, 3).named_parameters())
+    for name, param in par.model.named_parameters():
+        master = par.masters.master(param)
+        assert master.dtype == torch.float32
+        assert torch.equal(master, reference[name]), f"{name}: {(master - reference[name]).norm():.1e} off in norm"
+        assert torch.equal(param, reference[name].to(param.dtype)), name  # and the weights are those, rounded
+
+
+def test_zero3_pieces_start_from_their_slice_of_the_fp32_values():
+    """ZeRO-3 on 2 ranks (rank 1 of a fake process group: no other rank runs, its broadcast leaves values as they
+    are): each master is its piece's slice of the fp32 parameter, `flat_range` of its flattened value."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+
+    cfg = MODELS["tiny"]
+    parallel = ParallelConfig(dp=2, zero=3)
+    dist.init_process_group("fake", rank=1, world_size=2, store=dist.HashStore())
+    try:
+        par = parallelize(cfg, build_mesh(parallel), parallel, torch.device("cpu"), 5, 32,
+                          precision=precision_scheme("fp16"))
+        pieces = par.engine.named_parameters()
+    finally:
+        dist.destroy_process_group()
+    reference = dict(_fp32_reference(cfg, 5).named_parameters())
+    assert len(pieces) == len(par.masters.master_params) > 0
+    for name, piece in pieces:
+        start, end = piece.flat_range
+        assert torch.equal(par.masters.master(piece), reference[name].flatten()[start:end]), name
+
+
+def test_initial_values_must_be_those_the_weights_were_rounded_from():
+    weight = nn.Parameter(torch.tensor([0.1, 0.2]).half())
+    assert MasterWeights([weight], PRESETS["fp16"], [torch.tensor([0.1, 0.2])]).master_params[0].tolist() == \
+        pytest.approx([0.1, 0.2], abs=0, rel=1e-7)
+    with pytest.raises(ValueError, match=r"^initial\[0\] does not round to its parameter \(shape \(2,\)\)"):
+        MasterWeights([weight], PRESETS["fp16"], [torch.tensor([0.1, 0.3])])
+    with pytest.raises(ValueError, match=r"^initial\[0\] is torch.float16 \(2,\) for a parameter of shape \(2,\)"):
+        MasterWeights([weight], PRESETS["fp16"], [weight.detach()])
+    with pytest.raises(ValueError, match="initial has 0 tensors for 1 parameters"):
+        MasterWeights([weight], PRESETS["fp16"], [])

@@ -197,13 +197,28 @@ def _engine(model: nn.Module, mesh: Mesh | None, parallel: ParallelConfig, reduc
                               bucket_mb=parallel.bucket_mb, reduce_dtype=reduce_dtype)
 
 
+def initial_values(engine: DataParallel, fp32: dict[nn.Parameter, torch.Tensor]) -> list[torch.Tensor]:
+    """For each tensor the engine's optimizer updates, the fp32 value it was rounded from: its parameter's in
+    `fp32`, or for a ZeRO piece the slice `flat_range` of its full parameter's, flattened (`engine.full_of`)."""
+    full_of = getattr(engine, "full_of", {})
+    values = []
+    for tensor in engine.parameters():
+        if tensor in full_of:
+            start, end = tensor.flat_range
+            values.append(fp32[full_of[tensor]].reshape(-1)[start:end])
+        else:
+            values.append(fp32[tensor])
+    return values
+
+
 def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, device: torch.device,
                 seed: int, seq_len: int, loss: LossFn = cross_entropy,
                 precision: PrecisionScheme | None = None) -> Parallelized:
     """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process).
     `loss` is the loss on whole logits (a fused kernel may replace torch's); tensor parallelism, whose logits
     are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead. `precision` (default
-    fp32) says what the model computes in; the values start from the fp32 single-process ones, rounded."""
+    fp32) says what the model computes in; the weights are the fp32 single-process values, rounded, and their fp32
+    masters those values themselves."""
     precision = precision or precision_scheme("fp32")
     policy = precision.policy
     schedule = None
@@ -214,7 +229,11 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
     else:
         stages = [build_stage(cfg, mesh, parallel, 0, 1)]
     for stage in stages:
-        cast_model(materialize_local(stage, device, seed), policy)
+        materialize_local(stage, device, seed)
+    # the fp32 values, kept (not copied) across the cast for the masters to start from: FSDP2's contract
+    fp32 = {p: p.data for stage in stages for p in stage.parameters()} if policy.needs_master_weights else {}
+    for stage in stages:
+        cast_model(stage, policy)
         if precision.fp8 is not None:
             convert_to_fp8(stage, precision.fp8)
     model = nn.ModuleList(stages) if schedule is not None else stages[0]
@@ -232,7 +251,7 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
         boundary = Boundary(cfg.d_model, parallel.tp if parallel.sp else 1, next(model.parameters()).dtype)
         pipeline = Pipeline(stages, schedule, mesh.pp_group, loss_fn, boundary=boundary)
     engine = _engine(model, mesh, parallel, policy.reduce_dtype)  # after the pipeline: ZeRO's hooks see its calls
-    masters = MasterWeights(engine.parameters(), policy)
+    masters = MasterWeights(engine.parameters(), policy, initial_values(engine, fp32) if fp32 else None)
     coords = (mesh.dp_rank, mesh.dp, mesh.cp_rank, mesh.cp) if mesh is not None else (0, 1, 0, 1)
     batch = LocalBatch(*coords, layout_of(parallel.cp_impl), device, seq_len)
     return Parallelized(model, pipeline, engine, loss_fn, batch, mesh, masters, precision)

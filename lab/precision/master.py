@@ -15,7 +15,10 @@ The knobs carry the names of FSDP2's `MixedPrecisionPolicy` (torch.distributed.f
 
 `MasterWeights` works on whatever tensors it is given — whole parameters, TP shards, ZeRO's flat pieces — so
 the optimizer, which `lab.train` builds outside the data-parallel engines, is built over `master_params` in
-every layout. One step reads::
+every layout. The masters start from the fp32 values the model's weights were rounded from (`initial`), not from
+the rounded weights: FSDP2's contract, whose fp32 sharded parameter is the master and whose bf16 copy is made from
+it. Upcasting the rounded copy instead would start every master up to half an ulp away from the fp32 run's
+weights (2^-11 of each value in fp16, 2^-8 in bf16), a gap that no later step closes. One step reads::
 
     loss.backward()                 # per micro-batch; then grads_to_master() to accumulate in reduce_dtype
     masters.grads_to_master()       # the model's low-precision gradients added into the fp32 master gradients
@@ -88,20 +91,24 @@ def reduced_gradient(param: torch.Tensor) -> torch.Tensor | None:
 class MasterWeights:
     """fp32 master copies of a model's low-precision parameters, for the optimizer to update.
 
-    `params` are the tensors this rank updates, already in `policy.param_dtype`. Each master is a new fp32 leaf
-    carrying the model tensor's attributes (a TP placement, ZeRO's `decays`): `clip_grad_norm` and `adamw` read
-    them from whatever tensors they are given. Under an fp32 policy the masters are the parameters themselves —
-    no copy, no extra bytes, and both methods do nothing.
+    `params` are the tensors this rank updates, already in `policy.param_dtype`; `initial`, one fp32 tensor per
+    parameter, the values they were rounded from, which the masters copy (None: the parameters' own values,
+    upcast, exact only where those were representable). Each master is a new fp32 leaf carrying the model
+    tensor's attributes (a TP placement, ZeRO's `decays`): `clip_grad_norm` and `adamw` read them from whatever
+    tensors they are given. Under an fp32 policy the masters are the parameters themselves — no copy, no extra
+    bytes, and both methods do nothing.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], policy: MixedPrecisionPolicy) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], policy: MixedPrecisionPolicy,
+                 initial: Iterable[torch.Tensor] | None = None) -> None:
         self.policy = policy
         self.model_params = list(params)
         wrong = sorted({str(p.dtype) for p in self.model_params if p.dtype != policy.param_dtype})
         if wrong:
             raise ValueError(f"parameters in {', '.join(wrong)} given for param_dtype={policy.param_dtype}: cast "
                              "the model to param_dtype first")
-        self.master_params = [self._master(p) for p in self.model_params]
+        values = self.model_params if initial is None else _checked_initial(self.model_params, list(initial))
+        self.master_params = [self._master(p, v) for p, v in zip(self.model_params, values, strict=True)]
         self._masters = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
 
     def master(self, param: torch.Tensor) -> torch.Tensor:
@@ -109,10 +116,10 @@ class MasterWeights:
         and keeps state for, and what a checkpoint saves as the weight."""
         return self._masters[id(param)]
 
-    def _master(self, param: torch.Tensor) -> torch.Tensor:
+    def _master(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if not self.policy.needs_master_weights:
             return param
-        master = nn.Parameter(param.detach().float().clone())
+        master = nn.Parameter(value.detach().float().clone())
         # placement, decays: what the optimizer and the norm read (torch's own state is not in __dict__)
         master.__dict__.update({k: v for k, v in vars(param).items() if not k.startswith("_")})
         return master
@@ -161,3 +168,19 @@ class MasterWeights:
             return
         for param, master in zip(self.model_params, self.master_params, strict=True):
             param.copy_(master)
+
+
+@torch.no_grad()
+def _checked_initial(params: list[torch.Tensor], initial: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`initial` if it is one fp32 tensor per parameter that rounds to that parameter; ValueError, one line, if not:
+    masters started from other values would train another model than the one the weights hold."""
+    if len(initial) != len(params):
+        raise ValueError(f"initial has {len(initial)} tensors for {len(params)} parameters: give one per parameter")
+    for i, (param, value) in enumerate(zip(params, initial, strict=True)):
+        if value.dtype != torch.float32 or value.shape != param.shape:
+            raise ValueError(f"initial[{i}] is {value.dtype} {tuple(value.shape)} for a parameter of shape "
+                             f"{tuple(param.shape)}: it must be the fp32 value the parameter was rounded from")
+        if param.device.type != "meta" and not torch.equal(value.to(param.dtype), param):
+            raise ValueError(f"initial[{i}] does not round to its parameter (shape {tuple(param.shape)}): it must be "
+                             "the fp32 value the parameter was rounded from")
+    return initial

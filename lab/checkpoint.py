@@ -427,7 +427,7 @@ def finish_save(pending: PendingSave) -> str:
         dist.all_gather_object(sums, pending.sums)
     if _rank() == 0:
         files = {name: sum_ for rank_sums in sums for name, sum_ in rank_sums.items()}
-        with open(os.path.join(pending.tmp, LAB_FILE), "w") as f:
+        with _save_failures(pending), open(os.path.join(pending.tmp, LAB_FILE), "w") as f:
             json.dump({**pending.lab_info, "files": dict(sorted(files.items()))}, f, indent=1)
         shutil.rmtree(pending.final, ignore_errors=True)
         os.rename(pending.tmp, pending.final)  # the checkpoint appears, complete
@@ -486,11 +486,7 @@ def prune(directory: str, keep: int) -> None:
 
 def complete_checkpoints(directory: str) -> list[str]:
     """The complete checkpoints in `directory`, oldest first (a `.tmp-*` directory is an unfinished save)."""
-    if not os.path.isdir(directory):
-        return []
-    found = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := STEP_DIR.match(name))]
-    return [os.path.join(directory, name) for _, name in sorted(found)
-            if os.path.exists(os.path.join(directory, name, ".metadata"))]
+    return [path for path in _step_dirs(directory) if os.path.exists(os.path.join(path, ".metadata"))]
 
 
 def newest(directory: str) -> tuple[str | None, str]:
@@ -830,10 +826,10 @@ def inspect(path: str) -> str:
         else:
             lines.append(f"  {fqn:<44} (object)")
     on_disk = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
-    lines.append(f"tensors: {total:,} bytes ({total / 1e9:.3f} GB); files on disk: {on_disk:,} bytes")
     files = info.get("files")
-    lines.append(f"files: {len(files)} intact (size and sha256 as written)" if files is not None else
-                 "files: not verified (saved before lab recorded checksums)")
+    verified = (f"{len(files)} files intact (size and sha256 as written)" if files is not None else
+                "not verified (saved before lab recorded checksums)")
+    lines.append(f"tensors: {total:,} bytes ({total / 1e9:.3f} GB); files on disk: {on_disk:,} bytes, {verified}")
     return "\n".join(lines)
 
 

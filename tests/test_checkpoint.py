@@ -384,7 +384,7 @@ def test_inspect_and_resume_name_a_damaged_file(trained, tmp_path, capsys, how):
     for step in (2, 4):
         shutil.copytree(source / _name(step), tmp_path / _name(step))
     assert checkpoint.main(["inspect", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.endswith("files: 3 intact (size and sha256 as written)\n")
+    assert capsys.readouterr().out.endswith(" bytes, 3 files intact (size and sha256 as written)\n")
     damage, words = DAMAGE[how]
     damage(tmp_path / _name(4))
     assert checkpoint.main(["inspect", str(tmp_path)]) == 2

@@ -48,6 +48,7 @@ from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
 from lab.parallel.pp import cross_entropy
 from lab.precision.loss_scale import DynamicLossScaler
 from lab.precision.scheme import precision_scheme
+from lab.preemption import EXIT_STOPPED, StopOnSignal, StoppedBySignal, checkpoint_now
 
 
 @dataclass
@@ -296,6 +297,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     first = checkpointer.resume(par, optimizer, scheduler, data) if checkpointer is not None else 0
 
     log_file = _open_log(log_path, first) if (log_path and rank == 0) else None
+    stop = StopOnSignal(enabled=checkpointer is not None)  # SIGTERM: a checkpoint at the step's end, then exit
+    stop.install()
     progress = _progress(train.steps, enabled=verbose and rank == 0)
     logs: list[StepLog] = []
     try:
@@ -346,7 +349,10 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
                 on_step(entry)
             if checkpointer is not None:
                 checkpointer.after_step(step + 1, par, optimizer, scheduler, data)
+            if stop.agreed(device) and step + 1 < train.steps:  # lab.preemption: every rank stops at this step
+                raise StoppedBySignal(step + 1, checkpoint_now(checkpointer, step + 1, par, optimizer, scheduler, data))
     finally:
+        stop.uninstall()
         if log_file:
             log_file.close()
     return logs
@@ -616,6 +622,10 @@ def main(argv: list[str] | None = None) -> int:
                    hang_timeout_s=args.hang_timeout, time_limit_s=args.time_limit)
     except ValueError as err:
         return _error_once(parser.prog, str(err))
+    except StoppedBySignal as err:  # SIGTERM (a Slurm time limit, a preemption): checkpointed, not finished
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"{parser.prog}: {err}", file=sys.stderr)
+        return EXIT_STOPPED
     except NonFiniteLoss as err:  # a run that diverged did not succeed: one line, and a failing exit status
         _error_once(parser.prog, str(err))
         return 1

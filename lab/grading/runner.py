@@ -23,8 +23,9 @@ HANG_HINT = "your code did not return: the message names the line it was stopped
             "never changes, a wait for something that never comes, or a lock taken again by the code that holds it"
 NETWORK_HINT = "graded code runs without a network (only its own loopback): compute the answer in your function"
 STOPPED_HINT = "your code ended the process that ran it (a crash, os._exit, or a limit): the message says which"
-KERNEL_CRASH_HINT = "mask every tl.load and tl.store whose lanes can pass the end of their tensor (mask=cols < " \
-                    "n_cols), and check each address's strides: Triton's interpreter reads and writes raw memory"
+KERNEL_CRASH_HINT = "Triton's interpreter reads and writes raw memory: a lane past the end of its tensor, or an " \
+                    "address built with a wrong stride, lands outside it — every load and store whose lanes can " \
+                    "pass the end needs a mask, and every address the strides it was given"
 _MEMORY_FAULTS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)  # what a write outside a buffer ends in
 
 

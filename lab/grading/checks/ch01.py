@@ -286,15 +286,16 @@ def measured_parameters_left_out(student, rng):
     _measured(student, rng, "gelu", "float32", "measured")
 
 
-@MEASURED.check(points=1, hint="W1 and W3 save the same input: count each storage once "
-                               "(key it by t.untyped_storage().data_ptr())")
+@MEASURED.check(points=1, hint="W1 and W3 save the same input: a tensor the hook sees twice must count once — tell "
+                               "saved tensors apart by the memory they live in, not by the Python objects the hook "
+                               "receives")
 def measured_shared_storage(student, rng):
     """one tensor saved by two ops is counted once"""
     _measured(student, rng, "swiglu", "float32", "measured")
 
 
-@MEASURED.check(points=1, hint="q and v are views of the qkv matmul's output: autograd keeps the whole storage "
-                               "alive, so count t.untyped_storage().nbytes(), not the view's numel")
+@MEASURED.check(points=1, hint="q and v are views of the qkv matmul's output: autograd keeps the whole memory under a "
+                               "view alive, so a view costs what its storage holds, not what the view shows")
 def measured_views(student, rng):
     """views of one storage count the whole storage"""
     _measured(student, rng, "gated", "float32", "measured")
@@ -306,21 +307,24 @@ def measured_bf16(student, rng):
     _measured(student, rng, None, "bfloat16", "measured")
 
 
-@MEASURED.check(points=1, hint="per token: x and LayerNorm's mean and 1/std, LayerNorm's output (W1's input), "
-                               "GELU's input, W2's input")
+@MEASURED.check(points=1, hint="go through the GELU block op by op and list what each one saves for its backward, per "
+                               "token: a norm keeps small per-token statistics besides a whole tensor, and the "
+                               "measured bytes are the total to match")
 def predicted_gelu(student, rng):
     """the prediction for the GELU block equals the measurement"""
     _measured(student, rng, "gelu", rng.choice(["float32", "bfloat16"]), "predicted")
 
 
-@MEASURED.check(points=1, hint="W1 and W3 share one saved input; silu keeps its input, the product both factors")
+@MEASURED.check(points=1, hint="a tensor two ops save is one tensor; and each elementwise op keeps what its own "
+                               "backward needs: which tensors is that for silu, and for the product of the two "
+                               "branches?")
 def predicted_swiglu(student, rng):
     """the prediction for the SwiGLU block equals the measurement"""
     _measured(student, rng, "swiglu", rng.choice(["float32", "bfloat16"]), "predicted")
 
 
-@MEASURED.check(points=1, hint="the whole qkv output (3·d_ff per token) stays alive: q and v are views of it; "
-                               "sigmoid keeps its output")
+@MEASURED.check(points=1, hint="a view saved for backward keeps its whole storage alive: count the qkv output as "
+                               "autograd holds it; and ask what sigmoid's backward needs")
 def predicted_gated(student, rng):
     """the prediction for the gated block equals the measurement"""
     _measured(student, rng, "gated", rng.choice(["float32", "bfloat16"]), "predicted")
@@ -454,8 +458,8 @@ def p5_hfu(student, rng):
                      f"recompute={recompute!r})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="total training FLOPs over the FLOP/s the cluster really delivers (n_gpus · peak at "
-                               "the given MFU), then seconds to days")
+@PROBLEMS.check(points=1, hint="what the cluster really delivers per second is not its peak, and not one GPU's: use "
+                               "the MFU and every GPU; the answer is in days")
 def p6_training_days(student, rng):
     """P6 — days to train on D tokens with 6·N·D FLOPs"""
     for _ in range(3):

@@ -300,8 +300,9 @@ def buckets(student, rng):
         expect_equal([calls, sent], [len(sizes), sum(sizes)], f"{run['call']}: step {step}, [all_reduce calls, bytes]")
 
 
-@BUCKETED.check(points=1, hint="while self.sync is False (inside no_sync) gradients only add up: count a bucket's "
-                               "gradients only outside no_sync, so that the last micro-batch's backward completes it")
+@BUCKETED.check(points=1, hint="inside no_sync() the gradients only add up: a micro-batch's backward there must "
+                               "neither send a bucket nor count it as complete, so that the last micro-batch's "
+                               "backward is the one that completes every bucket")
 def no_sync(student, rng):
     """no all-reduce inside no_sync(): one per bucket, during the last micro-batch's backward"""
     grad_accum = rng.choice([2, 3])
@@ -315,8 +316,9 @@ def no_sync(student, rng):
                                                  f"micro-batch's backward, in finish()]")
 
 
-@BUCKETED.check(points=1, hint="launch a bucket's all-reduce from the gradient hook, with async_op=True, as soon "
-                               "as its last gradient is in; finish() only waits")
+@BUCKETED.check(points=1, hint="an all-reduce that waits for finish() overlaps nothing: each bucket must be on its "
+                               "way, without blocking backward, as soon as its last gradient is in, leaving finish() "
+                               "only the waiting")
 def overlap(student, rng):
     """every all-reduce starts during backward (overlapped), none in finish()"""
     results, run = _bucketed(student, rng, rng.choice([2, 3]), 1, steps=2)
@@ -357,8 +359,8 @@ def _bucket_count(numels: list[int], bucket_mb: float) -> int:
     return count + (held > 0)
 
 
-@BUCKETED.check(points=1, hint="a parameter that got no gradient leaves its bucket incomplete, so backward never "
-                               "sends it: finish() must all-reduce (divided by dp) every bucket not yet sent")
+@BUCKETED.check(points=1, hint="a parameter that got no gradient leaves its bucket incomplete, so backward never sends "
+                               "it: the replicas drift apart unless that bucket is still averaged before the step")
 def unused_layer(student, rng):
     """a layer the forward skips: finish() still averages its bucket, once"""
     dp, seed, bucket_mb = rng.choice([2, 3]), rng.randrange(10**6), round(rng.uniform(2e-4, 2e-3), 5)
@@ -509,8 +511,8 @@ def zero2_communication(student, rng):
                                                 f"backward, the units' step())")
 
 
-@ZERO2.check(points=1, hint="drop the unit's flat gradient (self.grad = None) right after its reduce-scatter, and "
-                            "each param.grad as soon as it is copied in: only shard.grad stays")
+@ZERO2.check(points=1, hint="more than one shard of gradient memory is still referenced after backward: find the "
+                            "full-size gradients (the unit's and its parameters') that outlive their use")
 def gradient_memory(student, rng):
     """after backward each rank holds a 1/dp shard of the gradients, nothing more"""
     dp = rng.choice([2, 3])
@@ -571,8 +573,8 @@ def at_rest(student, rng):
                      f"{run['call']}: rank {rank}, bytes of the blocks' parameters at start and after each step")
 
 
-@ZERO3.check(points=1, hint="free the block's full buffer in a forward hook, right after its forward: the next "
-                            "block is gathered while this one is not needed until backward")
+@ZERO3.check(points=1, hint="while a block computes, only it may be whole: a block that finished its forward keeps its "
+                            "full weights until backward needs them again")
 def gathered_while_computing(student, rng):
     """while a block computes its forward, it alone is gathered"""
     dp = rng.choice([2, 3])
@@ -604,16 +606,16 @@ def _prefetch_parity(student, rng: random.Random, dp: int) -> None:
     expect_parity(results, ref, ("params",), run["call"], rel=1e-5, sgd=True)
 
 
-@PREFETCH.check(points=2, hint="a prefetched block's values arrive only when its handle is waited on: wait in "
-                               "gather() before the block computes, and gather synchronously when nothing was "
-                               "prefetched (the first block, every backward)")
+@PREFETCH.check(points=2, hint="an asynchronous all-gather's output holds the weights only once the operation has "
+                               "completed: no block may compute before that, and a block nobody prefetched (the first, "
+                               "every backward) still needs its weights gathered")
 def prefetch_parity_two_ranks(student, rng):
     """dp=2: the same losses and parameters as one process after every step"""
     _prefetch_parity(student, rng, 2)
 
 
-@PREFETCH.check(points=1, hint="wait on the prefetch's handle before the block computes: until then its weights "
-                               "are not there")
+@PREFETCH.check(points=1, hint="a block computed before its prefetched all-gather had completed: until then its buffer "
+                               "holds no weights")
 def prefetch_parity_uneven(student, rng):
     """dp=3, blocks whose size dp does not divide: the same as one process after every step"""
     _prefetch_parity(student, rng, 3)
@@ -657,8 +659,8 @@ def prefetch_issued_early(student, rng):
                          f"issued {window}] (1 = yes) in the forward's trace: {_shown_trace(events)}")
 
 
-@PREFETCH.check(points=1, hint="wait on a prefetch only in the block's own gather(), just before it computes: "
-                               "waiting earlier stalls the previous block's compute, never waiting uses no weights")
+@PREFETCH.check(points=1, hint="where the wait sits matters: waiting before the previous block's forward stalls its "
+                               "compute, never waiting leaves the block computing without its weights")
 def waited_before_use(student, rng):
     """each prefetched all-gather is waited on after the previous block's forward, before its own"""
     results, run = _prefetch(student, rng, rng.choice([2, 3]), steps=2)
@@ -671,8 +673,9 @@ def waited_before_use(student, rng):
                                      f"trace: {_shown_trace(events)}")
 
 
-@PREFETCH.check(points=1, hint="prefetch from the forward pre-hook only: backward gathers (exercise 4's hook on "
-                               "the output) must not start another block's all-gather, which nothing frees")
+@PREFETCH.check(points=1, hint="a block is still whole between steps: some all-gather was started that nothing frees — "
+                               "a prefetch belongs to the forward, and backward's gathers are freed by exercise 4's "
+                               "own rule")
 def prefetch_at_rest(student, rng):
     """between steps each rank holds only its 1/dp shard of each block"""
     dp = rng.choice([2, 3])
@@ -736,7 +739,8 @@ def stages_two_three(student, rng):
     _ladder(student, rng, (2, 3))
 
 
-@LADDER.check(points=1, hint="shards are padded: ceil(n_params / dp) per rank, -(-n // dp) in integers")
+@LADDER.check(points=1, hint="every parameter needs a place and every shard has the same whole size: when dp does not "
+                             "divide the count, which way does a shard's size round?")
 def uneven(student, rng):
     """parameter counts that dp does not divide round up"""
     _ladder(student, rng, (1, 2, 3), uneven=True)

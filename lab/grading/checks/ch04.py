@@ -373,9 +373,9 @@ def sp_norm_on_shard(student, rng):
                         f"{run['call']}: rank {rank}'s norm weight gradient before the all-reduce (its tokens only)")
 
 
-@SEQUENCE.check(points=1, hint="an all-reduce moves the same bytes as a reduce-scatter plus an all-gather but "
-                               "leaves the whole activation on every rank: use all_gather_single and "
-                               "reduce_scatter_single (lab.distributed), one of each per pass")
+@SEQUENCE.check(points=1, hint="sequence parallelism splits g's all-reduce into the two collectives it is made of, so "
+                               "that the activation between them stays split along the sequence: no all-reduce, and "
+                               "look up the two in lab.distributed")
 def sp_collectives(student, rng):
     """one all-gather and one reduce-scatter forward, the same backward, no all-reduce"""
     results, run = _sp(student, rng, rng.choice([2, 3]))
@@ -505,7 +505,8 @@ def p1_tp_bound(student, rng):
         d_ff, (peak, bandwidth) = rng.randrange(2048, 65536), _chip(rng)
         expect_close(student.tp_max_degree(d_ff, peak, bandwidth), sharding.tp_max_degree(d_ff, peak, bandwidth),
                      f"tp_max_degree({d_ff}, {peak:.6g}, {bandwidth:.6g})", TOLERANCE,
-                     [Mistake(0.5, "the FLOPs of one matmul", "the MLP has two matmuls, 2·B·D·F/Y FLOPs each")])
+                     [Mistake(0.5, "the FLOPs of one matmul", "the MLP has two matmuls, each split over the Y chips: "
+                                                              "count the FLOPs of both")])
 
 
 @PROBLEMS.check(points=1, hint="compare the two matmuls' time per GPU with the all-reduce's: the tokens and the "
@@ -574,8 +575,8 @@ def p7_vocab_ce(student, rng):
                      [Mistake(2, "float32 counted as 2 bytes", "the three per-token numbers are float32")])
 
 
-@PROBLEMS.check(points=1, hint="case 3: each device holds a partial sum of the whole I×K result; a ring all-reduce "
-                               "sends 2·(X−1)/X of it, a reduce-scatter (X−1)/X")
+@PROBLEMS.check(points=1, hint="case 3: each device holds a partial sum of the whole I×K result: how much of it does "
+                               "each of the two collectives send per device (chapter 02's ring)?")
 def p8_partial_sums(student, rng):
     """P8 — bytes to combine A[I, J_X] · B[J_X, K]'s partial sums: all-reduce or reduce-scatter"""
     for reduce_scatter in (False, True):

@@ -226,8 +226,9 @@ def zigzag_owner_of_position(student, rng):
                      f"zigzag_owner(position={position}, cp={cp}, seq_len={seq_len})")
 
 
-@ZIGZAG.check(points=0.5, hint="raise ValueError when seq_len % (2·cp) != 0, with a message naming seq_len and 2·cp; "
-                             "chunks of unequal length would give the ranks unequal work and shapes")
+@ZIGZAG.check(points=0.5, hint="zig-zag cuts the sequence into 2·cp chunks of one length: a length that cannot be cut "
+                               "so is refused with a ValueError whose message names seq_len and 2·cp; unequal chunks "
+                               "would give the ranks unequal work and shapes")
 def zigzag_rejects_bad_lengths(student, rng):
     """a seq_len that 2·cp does not divide: a ValueError"""
     for _ in range(2):
@@ -309,16 +310,17 @@ def ring_causal_contiguous(student, rng):
         _expect_ring(student, rng, world, "contiguous", causal=True)
 
 
-@RING.check(points=1, hint="compare global chunk indices — chunks[rank] for the queries, chunks[source] for the "
-                           "K/V you hold — never ranks or local positions")
+@RING.check(points=1, hint="whether a query block sees a key block depends on where the two chunks lie in the whole "
+                           "sequence, whatever ranks hold them and wherever they sit locally")
 def ring_causal_zigzag(student, rng):
     """causal, zig-zag and shuffled layouts: the block rule compares global chunk indices"""
     _expect_ring(student, rng, rng.choice([2, 4]), "zigzag", causal=True)
     _expect_ring(student, rng, 3, "shuffled", causal=True)
 
 
-@RING.check(points=1, hint="one dist.isend and one dist.irecv per step, of K and V stacked in one tensor, posted "
-                           "before the local block's attention; no send after the last step (cp − 1 in all)")
+@RING.check(points=1, hint="the K/V travel by point-to-point messages only, K and V of a step together in one message, "
+                           "started before the local block's attention so that they overlap it; count the steps that "
+                           "still have a block to pass on")
 def ring_point_to_point(student, rng):
     """only isend/irecv: cp−1 sends of the rank's K and V per rank"""
     world = rng.choice([3, 4])
@@ -380,7 +382,8 @@ def work_imbalance(student, rng):
                           f"imbalance(seq_len={seq_len}, cp={cp}, layout={layout!r})")
 
 
-@WORK.check(points=1, hidden=True, hint="count with integers: L·(L+1)/2 for a diagonal block, L² for a full one")
+@WORK.check(points=1, hidden=True, hint="with a million tokens the counts outgrow what a float holds exactly: count "
+                                        "the pairs in integers, the diagonal's own pairs included")
 def work_long_sequences(student, rng):
     """up to 64 ranks and a million tokens, both layouts"""
     for layout in ("contiguous", "zigzag"):
@@ -442,9 +445,8 @@ def ring_backward_causal(student, rng):
         _expect_ring_backward(student, rng, world, "zigzag", causal=True)
 
 
-@BACKWARD.check(points=1, hint="K and V go round as in the forward (cp − 1 sends), and their gradient follows "
-                               "them one hop behind, with one more hop at the end to bring it home (cp sends): "
-                               "isend/irecv only")
+@BACKWARD.check(points=1, hint="the gradients of K and V must reach the rank that owns the block, by isend/irecv only: "
+                               "count what a rank sends for K/V and for their gradients over the whole ring")
 def ring_backward_messages(student, rng):
     """only isend/irecv: each rank sends its K/V block's size 2·cp−1 times (cp−1 K/V, cp dK/dV)"""
     world = 3
@@ -472,9 +474,9 @@ PROBLEMS = exercise("05.problems", entry=(
     "ring_hide_tokens", "contiguous_spread", "zigzag_speedup", "kv_step_mb", "activation_gib_per_rank",
     "ring_over_ulysses", "ulysses_max_context", "attention_share_at", "attention_mlp_crossover", "allgather_kv_mb"))
 TOLERANCE = 0.01
-NO_KV_TWO = Mistake(0.5, "K without V", "a K/V block is two tensors, K and V: 2·b·c·G·d·β bytes")
-CAUSAL_HALF = Mistake(0.5, "the full s × s matrix", "under a causal mask only the lower triangle is computed: half "
-                                                    "of 4·s²·H·d")
+NO_KV_TWO = Mistake(0.5, "K without V", "a K/V block is two tensors, K and V")
+CAUSAL_HALF = Mistake(0.5, "the full s × s matrix", "under a causal mask only the lower triangle of the scores is "
+                                                    "computed")
 
 
 def _heads(rng: random.Random) -> tuple[int, int]:
@@ -514,7 +516,8 @@ def p3_zigzag_speedup(student, rng):
         expect_close(student.zigzag_speedup(seq_len, cp), ratio, f"zigzag_speedup({seq_len}, {cp})", TOLERANCE)
 
 
-@PROBLEMS.check(points=1, hint="K and V of c tokens and G KV heads of d: 2·c·G·d·β bytes, in MB (1e6 bytes)")
+@PROBLEMS.check(points=1, hint="K and V of the chunk's tokens, for the KV heads only (GQA), in the given dtype; in MB "
+                               "(1e6 bytes)")
 def p4_kv_step_mb(student, rng):
     """P4 — the K/V bytes one ring step passes on, with GQA (MB)"""
     for _ in range(2):
@@ -588,8 +591,8 @@ def p9_attention_mlp_crossover(student, rng):
                      f"attention_mlp_crossover({d_model}, {heads}, {head_dim}, {d_ff})", TOLERANCE, [CAUSAL_HALF])
 
 
-@PROBLEMS.check(points=1, hint="after the all-gather every rank holds K and V of the whole sequence for the layer: "
-                               "2·seq·G·d·β bytes, in MB (1e6)")
+@PROBLEMS.check(points=1, hint="after the all-gather every rank holds K and V of the whole sequence for the layer, KV "
+                               "heads only; in MB (1e6)")
 def p10_allgather_kv_mb(student, rng):
     """P10 — the all-gather variant (Llama 3): the K/V each rank holds for one layer (MB)"""
     for _ in range(2):

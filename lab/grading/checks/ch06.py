@@ -85,8 +85,7 @@ def order_every_stage(student, rng):
             _expect_order(student, p, m, r)
 
 
-@ORDER.check(points=1, hint="with m < p a stage cannot warm up with more forwards than there are micro-batches: "
-                            "min(p − r − 1, m)")
+@ORDER.check(points=1, hint="with m < p a stage cannot warm up with more forwards than there are micro-batches")
 def order_few_micro_batches(student, rng):
     """fewer micro-batches than stages (m < p)"""
     for _ in range(2):
@@ -135,8 +134,8 @@ def _simulate(schedule: str, p: int, m: int, v: int, tf: float = 1.0, tb: float 
 
 
 def _expect_bubble(student, schedule: str, p: int, m: int, v: int) -> None:
-    chunks = [Mistake(v, "v", "with v chunks per rank every op is v times shorter, and so are the p − 1 fill and "
-                              "drain slots: divide by v·m, not m")] if v > 1 else []
+    chunks = [Mistake(v, "v", "with v chunks per rank every op is v times shorter, and so are the p − 1 fill and drain "
+                              "slots: the useful time is not")] if v > 1 else []
     expect_number(student.bubble_ratio(schedule, p, m, v), _simulate(schedule, p, m, v).bubble_ratio,
                   f"bubble_ratio({schedule!r}, p={p}, m={m}, v={v})", mistakes=chunks)
 
@@ -227,7 +226,7 @@ def peak_one_f_one_b(student, rng):
         _expect_peaks(student, "1f1b", p, rng.randrange(p, 4 * p + 1))
 
 
-@PEAK.check(points=1, hint="a stage never holds more micro-batches than there are: min(m, p − r)")
+@PEAK.check(points=1, hint="a stage never holds more micro-batches than there are")
 def peak_few_micro_batches(student, rng):
     """1F1B with m < p: never more than m"""
     for _ in range(2):
@@ -311,8 +310,8 @@ def weight_grad_rmsnorm(student, rng):
         _expect_weight_grad(student, rng, "rmsnorm", [rng.randrange(1, 9)])
 
 
-@SPLIT.check(points=1, hint="a weight is shared by every position: flatten every leading dimension into rows "
-                            "(x.flatten(0, -2)) and sum over all of them")
+@SPLIT.check(points=1, hint="a weight is shared by every position: its gradient sums over every leading dimension of "
+                            "the input, not only the first")
 def weight_grad_leading_dims(student, rng):
     """(batch, seq, features) inputs: summed over every leading dimension, Linear and RMSNorm"""
     for kind in ("linear", "rmsnorm"):
@@ -512,18 +511,18 @@ def one_f_one_b_two_stages(student, rng):
     _expect_one_process(student, rng, "run_one_f_one_b", 2, rng.randrange(3, 6))
 
 
-@ONE_F_ONE_B.check(points=2, hint="a middle stage receives its input from rank − 1 and its output's gradient from "
-                                  "rank + 1; with m < p the warm-up already runs every forward (min(p − r − 1, m)) "
-                                  "and the steady state is empty")
+@ONE_F_ONE_B.check(points=2, hint="a middle stage receives its input from rank − 1 and its output's gradient from rank "
+                                  "+ 1; with m < p the warm-up is cut short by the number of micro-batches, and the "
+                                  "steady state may be empty")
 def one_f_one_b_three_stages(student, rng):
     """3 stages, fewer and more micro-batches than stages"""
     _expect_one_process(student, rng, "run_one_f_one_b", 3, 1)  # stage 0's warm-up would be 2 forwards: only 1
     _expect_one_process(student, rng, "run_one_f_one_b", 3, rng.randrange(4, 7))
 
 
-@ONE_F_ONE_B.check(points=2, hint="stage r holds its p − r − 1 warm-up forwards plus the steady state's forward "
-                                  "before its first backward frees one: p − r at most (and never more than m). A "
-                                  "warm-up one forward longer holds p − r + 1")
+@ONE_F_ONE_B.check(points=2, hint="count the micro-batches a stage has forwarded but not yet begun to backward: they "
+                                  "pile up during the warm-up and the steady state's first forward, until the first "
+                                  "backward frees one — one forward too many shows here")
 def one_f_one_b_peak(student, rng):
     """the most micro-batches in flight on stage r (forwarded, backward not begun) is p − r"""
     world, m = 3, rng.randrange(4, 7)
@@ -561,8 +560,8 @@ def _target(rng: random.Random, p: int, v: int = 1) -> float:
             return target
 
 
-@PROBLEMS.check(points=1, hint="idle over the whole step, not over the useful time: the step lasts m + p − 1 slots "
-                               "of t_f + t_b, of which p − 1 are idle on each rank")
+@PROBLEMS.check(points=1, hint="idle over the whole step, not over the useful time: count the slots of a step and the "
+                               "ones a rank spends idle")
 def p1_idle_fraction(student, rng):
     """P1 — the share of a 1F1B step each GPU idles: (p − 1)/(m + p − 1)"""
     from lab.calc.bubble import explore

@@ -186,8 +186,8 @@ def _expect_aux(student, rng: random.Random, gating: str, uniform: bool = False)
     expect_number(got.get("aux"), aux, f"{call}: the loss", tol=1e-5)
 
 
-@BALANCING.check(points=1, hint="with equal router probabilities P_e = 1/n, n·Σ f_e·P_e = Σ f_e = 1 if f_e is the "
-                                "share of all n_tokens·top_k assignments (they sum to one), whatever the routing")
+@BALANCING.check(points=1, hint="a router with equal probabilities gives a loss of 1 whatever the routing only if the "
+                                "experts' shares of the assignments add up to one: a share of which total?")
 def aux_uniform_router(student, rng):
     """a router with equal probabilities: the loss is 1, however the tokens are assigned"""
     for _ in range(2):
@@ -274,8 +274,8 @@ def capacity_skewed(student, rng):
                          ", most to two experts")
 
 
-@CAPACITY.check(points=1, hint="a capacity that is not whole rounds up (math.ceil): an expert takes a whole "
-                               "number of assignments, at least the fair share times c")
+@CAPACITY.check(points=1, hint="a capacity that is not whole: an expert takes a whole number of assignments, never "
+                               "fewer than the fair share times c")
 def capacity_rounds_up(student, rng):
     """capacity factors below 1 and capacities that are not whole: rounded up"""
     for _ in range(3):
@@ -486,9 +486,10 @@ def ep_two_ranks(student, rng):
     _expect_ep(student, rng, 2, 2, 2, "softmax", skewed=False)
 
 
-@EP.check(points=2, hint="row j of the counts you send is rank j's block of experts; what arrives, row s, is what "
-                         "rank s sends to each of your experts: receive splits are its row sums, and the rows come "
-                         "grouped by source rank — regroup them by expert before running the experts, and back after")
+@EP.check(points=2, hint="with uneven routing each rank receives a different number of rows from every other rank, "
+                         "grouped by the rank that sent them: the receive splits follow from the counts that arrived, "
+                         "the experts need their rows grouped by expert, and the combine needs them back in the order "
+                         "they came")
 def ep_imbalanced(student, rng):
     """3 and 4 ranks, imbalanced routing: experts that no token chooses, one that most choose, uneven token counts"""
     _expect_ep(student, rng, 3, 2, 2, "softmax", skewed=True)
@@ -603,9 +604,9 @@ def _expect_ep_backward(student, rng: random.Random, ep: int, dp: int, local: in
                             "after sync_gradients (the global mean loss's)", mistakes=by_ep_only)
 
 
-@EP_BACKWARD.check(points=3, hint="backward sends each arrived row's gradient home: the same all-to-all with the "
-                                  "splits swapped (recv, send); then average the router over all ranks and sum each "
-                                  "expert over its expert group (the ranks holding it), divided by the world size")
+@EP_BACKWARD.check(points=3, hint="the rows' gradients must go back to the ranks their tokens came from, undoing the "
+                                  "dispatch; and after backward the router's and each expert's gradients must be those "
+                                  "of the global mean loss — over which ranks does each one live?")
 def ep_backward_two_ranks(student, rng):
     """2 ranks (ep=2): every rank's token, router and expert gradients equal the layer's in one process"""
     _expect_ep_backward(student, rng, 2, 1, 2, 2, "softmax", skewed=False)

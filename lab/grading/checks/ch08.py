@@ -171,9 +171,9 @@ def _ep_sizes(rng: random.Random) -> tuple[dict[str, int], int]:
             return sizes, rng.choice(eps)
 
 
-@GROUP.check(points=1, hint="tp activations and partial sums go over the tp line through the rank, K/V blocks over "
-                            "the cp line, stage activations over the pp line; sp_activations are all-gathered, "
-                            "row_linear_output all-reduced, ring_kv and stage_activations sent")
+@GROUP.check(points=1, hint="each kind of traffic crosses the line of ranks that shares its work (tp, cp or pp through "
+                            "the rank), with the collective its parallelism needs: gathering sequence shards, "
+                            "finishing partial sums, or passing to a neighbour")
 def tp_cp_pp_groups(student, rng):
     """tensor, context and pipeline parallelism: the op, and the tp, cp or pp line through the rank"""
     for _ in range(2):
@@ -480,24 +480,24 @@ def diagnose_every_rule(student, rng):
                       f"run_diagnose({fine}): a config lab runs")
 
 
-@FIX.check(points=1, hint="shrink the degree to one that divides the model's shape (a divisor of the old one), and "
-                          "multiply dp by what it gave up so that dp·tp·pp·cp stays the same")
+@FIX.check(points=1, hint="the degree must divide the model's shape, and the ranks it gives up must go somewhere: the "
+                          "product of the four degrees stays what it was")
 def fix_shape_rules(student, rng):
     """fix tp, pp and ep that do not divide the model: same ranks, dp takes what the degree gives up"""
     for rule, config in _cases(rng, ("tp_heads", "pp_layers", "ep_experts")):
         expect_fix(student, config, rule)
 
 
-@FIX.check(points=1, hint="lab.train refuses ZeRO-2/3 with PP (use ZeRO-1), ZeRO with EP (zero 0), TP with MLA and PP "
-                          "with tied embeddings (give those ranks to dp)")
+@FIX.check(points=1, hint="each refused combination is two features lab.train will not run together: give up one of "
+                          "them (the one the rule is about) and keep every rank busy")
 def fix_refused_layouts(student, rng):
     """fix the layouts lab.train refuses: ZeRO with PP or EP, TP with MLA, PP with tied embeddings"""
     for rule, config in _cases(rng, ("zero_with_pp", "zero_with_ep", "tp_with_mla", "pp_with_tied_embeddings")):
         expect_fix(student, config, rule)
 
 
-@FIX.check(points=1, hint="the batch: a grad_accum that dp·grad_accum divides the global batch with; sp needs tp "
-                          "(turn it off); ZeRO needs dp > 1 (zero 0)")
+@FIX.check(points=1, hint="the batch split, sp and ZeRO each depend on another degree: when that degree cannot change, "
+                          "change what depends on it, and leave the global batch as it is")
 def fix_batch_and_switches(student, rng):
     """fix the batch split, SP without TP and ZeRO without DP, leaving the global batch as it is"""
     for rule, config in _cases(rng, ("batch", "sp_without_tp", "zero_without_dp")):
@@ -578,7 +578,7 @@ def why_not_a_rejected_family(student, rng):
 
 
 @BEST.check(points=1, hint="compare the family's best candidate (its first in the ranked list) with the overall best, "
-                           "part by part: family time minus best time, and name the part with the largest loss")
+                           "part by part: the answer is the part where the family loses the most time")
 def why_not_a_slower_family(student, rng):
     """why not a family that runs but is slower: the part of the step time where it loses most to the best"""
     for _ in range(10):

@@ -111,10 +111,9 @@ def _expect_softmax(student, rows: int, cols: int, seed: int, scale: float = 1.0
                     torch.softmax(x.double(), dim=-1), what)
 
 
-@SOFTMAX.check(points=2, hint="BLOCK is the power of two at or above n_cols: the lanes past n_cols must be masked "
-                              "(cols < n_cols, the same mask on the load and the store) and loaded with other=-inf, "
-                              "so that they count for nothing in the max and add e^-inf = 0 to the sum (other=0, or "
-                              "no other, adds e^(0 - max) per lane)")
+@SOFTMAX.check(points=2, hint="the tail's padded lanes must neither read past the row nor win the row's max or add to "
+                              "its sum: what value does a masked load put in those lanes, and what does its "
+                              "exponential add to the denominator?")
 def softmax_ragged_rows(student, rng):
     """widths that are not a power of two (a masked tail), one row among them; fp32 and fp16"""
     _expect_softmax(student, rng.randrange(2, 40), _ragged(rng, 33, 300), rng.randrange(10**6))
@@ -122,16 +121,17 @@ def softmax_ragged_rows(student, rng):
     _expect_softmax(student, rng.randrange(2, 20), _ragged(rng, 65, 200), rng.randrange(10**6), dtype="float16")
 
 
-@SOFTMAX.check(points=1, hint="e^x overflows float32 above x ≈ 88: subtract the row's max before tl.exp (softmax "
-                              "does not change when every logit moves by the same amount)")
+@SOFTMAX.check(points=1, hint="e^x overflows float32 above x ≈ 88 and these logits are in the hundreds: softmax does "
+                              "not change when a whole row moves by one constant — which constant keeps every exponent "
+                              "from being positive?")
 def softmax_large_logits(student, rng):
     """logits in the hundreds: no overflow"""
     _expect_softmax(student, rng.randrange(2, 20), _whole(rng, 32, 128), rng.randrange(10**6),
                     scale=rng.uniform(150.0, 400.0))
 
 
-@SOFTMAX.check(points=1, hint="row `row` starts at in_ptr + row * in_stride: a slice x[:, :n] of a wider tensor "
-                              "has rows in_stride > n_cols elements apart")
+@SOFTMAX.check(points=1, hint="the input here is a slice of a wider tensor: its rows lie further apart than n_cols "
+                              "elements, so where does each row start?")
 def softmax_strided_rows(student, rng):
     """a slice of a wider tensor: rows in_stride elements apart"""
     _expect_softmax(student, rng.randrange(2, 30), _whole(rng, 32, 128), rng.randrange(10**6),
@@ -166,9 +166,9 @@ def _off_tile(rng: random.Random, low: int, high: int) -> int:
             return n
 
 
-@MATMUL.check(points=2, hint="loop k0 over range(0, K, BLOCK_K) — the last slab included — with the mask "
-                             "ks < K on both loads (other=0.0: a zero adds nothing to the dot), and add every "
-                             "slab's tl.dot into one fp32 accumulator made before the loop")
+@MATMUL.check(points=2, hint="every slab of K counts, the last partial one too (its lanes past K adding nothing to the "
+                             "dot), and every slab's product must add to one fp32 running sum that lives across the "
+                             "whole loop")
 def matmul_ragged_tiles(student, rng):
     """M, N and K that are not multiples of the 32-wide tiles, several slabs of K"""
     for _ in range(2):
@@ -182,8 +182,8 @@ def matmul_one_row_short_k(student, rng):
     _expect_matmul(student, 1, _off_tile(rng, 20, 60), rng.randrange(3, TILE), rng.randrange(10**6))
 
 
-@MATMUL.check(points=1, hint="address elements with the strides the launcher passes (b_ptr + k * stride_bk + "
-                             "n * stride_bn), never with the shape: a transposed view is not contiguous")
+@MATMUL.check(points=1, hint="B here is a transposed view: its elements are not laid out row after row, so addresses "
+                             "computed from the shape read the wrong ones — the launcher passes each matrix's strides")
 def matmul_fp16_transposed(student, rng):
     """fp16 inputs and a transposed (non-contiguous) B"""
     _expect_matmul(student, _off_tile(rng, 33, 70), _off_tile(rng, 33, 70), TILE,  # one whole slab: no K tail
@@ -210,9 +210,9 @@ def _expect_flash(student, heads: int, seq_len: int, head_dim: int, seed: int, c
                     F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal), what)
 
 
-@FLASH.check(points=2, hint="when a block raises the running max from m to m_new, everything summed so far was "
-                            "weighted by e^(s - m): multiply both l and acc by alpha = e^(m - m_new) before adding "
-                            "the block's terms")
+@FLASH.check(points=2, hint="when a block raises a row's running max, the running sum and the output accumulated so "
+                            "far are still weighted against the old max: both must be brought to the new one before "
+                            "the block's terms join them")
 def flash_several_key_blocks(student, rng):
     """sequences of several whole key blocks, no mask"""
     for head_dim in (16, 32):  # whole blocks: no tail keys, whose mistake flash_short_sequences isolates
@@ -227,17 +227,18 @@ def _off_key_block(rng: random.Random, low: int, high: int) -> int:
             return n
 
 
-@FLASH.check(points=1, hint="keys past seq_len are loaded as zeros, so their score is 0, not -inf: set the scores "
-                            "of those lanes to -inf (tl.where) before the max and the exponentials")
+@FLASH.check(points=1, hint="the keys past seq_len are padding, yet a zero-filled key still scores 0 and takes a share "
+                            "of the softmax: a key that must not be seen has to add exactly nothing to the max, the "
+                            "sum and the output")
 def flash_short_sequences(student, rng):
     """one token, and a sequence shorter than one key block"""
     _expect_flash(student, 1, 1, 16, rng.randrange(10**6), causal=False)
     _expect_flash(student, rng.randrange(1, 4), rng.randrange(2, KEY_BLOCK), 32, rng.randrange(10**6), causal=False)
 
 
-@FLASH.check(points=2, hint="causal: query i sees key j only when j <= i — compare the global positions rm and rn, "
-                            "not the lanes of the block; and as without a mask, rescale l_i and acc by alpha whenever "
-                            "the running max moves")
+@FLASH.check(points=2, hint="causal: a query sees the keys at or before its own position in the sequence — positions, "
+                            "not lanes within a block (a rule on lanes is right in the first block only); and, as "
+                            "without a mask, the running sum and output must follow the running max")
 def flash_causal(student, rng):
     """causal mask, sequences of several blocks"""
     _expect_flash(student, rng.randrange(1, 3), _off_key_block(rng, KEY_BLOCK + 1, 3 * KEY_BLOCK), 16,
@@ -282,8 +283,9 @@ def _rmsnorm_shapes(rng: random.Random) -> list[tuple[int, int]]:
                                          _ragged(rng, 17, 100))]
 
 
-@RMSNORM.check(points=2, hint="the mean in dx is over each row's n_cols features (axis=1 of the [rows, features] "
-                              "tile), divided by n_cols — not over the rows, nor by the padded BLOCK_COLS")
+@RMSNORM.check(points=2, hint="dx's mean is per row, over that row's real features: check which axis of the [rows, "
+                              "features] tile the reduction runs along, and what it is divided by (padded lanes are "
+                              "not features)")
 def rmsnorm_dx(student, rng):
     """dx: one row, and rows over several programs; widths not a power of two"""
     for rows, cols in _rmsnorm_shapes(rng):
@@ -291,8 +293,9 @@ def rmsnorm_dx(student, rng):
         expect_accurate(got.get("dx"), dx, dx_ref, f"{what}: dx")
 
 
-@RMSNORM.check(points=2, hint="dweight sums dy * x̂ over the rows (axis=0 of the tile): each program stores its "
-                              "rows' sum as its own row pid of dw_partial, and the launcher adds those rows up")
+@RMSNORM.check(points=2, hint="dweight is per feature, a sum over the rows — the other axis from dx's mean; and each "
+                              "program's partial sum needs a place of its own in dw_partial, or the programs overwrite "
+                              "each other")
 def rmsnorm_dweight(student, rng):
     """dweight: the sum over every row, rows spread over several programs"""
     for rows, cols in _rmsnorm_shapes(rng):

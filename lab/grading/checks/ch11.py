@@ -212,9 +212,9 @@ def blocks_shared_prefix(student, rng):
     _expect_blocks(student, need + rng.randrange(0, 3), block_size, ops, sharing=True)
 
 
-@BLOCKS.check(points=1, hint="take fresh blocks from the front of free_ids and give freed ones back at the end, "
-                             "last block first; an allocation (or growth) that does not fit returns None (False) "
-                             "and changes nothing — no half-allocated table")
+@BLOCKS.check(points=1, hint="the pool's order is part of the answer: which end of free_ids fresh blocks come from and "
+                             "freed ones go to, and in which order a table lets go of its blocks; an allocation (or "
+                             "growth) that does not fit changes nothing — no half-allocated table")
 def blocks_full_pool(student, rng):
     """a small pool: an allocation that does not fit fails whole, freed blocks are reused in the order freed"""
     bs = rng.choice((2, 4))
@@ -399,7 +399,7 @@ def speculative_residual(student, rng):
         got = driver(what, "a dict with the residual", student.run_residual, p, q)
         expect_allclose(got.get("residual"), [e / sum(excess) for e in excess], what, tol=1e-5,
                         mistakes=[Mistake(sum(excess), "the sum of max(0, p - q)",
-                                          "divide max(0, p - q) by its sum: it is a distribution only then")])
+                                          "the residual is a distribution only once it is normalised")])
 
 
 def _spec_case(rng: random.Random, vocab: int, k: int) -> tuple[list, list]:
@@ -496,8 +496,9 @@ def latency_decode_step(student, rng):
                     kv_bytes)
         share = expected.weights_s / expected.latency_bound_s
         expect_close(got, expected.latency_bound_s, what, rel=1e-6,
-                     mistakes=[Mistake(share, "the weights alone", "the KV cache is read too: batch · context · KV "
-                                                                   "bytes per token, every step"),
+                     mistakes=[Mistake(share, "the weights alone", "the KV cache is read too, every step: every "
+                                                                   "sequence's whole context, for every layer's KV "
+                                                                   "heads"),
                                Mistake(share + (1 - share) / 2, "half the KV cache", _K_AND_V.hint)])
 
 

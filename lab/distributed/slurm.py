@@ -10,8 +10,17 @@ The script is the usual shape of a multi-node PyTorch job; each piece is there f
 - `--ntasks-per-node=1`: Slurm starts one `torchrun` per node and torchrun starts the node's G ranks, one per
   GPU. (Slurm could start every rank itself, but then nothing would restart a failed one.)
 - The first host of `scontrol show hostnames "$SLURM_JOB_NODELIST"` hosts torchrun's c10d rendezvous, a TCP
-  store on `--port`: every node's torchrun meets there and is given its node rank, so no node has to be told
-  its rank. `--rdzv-id $SLURM_JOB_ID` keeps two jobs whose first node is the same host apart.
+  store: every node's torchrun meets there and is given its node rank, so no node has to be told its rank. The
+  store is reached by the address that host gives for itself (`hostname --ip-address`, asked there through srun),
+  not by its name, which other nodes may resolve to another interface or not at all; and on a port found free
+  there when the job starts (`--port` fixes one), since a fixed 29500 collides with any other job's rendezvous on
+  that host. `--rdzv-id $SLURM_JOB_ID` keeps two jobs whose first node is the same host apart.
+- With `--checkpoint-dir`, `#SBATCH --signal=B:TERM@120` has Slurm send the script SIGTERM `--stop-before`
+  seconds before `--time`. The script passes it to every rank (`scancel --signal=TERM`, which signals the job's
+  steps), each ends its step, saves a checkpoint and exits (`lab.preemption`), and the script requeues the job
+  (`#SBATCH --requeue`, its log appended to): the job starts again and `--resume` continues from that checkpoint.
+  torchrun is told to give its ranks all but 30 s of that time before it kills them
+  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; it waits 30 s otherwise), which leaves those 30 s to requeue.
 - `--max-restarts K`: when a rank fails, every node's torchrun stops its ranks and starts them again, up to K
   times; `--resume` makes them continue from the newest complete checkpoint (so does a resubmitted job), and
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE gives each attempt a store of its own (a shared one broke restarts).
@@ -37,6 +46,9 @@ from lab.config import Config, check_supported, read_config
 PROG = "python -m lab launch"
 TIME = re.compile(r"^(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})$")  # [D-]HH:MM:SS, one of the forms sbatch accepts
 FLIGHT_RECORDER_DIR = "flight-recorder"
+STOP_MARGIN_S = 30  # of --stop-before: what the ranks get at least to checkpoint, and what is left to requeue
+# A port the kernel calls free on the node that runs it: bind to port 0 and read which one it gave
+FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 
 # (variable, value, what it does and when to change it, whether it is set). Those not set name what only the
 # cluster knows (its adapters and interfaces) or are debugging switches: the script shows them commented out.
@@ -85,7 +97,8 @@ class SlurmJob:
     account: str | None = None
     job_name: str | None = None  # None: lab-<config file name>
     log: str = "%x-%j.out"  # sbatch's patterns: %x the job name, %j its id
-    port: int = 29500
+    port: int | None = None  # None: a port free on the first node when the job starts
+    stop_before: int = 120  # with checkpoints: SIGTERM this many seconds before --time, then checkpoint and requeue
     max_restarts: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -115,6 +128,12 @@ def _is_time(text: str) -> bool:
     return minutes < 60 and seconds < 60 and (match[1] is None or hours < 24) and days + hours + minutes + seconds > 0
 
 
+def _seconds(text: str) -> int:
+    """The seconds of a time limit `_is_time` accepts."""
+    days, hours, minutes, seconds = (int(group or 0) for group in TIME.match(text).groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 def check_values(job: SlurmJob) -> None:
     """Every flag's range, as one line naming the value: a script with a bad one would fail on the cluster, after
     waiting in the queue."""
@@ -124,9 +143,14 @@ def check_values(job: SlurmJob) -> None:
         _require(value >= low, f"{flag}={value} must be an integer >= {low}")
     _require(job.cpus >= job.gpus_per_node,
              f"--cpus-per-task={job.cpus} must be >= --gpus-per-node={job.gpus_per_node} (a core per rank at least)")
-    _require(1024 <= job.port <= 65535, f"--port={job.port} must be in 1024-65535 (the rendezvous' TCP port)")
+    _require(job.port is None or 1024 <= job.port <= 65535,
+             f"--port={job.port} must be in 1024-65535 (the rendezvous' TCP port)")
     _require(_is_time(job.time), f"--time={job.time!r} must be [D-]HH:MM:SS with minutes and seconds 00-59 (hours "
                                  f"00-23 after days), e.g. 24:00:00 or 2-00:00:00")
+    limit = _seconds(job.time)
+    _require(2 * STOP_MARGIN_S <= job.stop_before < limit,
+             f"--stop-before={job.stop_before} must be in {2 * STOP_MARGIN_S}-{limit - 1} (seconds before --time="
+             f"{job.time}: at least {STOP_MARGIN_S} for the ranks to checkpoint and {STOP_MARGIN_S} to requeue)")
     for flag, value in (("--partition", job.partition), ("--account", job.account), ("--job-name", job.job_name),
                         ("--log", job.log)):
         _require(value is None or re.fullmatch(r"\S+", value) is not None,
@@ -204,6 +228,8 @@ def sbatch_script(job: SlurmJob, command: str | None = None) -> tuple[str, list[
     sbatch += [f"--partition={job.partition}"] if job.partition else []
     sbatch += [f"--account={job.account}"] if job.account else []
     sbatch += [f"--output={job.log}"]
+    if job.checkpoint_dir is not None:  # SIGTERM before --time: checkpoint, requeue, resume (`_stop_and_requeue`)
+        sbatch += [f"--signal=B:TERM@{job.stop_before}", "--requeue", "--open-mode=append"]
     shared = (f" {job.checkpoint_dir} must be on a filesystem every node sees: each rank writes its own part of "
               f"a checkpoint, and a resume may read any." if job.checkpoint_dir is not None else "")
     lines = ["#!/bin/bash", *([f"# Written by: {command}"] if command else []),
@@ -220,19 +246,58 @@ def sbatch_script(job: SlurmJob, command: str | None = None) -> tuple[str, list[
     lines += [f'mkdir -p "{FLIGHT_RECORDER_DIR}/$SLURM_JOB_ID"',
               *_comment(f"CPU threads for each rank's CPU work: the node's {job.cpus} cores over its "
                         f"{job.gpus_per_node} ranks (torchrun would set 1)"),
-              f"export OMP_NUM_THREADS={max(1, job.cpus // job.gpus_per_node)}", "",
-              "# The first node hosts the c10d rendezvous: every node's torchrun meets there and gets its node rank.",
-              'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "",
+              f"export OMP_NUM_THREADS={max(1, job.cpus // job.gpus_per_node)}", "", *_rendezvous(job)]
+    stops = job.checkpoint_dir is not None
+    lines += [*(_stop_and_requeue(job) if stops else []),
               *_comment("One torchrun per node, each starting one rank per GPU. srun takes --cpus-per-task again "
                         "(since Slurm 22.05 it does not inherit sbatch's); --kill-on-bad-exit stops every node once "
-                        "one node's torchrun has given up.")]
+                        "one node's torchrun has given up." + (" In the background, for the trap above to run while "
+                                                               "it does." if stops else ""))]
     torchrun = [f"srun --cpus-per-task={job.cpus} --kill-on-bad-exit=1 torchrun", '--nnodes "$SLURM_NNODES"',
                 f"--nproc-per-node {job.gpus_per_node}", "--rdzv-backend c10d",
-                f'--rdzv-endpoint "$HEAD:{job.port}"', '--rdzv-id "$SLURM_JOB_ID"']
+                '--rdzv-endpoint "$HEAD_ADDR:$PORT"', '--rdzv-id "$SLURM_JOB_ID"']
     torchrun += [f"--max-restarts {job.max_restarts}"] if job.max_restarts else []
     torchrun += ["-m lab.train " + shlex.join(train_args(job))]
-    lines.append(" \\\n    ".join(torchrun))
+    lines.append(" \\\n    ".join(torchrun) + (" &" if stops else ""))
+    lines += ["STEP=$!", 'wait "$STEP"'] if stops else []
     return "\n".join(lines) + "\n", warnings
+
+
+def _rendezvous(job: SlurmJob) -> list[str]:
+    """The lines that find the rendezvous' host, its address and a port, before torchrun starts."""
+    port = (f"PORT={job.port}" if job.port is not None else
+            f'PORT=$(srun --nodes=1 --ntasks=1 -w "$HEAD" python -c "{FREE_PORT}")')
+    return ["# The first node hosts the c10d rendezvous: every node's torchrun meets there and gets its node rank.",
+            'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            *_comment("Reached by the address it gives itself, asked there: its name may resolve to another interface "
+                      "(or not at all) on the other nodes."),
+            'HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname --ip-address | cut -d " " -f 1)',
+            *_comment("On a port free there now: a fixed one (29500) collides with another job's rendezvous on the "
+                      "same node." if job.port is None else "On the port --port fixed."),
+            port, ""]
+
+
+def _stop_and_requeue(job: SlurmJob) -> list[str]:
+    """What the script does when Slurm sends it SIGTERM `stop_before` seconds before --time (`--signal=B:TERM@N`,
+    this script only): pass SIGTERM to every rank, which saves a checkpoint at the end of its step and exits
+    (lab.preemption), wait for them, and requeue the job, which resumes. The launch (`$STEP`) follows."""
+    return [*_comment(f"torchrun gives its ranks {job.stop_before - STOP_MARGIN_S} s to checkpoint and exit after "
+                      f"a SIGTERM before it kills them (it waits 30 s unless told), leaving {STOP_MARGIN_S} s to "
+                      "requeue the job."),
+            f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={job.stop_before - STOP_MARGIN_S}",
+            *_comment(f"Slurm sends this script SIGTERM {job.stop_before} s before --time. scancel --signal passes "
+                      "it to the job's steps (every torchrun and rank, not this script); each rank ends its step, "
+                      "saves a checkpoint and exits. Then the job is requeued: it starts again from the top, and "
+                      "lab.train --resume continues from that checkpoint."),
+            "stop_and_requeue() {",
+            "    trap '' TERM",
+            f'    echo "lab: --time ends in {job.stop_before} s: the ranks checkpoint and stop; the job is requeued"',
+            '    scancel --signal=TERM "$SLURM_JOB_ID"',
+            '    wait "$STEP" || true',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "    exit 0",
+            "}",
+            "trap stop_and_requeue TERM"]
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -258,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account")
     p.add_argument("--job-name", help="default: lab-<config file name>")
     p.add_argument("--log", default="%x-%j.out", help="the job's output file (default %%x-%%j.out: name-jobid.out)")
-    p.add_argument("--port", type=int, default=29500, help="the rendezvous' TCP port on the first node (29500)")
+    p.add_argument("--port", type=int, help="the rendezvous' TCP port on the first node (default: one found free "
+                   "there when the job starts)")
+    p.add_argument("--stop-before", type=int, default=120, metavar="SECONDS", help="with --checkpoint-dir: Slurm "
+                   "sends SIGTERM this long before --time; the ranks checkpoint and stop, the job requeues (120)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole group after a failure "
                    "(torchrun's); needs --checkpoint-dir and --checkpoint-every")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="passed to lab.train, with --resume")

@@ -255,14 +255,15 @@ class TrainConfig:
     kernels: str = "eager"  # "triton": RMSNorm, SwiGLU, attention and the loss run as lab.kernels' Triton kernels
     precision: str = "fp32"  # one of PRECISIONS: the model's compute dtype (FSDP2's param_dtype) and FP8 recipe
     reduce_dtype: str = "fp32"  # FSDP2's reduce_dtype: gradients summed over micro-batches and ranks in this
-    hardware: str = "h100"  # the accelerator the layout is sized for: `--dry-run` says whether its fullest rank fits
+    # the accelerator the layout is sized for: `--dry-run` says whether its fullest rank fits, and checks the name
+    # against lab.calc.hardware's table (here it would make lab.config, which a grading sandbox carries alone,
+    # import lab.calc, the reference the exercises are checked against)
+    hardware: str = "h100"
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        from lab.calc.hardware import HARDWARE  # the table's one home; torch-free, like this module
-
         _positive(self, "steps", "global_batch", "seq_len", "data_branching")
         _positive(self, "warmup_steps", "seed", minimum=0)
         # past `steps` the linear warm-up never reaches the peak lr and the decay never starts (issue 33)
@@ -276,7 +277,6 @@ class TrainConfig:
         _one_of("kernels", self.kernels, KERNEL_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
-        _one_of("hardware", self.hardware, tuple(HARDWARE))
         compute = {"fp16": "fp16", "fp32": "fp32"}.get(self.precision, "bf16")
         _require(self.reduce_dtype == "fp32" or self.reduce_dtype == compute,
                  f"reduce_dtype={self.reduce_dtype!r} with precision={self.precision!r}: gradients are summed in "

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lab.calc.hardware import GiB, get_accelerator
+from lab.calc.hardware import HARDWARE, GiB, get_accelerator
 from lab.calc.memory import MemoryEstimate, estimate_memory, training_precision
 from lab.config import Config, check_supported
 from lab.distributed.mesh import AXES, GROUPS
@@ -149,6 +149,9 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
     """Build `rank`'s part of `config`'s layout on `meta` under a fake process group of the layout's world size,
     and measure its static bytes beside calc.memory's. Nothing is allocated and nothing is communicated."""
     check_supported(config)  # what a real run refuses, the dry run refuses too
+    if config.train.hardware not in HARDWARE:
+        raise ValueError(f"train.hardware={config.train.hardware!r} must be one of "
+                         f"{', '.join(map(repr, HARDWARE))} (the accelerators lab.calc.hardware knows)")
     p = config.parallel
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < p.world_size:
         raise ValueError(f"rank={rank!r} must be in [0, {p.world_size}) (dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp})")

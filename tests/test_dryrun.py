@@ -146,6 +146,8 @@ def test_the_cli_prints_coordinates_and_groups():
     (["--config", "configs/deepseek-v3.toml", "--tp", "2", "--dry-run"], "lab.train does not run tp with mla"),
     (["--config", "configs/llama3-70b.toml", "--dry-run", "--rank", "256"], "rank=256 must be in [0, 256)"),
     (["--config", "configs/llama3-70b.toml", "--rank", "3"], "--rank=3 picks the rank of a --dry-run"),
+    (["--config", "configs/tiny.toml", "--dry-run", "--set", "train.hardware='h800'"],
+     "train.hardware='h800' must be one of 'h100', 'h200', 'a100'"),
 ])
 def test_the_cli_refuses_in_one_line(capsys, argv, message):
     from lab.train import main

@@ -158,7 +158,8 @@ def _matmuls_in_one_step() -> int:
     from lab.config import load_config
     from lab.train import run
 
-    config = load_config(None, ["model.preset='tiny'", "train.steps=1", "train.seq_len=32", "train.global_batch=4",
+    config = load_config(None, ["model.preset='tiny'", "train.steps=1", "train.warmup_steps=1", "train.seq_len=32",
+                                "train.global_batch=4",
                                 "parallel.grad_accum=2", "train.device='cpu'"])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run(config, 1, verbose=False)

@@ -130,7 +130,8 @@ def run_autograder(assignment: course.Assignment) -> str:
     return f"""#!/usr/bin/env bash
 # Gradescope's run_autograder for assignment {assignment.name}, written by
 # `python -m lab gradescope --assignment {assignment.name}`. It writes results.json even for a submission
-# without a notebook (a zero with the reason); --strict refuses to grade without the class secret or Landlock.
+# without a notebook (a zero with the reason); --strict refuses to grade without the class secret, Landlock
+# or a network namespace (python -m lab doctor says which this machine gives).
 set -u
 cd /autograder/source
 LAB_SEED_SECRET="$(cat /autograder/source/secret.txt)" exec {VENV}/bin/python -m lab grade \\

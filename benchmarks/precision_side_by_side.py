@@ -21,23 +21,23 @@ the production stack:
   fp8-tilewise    lab's DeepSeek-V3 tiles have a torchao counterpart, `torchao.prototype.blockwise_fp8_training`,
                   which does not run on a CPU: the row gives torchao's own refusal.
 
+Both keep the fp32 initial values w0 as the masters (lab's `MasterWeights` takes them from before the cast to
+bf16, FSDP2's contract). Masters started from the bf16-rounded copy instead would give the same weights at step
+1 and round differently from the first update on (round(w0 + Δ) against round(round(w0) + Δ): a weight in four
+lands one bf16 step apart); `torch_worker(rounded_masters=True)` plants that, and the tests see it.
+
 What still differs between the two sides, and what it does to the loss:
 
-- Where the fp32 masters start. lab's `MasterWeights` copies the model's weights *after* the cast to bf16, so its
-  masters start at round_bf16(w0); FSDP2 keeps the fp32 initial values w0 as its masters. The bf16 weights of
-  step 1 are the same, but from the first update on the two round differently (round(w0 + Δ) against
-  round(round(w0) + Δ): a weight in four lands one bf16 step apart). Each row is therefore run twice: FSDP2
-  started from lab's masters, and FSDP2 with its own.
 - FSDP2 casts every floating input of a wrapped module to param_dtype (`cast_forward_inputs`): each block's RoPE
   cos/sin would be rounded to bf16, which lab keeps in fp32 (the rotation is computed in fp32). The blocks here
   are wrapped with cast_forward_inputs=False; with FSDP2's default the step-1 losses differ by ~2e-5.
 - Gradient accumulation is left out: FSDP2 without gradient sync accumulates unsharded gradients in bf16 before
   its fp32 reduction, lab sums micro-batches in fp32.
 
-Seen on a 2-core CPU (torch 2.13, torchao 0.18, tiny model with 2 layers, 2 ranks, 10 steps): started from lab's
-masters, both references give bit-identical losses and gradient norms at every step (max |diff| 0) — lab's bf16
-step is FSDP2's, and lab's FP8 GEMMs (torch._scaled_mm on the CPU) are torchao's. With FSDP2's own fp32 masters:
-max |diff| 2.5e-4 (bf16) and 1.9e-3 (fp8), final losses within 0.03%: bf16 rounding noise, which FP8 amplifies.
+Seen on a 2-core CPU (torch 2.13, torchao 0.18, tiny model with 2 layers, 2 ranks, 10 steps): both references give
+bit-identical losses and gradient norms at every step (max |diff| 0) — lab's bf16 step is FSDP2's, and lab's FP8
+GEMMs (torch._scaled_mm on the CPU) are torchao's. With masters from the bf16-rounded copy (lab's before issue 33),
+max |diff| was 2.5e-4 (bf16) and 1.9e-3 (fp8): bf16 rounding noise, which FP8 amplifies.
 
 A reference that is missing (torchao not installed) or refuses to run is a row that says why, never a crash.
 With --json, the rows become records with the torch and torchao versions and the config.
@@ -74,7 +74,6 @@ DEFAULT_SETS = ("model.n_layers=2",)
 REFERENCES = {"bf16": "torch FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32), fp32 logits",
               "fp8-tensorwise": "torchao Float8Linear (tensorwise) on that FSDP2 run",
               "fp8-tilewise": "torchao.prototype.blockwise_fp8_training (1x128, 128x128)"}
-MASTERS = {"lab": "fp32 masters from the bf16 weights, as lab's", "fsdp2": "fp32 masters = the fp32 init, FSDP2's own"}
 TORCHAO_HINT = "pip install -e \".[torchao]\" (torchao==0.18.0)"
 
 
@@ -125,21 +124,22 @@ def _fp8_linear(fqn: str) -> bool:
     return fqn.startswith("layers.") and fqn.rsplit(".", 1)[-1] not in KEEP_IN_HIGH_PRECISION
 
 
-def torch_worker(config: Config, fp8: bool = False, lab_masters: bool = True, reduce_dtype: torch.dtype = torch.float32,
-                 fp32_logits: bool = True, cast_block_inputs: bool = False) -> list[dict]:
+def torch_worker(config: Config, fp8: bool = False, rounded_masters: bool = False,
+                 reduce_dtype: torch.dtype = torch.float32, fp32_logits: bool = True,
+                 cast_block_inputs: bool = False) -> list[dict]:
     """One rank of the reference run: FSDP2 with MixedPrecisionPolicy(bf16, `reduce_dtype`) on each block
     (`cast_block_inputs`: FSDP2's cast_forward_inputs) and on the root (its output cast to fp32 when
     `fp32_logits`), the block linears as torchao's tensorwise Float8Linear when `fp8`; the masters start at the
-    bf16-rounded initial weights when `lab_masters`, else at the fp32 ones. The loop is lab.train's: the same
-    batches, initial weights, optimizer, schedule and clipping. Returns per step the loss (mean over ranks) and
-    the gradient norm right after reduction, before clipping."""
+    fp32 initial weights, or (a bug to plant) at their bf16-rounded copy when `rounded_masters`. The loop is
+    lab.train's: the same batches, initial weights, optimizer, schedule and clipping. Returns per step the loss
+    (mean over ranks) and the gradient norm right after reduction, before clipping."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, train = config.model, config.train
     model = materialize(build_model(cfg), "cpu", seed=train.seed)  # lab's initial weights, drawn by name
-    if lab_masters:
+    if rounded_masters:
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.bfloat16().float())
@@ -219,10 +219,9 @@ def _first_line(err: BaseException) -> str:
 
 # --- the comparison -------------------------------------------------------------------------------------------
 
-def compare(precision: str, masters: str, lab: list[dict], reference: list[dict]) -> dict:
+def compare(precision: str, lab: list[dict], reference: list[dict]) -> dict:
     """One row: both runs' losses per step and their |difference|, the max of it, the final losses' relative gap,
-    and the relative difference of the step-1 gradient norms (after reduction, before the first update: the two
-    sides hold the same bf16 weights then, whichever masters they keep)."""
+    and the relative difference of the step-1 gradient norms (after reduction, before the first update)."""
     if [r["step"] for r in lab] != [r["step"] for r in reference]:
         raise ValueError(f"{precision}: lab logged steps {[r['step'] for r in lab]}, the reference "
                          f"{[r['step'] for r in reference]}")
@@ -230,7 +229,7 @@ def compare(precision: str, masters: str, lab: list[dict], reference: list[dict]
               "lab_grad_norm": a["grad_norm"], "ref_grad_norm": b["grad_norm"]}
              for a, b in zip(lab, reference, strict=True)]
     first, last = steps[0], steps[-1]
-    return {"precision": precision, "reference": REFERENCES[precision], "masters": masters, "status": "ok",
+    return {"precision": precision, "reference": REFERENCES[precision], "status": "ok",
             "steps": steps, "max_abs_diff": max(s["abs_diff"] for s in steps),
             "final_rel_gap": (last["lab_loss"] - last["ref_loss"]) / last["ref_loss"],
             "step1_grad_norm_rel_diff": abs(first["lab_grad_norm"] - first["ref_grad_norm"]) / first["ref_grad_norm"]}
@@ -240,21 +239,20 @@ def not_run(precision: str, reason: str) -> dict:
     return {"precision": precision, "reference": REFERENCES[precision], "status": f"not run: {reason}"}
 
 
-def precision_rows(config: Config, precision: str, masters: Sequence[str] = tuple(MASTERS), lab: Callable = run_lab,
+def precision_rows(config: Config, precision: str, lab: Callable = run_lab,
                    reference: Callable = run_torch) -> list[dict]:
-    """lab.train at `precision` against its reference started from each of `masters` (keys of MASTERS). The fp8
-    reference needs torchao: without it, or when it fails on this machine, one row says why."""
+    """lab.train at `precision` against its reference, one row. The fp8 reference needs torchao: without it, or
+    when it fails on this machine, the row says why."""
     fp8 = precision == "fp8-tensorwise"
     if fp8 and (missing := torchao_missing()) is not None:
         return [not_run(precision, missing)]
     try:
-        refs = {start: reference(config, fp8=fp8, lab_masters=start == "lab") for start in masters}
+        ref = reference(config, fp8=fp8)
     except Exception as err:  # RankError carrying the rank's traceback: the reference refused this machine
         if not fp8:
             raise
         return [not_run(precision, f"torchao's float8 training failed here: {_first_line(err)}")]
-    ours = lab(config, precision)
-    return [compare(precision, start, ours, ref) for start, ref in refs.items()]
+    return [compare(precision, lab(config, precision), ref)]
 
 
 def rows(config: Config) -> list[dict]:
@@ -268,20 +266,18 @@ def print_table(found: list[dict]) -> None:
         if not ran:
             continue
         print(f"{precision}: lab.train --precision {precision} against {ran[0]['reference']}")
-        print(f"{'step':>4}{'lab':>11}" + "".join(f" | {'ref, ' + r['masters'] + ' masters':>19}{'|diff|':>9}"
-                                                for r in ran))
+        print(f"{'step':>4}{'lab':>11}" + "".join(f" | {'reference':>19}{'|diff|':>9}" for r in ran))
         for i, step in enumerate(ran[0]["steps"]):
             print(f"{step['step']:>4}{step['lab_loss']:>11.6f}" +
                   "".join(f" | {r['steps'][i]['ref_loss']:>19.6f}{r['steps'][i]['abs_diff']:>9.1e}" for r in ran))
         print()
-    print(f"{'precision':<16}{'masters':<8}{'max |diff|':>11}{'final gap':>11}{'step-1 norm':>12}  reference")
+    print(f"{'precision':<16}{'max |diff|':>11}{'final gap':>11}{'step-1 norm':>12}  reference")
     for r in found:
         if r["status"] != "ok":
-            print(f"{r['precision']:<16}{'-':<8}{'-':>11}{'-':>11}{'-':>12}  {r['reference']}\n    {r['status']}")
+            print(f"{r['precision']:<16}{'-':>11}{'-':>11}{'-':>12}  {r['reference']}\n    {r['status']}")
             continue
-        print(f"{r['precision']:<16}{r['masters']:<8}{r['max_abs_diff']:>11.1e}{100 * r['final_rel_gap']:>10.4f}%"
+        print(f"{r['precision']:<16}{r['max_abs_diff']:>11.1e}{100 * r['final_rel_gap']:>10.4f}%"
               f"{r['step1_grad_norm_rel_diff']:>12.1e}  {r['reference']}")
-    print("masters: " + "; ".join(f"{k}: {v}" for k, v in MASTERS.items()))
     print("|diff|: lab's loss against the reference's; final gap: lab's final loss relative to the reference's; "
           "step-1 norm: relative difference of the gradient norms after reduction, before any update")
 

@@ -4,7 +4,7 @@ Each exercise cell holds a kernel (`@triton.jit`), its launcher and a driver (`r
 inputs from a seed in float64, rounds them to the kernel's dtype, launches the kernel and returns flat lists.
 The checks draw the same inputs here and judge the answer by the error-ratio rule of `lab.kernels.accuracy`: the
 kernel's largest error against a float64 reference must be at most `RATIO` times torch's own error in the same
-dtype (its floor: `FLOOR_ULPS` roundoff units at the reference's scale). Shapes are random and chosen to expose the classic
+dtype (its floor: 16 ulps at the reference's scale). Shapes are random and chosen to expose the classic
 mistakes — widths that are not a power of two (a masked tail), one row, K and sequence lengths that are not a
 multiple of the block, several key blocks (a running output that must be rescaled), strided inputs, several
 programs adding up one reduction. Each check isolates one mistake, so that its hint is the one that helps: the

@@ -34,7 +34,7 @@ from torch import nn
 
 from lab import distributed as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
-from lab.checkpoint import Checkpointer, CheckpointOptions, check_resume, newest
+from lab.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, check_resume, newest
 from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
 from lab.distributed import flight
@@ -537,9 +537,16 @@ def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkp
     if nproc == 1 and inject is None and not max_restarts:  # a failure on purpose runs in a rank of its own
         return train_worker(config, log_path, verbose, checkpoint, on_step=on_step)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
-    return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, on_step, backend=backend,
-                        timeout_s=time_limit_s, hang_timeout_s=hang_timeout_s, max_restarts=max_restarts,
-                        **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
+    try:
+        return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, on_step,
+                            backend=backend, timeout_s=time_limit_s, hang_timeout_s=hang_timeout_s,
+                            max_restarts=max_restarts,
+                            **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
+    except lab_dist.RankError as err:
+        said = err.message.partition(" failed: ")[2].split(" (then rank")[0]
+        if said.startswith("CheckpointError: "):  # a save that failed: its one line, as in one process
+            raise CheckpointError(said.removeprefix("CheckpointError: ")) from None
+        raise
 
 
 class NonFiniteLoss(RuntimeError):

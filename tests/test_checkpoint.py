@@ -484,6 +484,9 @@ def test_disk_full_in_a_save_is_one_line_and_keeps_the_previous_checkpoint(train
             f"__0_0.distcp on rank 0); the partial save .tmp-{_name(4)} was removed and the newest complete "
             f"checkpoint, {_name(2)}, is untouched") in err, err
     assert os.listdir(tmp_path / "single") == [_name(2)]
+    assert _main(tmp_path / "ranks", "--checkpoint-every", "2", "--nproc", "2", "--dp", "2") == 2  # ranks too
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not save step 4" in err and "is untouched" in err, err
     monkeypatch.undo()
     ckpt = tmp_path / "dp2"
     with pytest.raises(lab_dist.RankError) as failed:

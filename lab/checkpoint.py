@@ -444,8 +444,9 @@ def _save_failures(pending: PendingSave) -> Iterator[None]:
         yield
     except (CheckpointException, OSError) as err:
         cause = _cause(err)
-        if _rank() == 0:
-            shutil.rmtree(pending.tmp, ignore_errors=True)
+        # every failing rank removes it: the first one to fail may be the only one to get this far (the launcher
+        # stops the others), and its line says the partial save is gone
+        shutil.rmtree(pending.tmp, ignore_errors=True)
         directory = os.path.dirname(pending.final)
         done = complete_checkpoints(directory)
         kept = (f"the newest complete checkpoint, {os.path.basename(done[-1])}, is untouched" if done else

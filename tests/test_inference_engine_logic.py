@@ -1,15 +1,17 @@
 """The serving engine's pure logic (issue 20): Sequence, BlockManager and Scheduler, with no model.
 
-A fake model runner stands in for ModelRunner. It keeps a simulated paged cache (one slot holds the (token,
-position) pair whose K/V would be there), writes each scheduled chunk through `slot_mapping`, reads every
-sequence's whole context back by gathering the blocks of its block table, checks it, and returns the deterministic token
+A fake model runner stands in for ModelRunner. It keeps a simulated paged cache (one slot holds the whole prefix
+whose last token's K/V would be there: past the first layer, a token's K/V depend on every token before it), writes
+each scheduled chunk through `slot_mapping`, reads every sequence's whole context back by gathering the blocks of
+its block table, checks it, and returns the deterministic token
 (31 * last token + position) % VOCAB of the context it read. So a wrong slot, a block overwritten while still
-shared, or a wrong prefix hit shows up as a corrupted context or a different token, and a full simulated run can
-be compared with the reference continuation computed straight from the prompt.
+shared, or a wrong prefix hit (the same block after another prefix included) shows up as a corrupted context or a
+different token, and a full simulated run can be compared with the reference continuation computed straight from
+the prompt.
 
 Each named edge-case test was checked against a planted bug: off-by-one slot mapping, freeing a block still
 shared by another sequence, a full prefix hit that skips the last prompt token, evicting the most recently
-freed block instead of the least.
+freed block instead of the least, a block hash that ignores its parent block.
 """
 
 from __future__ import annotations
@@ -48,21 +50,21 @@ class FakeRunner:
 
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm
-        self.cache: list[tuple[int, int] | None] = [None] * (bm.num_blocks * bm.block_size)
+        self.cache: list[tuple[int, ...] | None] = [None] * (bm.num_blocks * bm.block_size)
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
         for seq, n in scheduled:  # a batched forward writes every chunk's K/V, then attends
             start = seq.num_computed_tokens
             for p, slot in zip(range(start, start + n), self.bm.slot_mapping(seq, start, start + n), strict=True):
-                self.cache[slot] = (seq.token_ids[p], p)
+                self.cache[slot] = tuple(seq.token_ids[: p + 1])  # what position p's K/V depend on
         sampled = {}
         for seq, n in scheduled:
             end = seq.num_computed_tokens + n
             bs = self.bm.block_size  # read as paged attention does: gather whole blocks along the block table
             context = [entry for b in seq.block_table for entry in self.cache[b * bs : (b + 1) * bs]][:end]
-            assert context == [(t, p) for p, t in enumerate(seq.token_ids[:end])], f"seq {seq.seq_id} corrupted"
+            assert context == [tuple(seq.token_ids[: p + 1]) for p in range(end)], f"seq {seq.seq_id} corrupted"
             if end == seq.num_tokens:
-                sampled[seq.seq_id] = next_token([t for t, _ in context])
+                sampled[seq.seq_id] = next_token([prefix[-1] for prefix in context])
         return sampled
 
 
@@ -116,6 +118,36 @@ def test_full_prefix_hit_with_prompt_a_multiple_of_block_size_still_computes_the
     assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
     assert b.generated == [next_token(prompt)]
     assert (bm.prefix_hits, bm.prefix_queries) == (4, 16)
+
+
+def test_a_block_after_another_prefix_is_not_a_hit():
+    """A = P1 + X + t and B = P2 + Y + t2 are cached; C = P2 + X + t finds P2 (B's first block) but not X: A's X
+    block holds the K/V of X after P1, not after P2. A hash of the block's own tokens (no parent) would hand it over."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    p1, p2, x, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
+    for seq_id, prompt in ((0, p1 + x + [17]), (1, p2 + y + [18])):
+        prefill(bm, make_seq(seq_id, prompt))
+    c = make_seq(2, p2 + x + [17])
+    assert bm.num_cached_tokens(c) == 4  # one block, not two
+    assert bm.allocate(c) and c.num_computed_tokens == 4
+
+
+def test_the_engine_recomputes_a_block_reached_through_another_prefix():
+    """The same three prompts through the scheduler and the prefix-recording runner: C's context and tokens are
+    its own, though its second block's tokens were cached after another first block."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched, runner = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64), FakeRunner(bm)
+    p1, p2, x, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
+    seqs = [make_seq(0, p1 + x + [17]), make_seq(1, p2 + y + [18])]
+    for seq in seqs:
+        sched.add(seq)
+    while sched.has_unfinished():  # A and B finish: their blocks stay cached
+        step(sched, runner)
+    c = make_seq(2, p2 + x + [17])
+    sched.add(c)
+    while sched.has_unfinished():
+        step(sched, runner)
+    assert c.num_cached_prompt_tokens == 4 and c.generated == reference(p2 + x + [17], c.params)
 
 
 def test_last_partial_block_is_neither_cached_nor_shared():

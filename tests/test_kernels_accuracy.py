@@ -44,3 +44,14 @@ def test_nan_and_shape_mismatch() -> None:
     assert max_error(torch.tensor([float("nan")]), torch.tensor([float("nan")], dtype=torch.float64)) == 0
     with pytest.raises(ValueError, match=r"shape \(2,\) differs from the reference's \(3,\)"):
         max_error(torch.zeros(2), reference)
+
+
+def test_a_zero_by_cancellation_takes_the_scale_of_its_terms() -> None:
+    """Attention's dq with one key is exactly 0 (its terms cancel): at its own scale no roundoff at all is allowed,
+    at the scale of the terms that cancelled (given) a few ulps are, and a real error still fails."""
+    reference = torch.zeros(8, dtype=torch.float64)
+    exact = reference.float()
+    roundoff = torch.full((8,), 1.3e-7)
+    assert error_ratio(roundoff, exact, reference) > 1e20
+    assert error_ratio(roundoff, exact, reference, scale=1.0) <= 2
+    assert error_ratio(torch.full((8,), 1e-4), exact, reference, scale=1.0) > 2

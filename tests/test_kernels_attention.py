@@ -58,9 +58,12 @@ def test_flash_attention_matches_torch(shape, dtype):
     got = _run(lambda *a: flash_attention(*a, causal=causal), q, k, v, do)
     base = _run(lambda *a: _torch_attention(*a, causal), q, k, v, do)
     ref = _run(lambda *a: attention_reference(*a, causal=causal), q.double(), k.double(), v.double(), do.double())
+    # One roundoff scale for the four tensors (unit-normal inputs): with a single key the softmax is 1 and dq, dk
+    # cancel to exactly 0 (dP - rowsum(dO * O) = 0), so their own scale would leave no room for any roundoff.
+    scale = max(float(r.abs().max()) for r in ref)
     for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref, strict=True):
         assert g.dtype == dtype and g.shape == r.shape
-        assert_error_ratio(f"flash_attention {name}", g, b, r, dot_product_ratio(g.dtype))
+        assert_error_ratio(f"flash_attention {name}", g, b, r, dot_product_ratio(g.dtype), scale)
 
 
 @pytest.mark.parametrize("dtype, D, causal", [(torch.float16, 24, True), (torch.float32, 24, False),

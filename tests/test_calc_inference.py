@@ -252,6 +252,33 @@ def test_chip_is_a_parameter_of_the_serving_plan():
     assert h100["hardware"] == HARDWARE["h100"].name and h100["fits"] is True
 
 
+def test_weight_only_quantisation_computes_in_bf16_and_w8a8_at_the_fp8_peak():
+    # Chapter 11's H100 node plans: precision="bf16" (the default) is weight-only quantisation — fp8 or int4
+    # weights dequantised to bf16, their matmuls at the bf16 peak — so past the critical batch int4 weights give
+    # the same tokens/s as fp8 (the step's compute and KV terms both grow with the batch). W8A8 (precision="fp8")
+    # prices the weight matmuls at the FP8 peak, 2x bf16's on an H100; attention stays at the bf16 peak.
+    h100 = HARDWARE["h100"]
+    ratio = h100.peak_flops("fp8") / h100.peak_flops("bf16")
+    assert ratio == pytest.approx(2, rel=1e-3)  # 1,979 / 989.4 TFLOP/s dense
+    plan = {name: serving_plan("llama3-70b", "h100", tp=8, context=8192, kv_bytes=1, weight_bytes=w, precision=p)
+            for name, w, p in (("w8a16", 1, "bf16"), ("w4a16", 0.5, "bf16"), ("w8a8", 1, "fp8"))}
+    assert plan["w4a16"]["tokens_per_s"] == pytest.approx(plan["w8a16"]["tokens_per_s"], rel=1e-9)
+    assert plan["w8a8"]["batch"] == plan["w8a16"]["batch"]  # same bytes stored: the same sequences fit
+    w8a16, w8a8 = plan["w8a16"]["step"], plan["w8a8"]["step"]
+    assert w8a16["bound"] == w8a8["bound"] == "compute"  # 459 sequences: past both critical batches
+    assert w8a8["linear_s"] == pytest.approx(w8a16["linear_s"] / ratio)  # the weight matmuls at the FP8 peak
+    assert w8a8["attention_s"] == w8a16["attention_s"]
+    assert w8a8["kv_bytes"] == w8a16["kv_bytes"] and w8a8["attention_flops"] == w8a16["attention_flops"]
+    assert plan["w8a8"]["tokens_per_s"] == pytest.approx(16_951, rel=1e-3)  # +15 %: the KV reads are the rest
+    assert plan["w8a16"]["tokens_per_s"] == pytest.approx(14_726, rel=1e-3)
+    # B_crit: fp8 weights with bf16 compute turn compute-bound at half the bf16 batch; W8A8 at the bf16 one
+    assert plan["w8a8"]["critical_batch"] == pytest.approx(ratio * plan["w8a16"]["critical_batch"])
+    # prefill is compute-bound: W8A8 halves the weight matmuls' part, not attention's
+    bf16, fp8 = (prefill_time("llama3-70b", "h100", 8192, tp=8, precision=p, mfu=0.4) for p in ("bf16", "fp8"))
+    peak = h100.peak_flops("bf16") * 8 * 0.4
+    assert fp8.time_s == pytest.approx((bf16.linear_flops / ratio + bf16.attention_flops) / peak)
+
+
 # --- bad input: one line naming the value and the valid range ---------------------------------------------------
 
 @pytest.mark.parametrize("call, message", [

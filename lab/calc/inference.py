@@ -29,6 +29,14 @@ layer for q·kᵀ and p·v (the full matrix, causal or not; MLA's absorbed atten
 kernel detail this leaves out). Bytes everywhere; `kv_bytes` / `weight_bytes` are bytes
 per element (2 bf16, 1 int8/fp8, 0.5 int4: `STORAGE_BYTES`).
 
+Storage and compute are separate knobs. `weight_bytes` is how the weights are *stored*; `precision` is the dtype the
+weight matmuls *compute* in, whose peak (`lab.calc.hardware`) prices their FLOPs. The default, precision="bf16", is
+**weight-only quantisation** (W8A16, W4A16): the weights are read in fp8 or int4 and dequantised to bf16 before the
+matmul, so they save memory and HBM traffic, never compute — past the critical batch an int4 plan runs no faster
+than an fp8 one. precision="fp8" is **W8A8**: weights and activations both in fp8, the matmuls at the FP8 peak
+(twice bf16's on an H100). Attention's q·kᵀ and p·v stay at the bf16 peak either way (`attention_precision`): an fp8
+KV cache is dequantised for them, as serving engines do.
+
 The chapter's widget calls
 
     inference_roofline(model, hardware, batch, context, tp=1, kv_bytes=2, weight_bytes=2) -> dict
@@ -192,9 +200,10 @@ class DecodeStep:
 
 def step_time(batch: int, weight_bytes: float, kv_bytes: float, linear_flops: float, hardware: str | Accelerator,
               *, attention_flops: float = 0.0, chips: int = 1, precision: str = "bf16",
-              comms_s: float = 0.0) -> DecodeStep:
+              comms_s: float = 0.0, attention_precision: str = "bf16") -> DecodeStep:
     """A decode step from one chip's share: the weight and KV bytes it reads, the FLOPs it does (`precision`:
-    the matmuls' number format, for the peak)."""
+    the weight matmuls' compute dtype, whose peak prices `linear_flops`; `attention_precision` the same for
+    `attention_flops`)."""
     _count("batch", batch)
     _count("chips", chips)
     for name, value in (("weight_bytes", weight_bytes), ("linear_flops", linear_flops)):
@@ -204,8 +213,9 @@ def step_time(batch: int, weight_bytes: float, kv_bytes: float, linear_flops: fl
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
     chip = _chip(hardware)
     peak, bandwidth = peak_flops(chip, precision), chip.hbm_bandwidth
+    attention_peak = peak_flops(chip, attention_precision)
     return DecodeStep(batch, chips, weight_bytes, kv_bytes, linear_flops, attention_flops, weight_bytes / bandwidth,
-                      kv_bytes / bandwidth, linear_flops / peak, attention_flops / peak, comms_s)
+                      kv_bytes / bandwidth, linear_flops / peak, attention_flops / attention_peak, comms_s)
 
 
 def tp_comms_s(model: ModelConfig | str, batch: int, tp: int, hardware: str) -> float:
@@ -228,7 +238,9 @@ def tp_comms_s(model: ModelConfig | str, batch: int, tp: int, hardware: str) -> 
 def decode_step(model: ModelConfig | str, hardware: str | Accelerator, batch: int, context: int, tp: int = 1,
                 kv_bytes: float = 2, weight_bytes: float = 2, precision: str = "bf16",
                 comms: bool = False) -> DecodeStep:
-    """One decode step of `batch` sequences at `context` tokens each, on tp chips (see the module docstring)."""
+    """One decode step of `batch` sequences at `context` tokens each, on tp chips (see the module docstring):
+    `weight_bytes` / `kv_bytes` per stored element; `precision` the weight matmuls' compute dtype ("bf16":
+    weight-only quantisation, "fp8": W8A8 at the FP8 peak)."""
     cfg = _model(model)
     _count("batch", batch)
     heads, batch_ways = kv_sharding(cfg, tp)
@@ -252,16 +264,16 @@ class Prefill:
 def prefill_time(model: ModelConfig | str, hardware: str | Accelerator, tokens: int, tp: int = 1,
                  precision: str = "bf16", mfu: float = 0.4) -> Prefill:
     """One prompt of `tokens` tokens through the model on tp chips at `mfu` of their peak: compute-bound, its
-    time is the FLOPs (2·N per token plus attention over the prompt) over tp·peak·mfu. This is the time to the
-    first token, queueing aside."""
+    time is the FLOPs (2·N per token plus attention over the prompt) over tp·peak·mfu — the weight matmuls at
+    `precision`'s peak, attention at bf16's. This is the time to the first token, queueing aside."""
     cfg = _model(model)
     _context(cfg, tokens, "tokens")
     ParallelConfig(tp=tp).check_model(cfg)
     _mfu(mfu)
     linear, attention = forward_flops_per_token(cfg, tokens)
-    flops = tokens * (linear + attention)
-    return Prefill(tokens, tp, tokens * linear, tokens * attention, mfu,
-                   flops / (tp * peak_flops(_chip(hardware), precision) * mfu))
+    chip = _chip(hardware)
+    time_s = tokens * (linear / peak_flops(chip, precision) + attention / peak_flops(chip, "bf16")) / (tp * mfu)
+    return Prefill(tokens, tp, tokens * linear, tokens * attention, mfu, time_s)
 
 
 def critical_batch(hardware: str | Accelerator, weight_bytes: float = 2, precision: str = "bf16",
@@ -330,7 +342,9 @@ def serving_plan(model: ModelConfig | str = "llama3-70b", hardware: str | Accele
                  comms: bool = False) -> dict:
     """Ch. 8's "serving LLaMA-3 70B" in numbers, for any model and chip: the weights and how many chips they need,
     the KV per token and per sequence, how many sequences fit, the decode step at `batch` (default: as many as
-    fit, ch. 8's "latency at maximum batch") and its tokens/s, one prompt's prefill, and the critical batch."""
+    fit, ch. 8's "latency at maximum batch") and its tokens/s, one prompt's prefill, and the critical batch.
+    `precision` is the weight matmuls' compute dtype: "bf16" prices fp8 or int4 weights as weight-only quantisation
+    (dequantised to bf16, at the bf16 peak), "fp8" as W8A8 (at the FP8 peak)."""
     cfg = _model(model)
     chip = _chip(hardware)
     memory = chip.memory_bytes if hbm_bytes is None else hbm_bytes

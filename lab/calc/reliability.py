@@ -16,14 +16,22 @@ checkpoint interval", CACM 17(9)), where saving and redoing cost the same, sqrt(
 higher order estimate of the optimum checkpoint interval for restart dumps", FGCS 22) gives the exact expected run
 time under Poisson failures (`expected_wall_time`) and a higher-order optimum (`daly_interval`) that stays close
 to it while C approaches M. An asynchronous save blocks training only while the state is copied to host memory:
-C is that blocking time, which is why it moves the optimum so far.
+C is that blocking time (`async_save_seconds`). What is copied is everything the rank *holds*, not the share it
+will write: `dcp.async_save` stages the whole local state dict first and only then, in the background, plans the
+save and removes the duplicates (torch 2.13, torch/distributed/checkpoint/state_dict_saver.py: `async_save` calls
+the stager before `_async_thread_executor.py` runs `save`, whose planner calls `dedup_save_plans`). An
+asynchronous save therefore blocks far less than a synchronous one only where a rank holds little more than it
+writes (ZeRO or FSDP, which shard the optimizer's state); with replicated state it stages every replica's copy.
 
 **What a checkpoint weighs.** Every parameter once, with the optimizer's state: the weights at the precision the
 optimizer updates them (fp32 master weights in mixed precision: the bf16 copy is derived from them) and Adam's two
 moments, 12 bytes a parameter (10 in "bf16", which has no master copy). A rank *holds* its TP/PP piece of that
 state, ZeRO-sharded or replicated over dp × cp (`lab.calc.memory`); with DCP's deduplication each replicated piece
-is *written* once, spread over its replicas, so a rank writes what ZeRO-3 over dp × cp would leave it, whatever the
-ZeRO stage it trains with.
+is *written* once. Deduplication does not cut a tensor into shares: each replicated chunk (a whole tensor, or a
+rank's whole TP slice of it) goes to the replica with the fewest bytes planned so far (`dedup_save_plans` in
+torch/distributed/checkpoint/_dedup_save_plans.py), which over the hundreds of tensors of a model balances the
+writing to within a chunk. The model here takes the balanced limit: a rank writes what ZeRO-3 over dp × cp would
+leave it, whatever the ZeRO stage it trains with.
 
 **Resharding.** A checkpoint keeps each tensor whole and logical; every saved piece is a box (offsets and sizes in
 the full tensor), as in `lab.checkpoint`. Loading at another layout, a rank reads from each saved box the part
@@ -118,8 +126,9 @@ def best_every(step_s: float, save_s: float, mtbf_s: float) -> int:
 
 @dataclass(frozen=True)
 class CheckpointSize:
-    """Bytes of a checkpoint: in all, held by one rank (the fullest), and written by it when every replicated
-    piece is written once (DCP's deduplication spreads them over their replicas)."""
+    """Bytes of a checkpoint: in all, held by one rank (the fullest; what an asynchronous save stages), and
+    written by it when every replicated piece is written once (DCP's deduplication spreads them over their
+    replicas)."""
 
     total: int
     held_per_rank: int
@@ -160,6 +169,15 @@ def write_seconds(bytes_per_rank: float, ranks: int, rank_bandwidth: float, stor
     if bytes_per_rank < 0:
         raise ValueError(f"bytes_per_rank={bytes_per_rank!r} must be >= 0")
     return max(bytes_per_rank / rank_bandwidth, bytes_per_rank * ranks / storage_bandwidth)
+
+
+def async_save_seconds(size: CheckpointSize, stage_bandwidth: float) -> float:
+    """Seconds an asynchronous save blocks training: the copy of everything the rank holds to host memory at
+    `stage_bandwidth` (bytes/s; device to host). DCP stages before it deduplicates, so the rank's held bytes
+    count, not its written share: `size.held_per_rank`, which equals `size.written_per_rank` only when the state
+    is sharded (ZeRO ≥ 1, FSDP) or not replicated at all."""
+    _positive(stage_bandwidth=stage_bandwidth)
+    return size.held_per_rank / stage_bandwidth
 
 
 # --- resharding: boxes -----------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def test_cpu_lane_writes_every_recipe_with_its_error(bench, cpu_record):
                 for label in ["bf16 (torch.matmul)", *(r[0] for r in bench.RECIPES)]}
     assert {(r["shape"], r["recipe"]) for r in rows} == expected
     for r in rows:
-        # torch 2.13's CPU runs _scaled_mm (cpu-torch-distributed-notes §6), so no recipe is missing here
+        # torch 2.13's CPU runs _scaled_mm (tensorwise and rowwise scales), so no recipe is missing here
         assert r["status"] == "ok" and r["cpu_emulation_ms"] > 0, r
         # torchao's FP8-linear bar (>= 18 dB); e4m3 on Gaussians gives ~28 dB, bf16 ~50 dB
         assert 18 <= r["sqnr_db"] < (60 if r["recipe"].startswith("bf16") else 35), r

@@ -55,7 +55,8 @@ def test_hooks_agree_with_storage_liveness(recompute, flash):
 
 def test_policy_checkpointing_hides_from_hooks_but_not_from_liveness(monkeypatch):
     """Selective checkpointing with a policy keeps matmul outputs in its own cache, out of the hooks' sight
-    (cpu-torch-distributed-notes §8): only the liveness measurement counts them."""
+    (`torch.utils.checkpoint.create_selective_checkpoint_contexts`, torch/utils/checkpoint.py): only the liveness
+    measurement counts them."""
     model = materialize(build_model(SMALL), seed=0)
     block_forward = type(model.layers["0"]).forward
     policy = functools.partial(create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: (

@@ -3,8 +3,9 @@
 A binary float stores a sign, an exponent field E and a mantissa field M. With `m` mantissa bits and a bias, a
 *normal* pattern means (1 + M / 2^m) x 2^(E - bias); exponent field 0 holds the *subnormals* M / 2^m x 2^(1 - bias),
 which fill the gap down to zero in even steps. Every binade [2^e, 2^(e+1)) holds 2^m equally spaced values, so
-the relative gap is about 2^-m everywhere: `epsilon`, the gap above 1 (playbook §12.9). The exponent bits buy
-range, the mantissa bits resolution; the formats of this chapter split 8 to 32 bits differently:
+the relative gap is about 2^-m everywhere: `epsilon`, the gap above 1 (the playbook's "Mixed precision training"
+section, its table of formats). The exponent bits buy range, the mantissa bits resolution; the formats of this
+chapter split 8 to 32 bits differently:
 
     fp32   1/8/23  IEEE binary32                   bf16   1/8/7   fp32's range, 2^-7 resolution
     tf32   1/8/10  fp32's range, fp16's mantissa   fp16   1/5/10  IEEE binary16, max 65504

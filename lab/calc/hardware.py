@@ -51,7 +51,7 @@ HARDWARE: dict[str, Accelerator] = {
     "b200": Accelerator(
         "NVIDIA B200", 2.25e15, 4.5e15, 4.5e15, 192 * GiB, 8e12,
         "NVIDIA Blackwell/DGX B200 datasheet (4.5 PFLOPS bf16 and 9 PFLOPS fp8 with sparsity per GPU; 192GB "
-        "HBM3e at 8 TB/s), as in the scaling-book digest's H100/B200 table"),
+        "HBM3e at 8 TB/s)"),
     "tpu-v5e": Accelerator(
         "Google TPU v5e", 1.97e14, None, 3.94e14, 16 * GiB, 8.1e11,
         "How to Scale Your Model ch. 2 chip table (1.97e14 bf16, 3.94e14 int8, 16 GB HBM at 8.1e11 B/s)"),

@@ -16,7 +16,7 @@ Operands are stored with the contraction axis last ("NT" layout, as DeepGEMM's `
 computes `a @ b.T` for `a` (M, K) and `b` (N, K), so "row" and "tile" scales always run along K.
 
 On CPU, float8 tensors can be cast and `torch._scaled_mm` accepts tensorwise and rowwise scales, but nothing
-else computes in float8 (cpu-torch-distributed-notes §6): amax, scaling and the blockwise GEMM run in float32 on
+else computes in float8 (torch 2.13's CPU backend): amax, scaling and the blockwise GEMM run in float32 on
 dequantised values, whose products float32 rounds at 2^-24 (FP8 itself rounds at 2^-4 or 2^-3), and the one
 thing float32 does better than the hardware — accumulation — is degraded on purpose (see `fp8_matmul`).
 """

@@ -167,6 +167,8 @@ class FormatExplorer(Explorer):
         ax.set_xlim(lo, hi)
         ax.set_ylim(len(fmts) - 0.4, -0.6)  # the first format on top, as in the table
         ax.set_yticks(range(len(fmts)), [f.name for f in fmts])
+        ax.set_xlabel("|value| (log scale, base 2)", fontsize=8)
+        ax.set_ylabel("format", fontsize=8)
         ax.set_title(title, fontsize=10)
         show_figure(self.plot, fig)
 

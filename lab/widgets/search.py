@@ -1,4 +1,5 @@
-"""The config explorer: the playbook's three-step procedure (§11) run by `lab.calc.search` as you type.
+"""The config explorer: the playbook's three-step procedure (its chapter "Finding the Best Training
+Configuration") run by `lab.calc.search` as you type.
 
 Pick a model preset, the cluster (GPUs, GPUs per node, the accelerator, whose network comes with it), the
 sequence length and the global batch in tokens. The search enumerates every layout (dp with ZeRO 0-3, tp with

@@ -8,10 +8,12 @@ from lab.calc.moe import (
     all_to_all_seconds,
     comm_compute_ratio,
     comm_compute_ratio_on,
+    cross_node_comm_compute_ratio,
     dropped_assignments,
     ep_where_comm_dominates,
     expected_all_to_all_bytes,
     expert_bytes_per_gpu,
+    nodes_reached,
     routed_expert_flops,
     rows_per_expert,
 )
@@ -70,6 +72,21 @@ def test_the_ep_where_comm_dominates_is_the_first_ratio_above_one():
     assert ep == int((-b + (b * b - 4 * a * c) ** 0.5) / (2 * a)) + 1
     # with NVLink-class bandwidth the bandwidth part alone stays below 1 (0.24): only latency makes it cross
     assert comm_compute_ratio_on(T, K, D, F_EXPERT, 10**6, bandwidth, flops) < 0.25
+
+
+def test_deepseek_v3_node_limited_fp8_dispatch_is_near_one_to_one():
+    """DeepSeek-V3 report (arXiv:2412.19437) §3.2.1: cross-node expert parallelism gives a computation-to-
+    communication ratio of about 1:1; §3.2.2: each token goes to at most 4 nodes, once over IB per node, then
+    over NVLink to its experts; §3.3.3: the dispatch is sent in FP8, the combine kept in BF16. EP64 on 8 nodes,
+    one 50 GB/s NIC per GPU. The plain bf16 model (every remote expert's row over IB) gives the chapter's ~4x."""
+    plain = cross_node_comm_compute_ratio(K, D, F_EXPERT, 256, 64)
+    deepseek = cross_node_comm_compute_ratio(K, D, F_EXPERT, 256, 64, max_nodes=4, dispatch_bytes=1, combine_bytes=2)
+    assert 3.5 < plain < 4.5
+    assert 0.7 < deepseek < 1.5 and deepseek < plain / 2.5
+    assert nodes_reached(K, 256, 8) == pytest.approx(5.29, abs=0.01) and nodes_reached(K, 256, 8, 4) == 4
+    # per node reached: 4 nodes, 7/8 of them remote, 2 directions x 2 passes at 1 + 2 bytes, over 18·k·d·f FLOPs
+    peak = HARDWARE["h100"].peak_flops("bf16")
+    assert deepseek == pytest.approx(4 * 7 / 8 * 2 * 3 * D / 50e9 / (18 * K * D * F_EXPERT / peak))
 
 
 def test_layout_sizes():

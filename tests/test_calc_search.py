@@ -34,7 +34,7 @@ def best_of(result, family: str):
 # --- the playbook's single-node ranking ---------------------------------------------------------------------
 
 def test_single_node_ranking_of_the_playbook_1b_model():
-    """The playbook, ch. 3 (§11 of the digest), interactive benchmark on 1 node of 8 H100, seq 4096, GBS 256 x 4096:
+    """The playbook, "Finding the best training configuration", benchmark on 1 node of 8 H100, seq 4096, GBS 256 x 4096:
     DP8 (39 % MFU, 40,150 tok/s/GPU) and DP4·PP2 / DP2·PP4 with ZeRO-1 (44 %, 42 %) lead; TP8 (27 % at MBS16,
     6.7 % at MBS1) and PP8 (0.6 %) trail far behind. Checked qualitatively: the DP and DP x PP layouts on top,
     TP8 with MBS1 and pure PP8 at the bottom."""
@@ -59,8 +59,8 @@ def test_single_node_ranking_of_the_playbook_1b_model():
 # --- TorchTitan's recipes -----------------------------------------------------------------------------------
 
 def test_torchtitan_8b_at_128_gpus_is_fsdp():
-    """TorchTitan's benchmark (others-digest C.3, llama3_h100_202412_torchtitan.md, T3): Llama 3.1 8B on 128 H100,
-    seq 8192, global batch 256, FSDP with local batch 2. The search's first choice is exactly that."""
+    """TorchTitan's benchmark (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, T3): Llama 3.1
+    8B on 128 H100, seq 8192, global batch 256, FSDP with local batch 2. The search's first choice is exactly that."""
     top = _search("llama3-8b", 128, 8192, 256 * 8192).candidates[0]
     assert (top.family, top.parallel.zero, top.mbs, top.grad_accum) == ("dp128", 3, 2, 1)
 
@@ -90,10 +90,30 @@ def test_torchtitan_70b_fsdp32_tp8_is_within_10_percent():
     assert rank < 5 and recipe.tokens_per_s >= 0.9 * result.candidates[0].tokens_per_s
 
 
+def test_tp_overlap_and_cp_exposure_move_the_70b_ranking():
+    """The default model leaves async TP out and hides CP's ring whenever attention is long enough, so for 70B at
+    8K on 256 GPUs it ranks dp32·ZeRO-3·CP8 first and TorchTitan's FSDP32 x TP8 (T4) far down. Hiding TP's
+    collectives (`tp_overlap`) raises the recipe, exposing the ring (`cp_exposed`) lowers CP8; with both at 1
+    the recipe comes first."""
+    def ranks(**overlap):
+        result = search("llama3-70b", 256, 8, "h100", 8192, 2**22, **overlap)
+        titan = next(i for i, c in enumerate(result.candidates) if c.family == "dp32·tp8" and c.parallel.zero == 3)
+        cp8 = next(i for i, c in enumerate(result.candidates) if c.family == "dp32·cp8")
+        return titan, cp8
+
+    titan, cp8 = ranks()
+    assert cp8 == 0 and titan > 50
+    assert ranks(tp_overlap=0.8)[0] < 10 < titan
+    assert ranks(cp_exposed=1.0)[1] > 0
+    assert ranks(tp_overlap=1.0, cp_exposed=1.0)[0] == 0
+    with pytest.raises(ValueError, match=r"tp_overlap=1.5 must be in \[0, 1\]"):
+        search("llama3-8b", 8, tp_overlap=1.5)
+
+
 def test_torchtitan_405b_is_among_the_best_pipelines_and_interleaving_beats_1f1b():
     """T5: 405B on 512 GPUs as FSDP 8 x TP 8 x PP 8 with full activation checkpointing; interleaved 1F1B ran 28 %
     faster than 1F1B (100 -> 128 tok/s/GPU). In the model FSDP x TP without a pipeline ranks higher (ZeRO-3's
-    gathers hide behind a 405B layer: A3's ratio is ~0.1 at dp 256), but among pipelined layouts the recipe is
+    gathers hide behind a 405B layer: the overlap ratio is ~0.1 at dp 256), but among pipelined layouts the recipe is
     within 2 % of the best, needs full recomputation to fit, as TorchTitan ran it, and ZeRO-1 (lab runs no
     ZeRO-2/3 with pp), and interleaving shrinks its bubble and wins."""
     result = _search(LLAMA_405B, 512, 8192, 256 * 8192, cp=1)
@@ -252,10 +272,10 @@ def test_512_gpus_search_in_seconds():
 
 @pytest.mark.parametrize("seq", [256, 8192])
 def test_zero3_gathers_hide_when_the_a3_ratio_is_below_1(seq):
-    """Playbook appendix A3 (comms.zero3_overlap_ratio): a ZeRO-3 all-gather hides behind the previous layer's
-    forward when bytes_per_param·(dp-1)/dp·F / (2·tokens·B) <= 1. 8B on dp64 (8 nodes, multi-rail 400 GB/s per
-    node): at 8192 tokens per micro-batch the ratio is 0.18 and next to nothing is exposed; at 256 it is 5.7
-    and the exposed gathers outlast the compute."""
+    """The playbook's appendix "Math for Compute/Communication Overlap" (comms.zero3_overlap_ratio): a ZeRO-3
+    all-gather hides behind the previous layer's forward when bytes_per_param·(dp-1)/dp·F / (2·tokens·B) <= 1. 8B
+    on dp64 (8 nodes, multi-rail 400 GB/s per node): at 8192 tokens per micro-batch the ratio is 0.18 and next to
+    nothing is exposed; at 256 it is 5.7 and the exposed gathers outlast the compute."""
     from lab.calc.comms import multi_rail_link, zero3_overlap_ratio
     from lab.calc.network import SYSTEMS
 

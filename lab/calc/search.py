@@ -1,4 +1,5 @@
-"""The config search: the playbook's three-step procedure (§11, digest appendix A) as code. Torch-free.
+"""The config search: the playbook's three-step procedure ("Finding the best training configuration") as code.
+Torch-free.
 
 1. **Fit in memory.** Enumerate every layout of `gpus` GPUs — data parallelism with ZeRO 0-3, tensor
    parallelism (with sequence parallelism), pipeline parallelism with its schedule and chunks, context
@@ -31,37 +32,40 @@ The time model of one step (all ranks do the same work; the slowest pipeline sta
 * **Where a group lives.** Ranks are numbered TP fastest, then CP, PP, DP (Llama 3's order), in nodes of
   `gpus_per_node`: a group whose members share a node talks over NVLink, one that spans nodes over the
   NICs, multi-rail (`lab.calc.comms.collective_time` with the group's members per node). TP's degree
-  divides the node size, so its group never leaves the node (the playbook's rule, §10: TP's collectives
+  divides the node size, so its group never leaves the node (the playbook's rule, "Tensor Parallelism": TP's collectives
   sit on the critical path after every matmul).
 * **Tensor parallelism** (exposed: its collectives sit between the matmuls that need them). Per layer and
   micro-batch, forward: an all-gather and a reduce-scatter around attention and around the MLP (SP; an
   all-reduce each without SP, same bytes), of mbs·seq/cp·d bf16 values; backward the same again; full
-  recomputation repeats the forward's. (Async TP, which overlaps them, is left out.)
+  recomputation repeats the forward's. Async TP, which overlaps them with the matmuls, is left out by default;
+  `tp_overlap` is the share of that time it hides (0 to 1).
 * **Context parallelism** (ring attention, zig-zag). Per layer, the K/V blocks travel cp-1 hops forward and
   again with their gradients backward; each hop hides behind one block of attention: exposed =
-  max(0, ring time - attention time).
+  max(0, ring time - attention time), or at least `cp_exposed` x the ring time (0 by default: a perfect
+  overlap; real ring attention loses some to the hops' launch and to the load it shares with the kernel).
 * **Expert parallelism.** Four all-to-alls per MoE layer and micro-batch (`lab.calc.moe.all_to_all_seconds`:
   dispatch, combine and their gradients; six with full recomputation), exposed.
 * **Pipeline.** The bubble is the closed form of `lab.calc.bubble.closed_form` for the schedule with
   t_f : t_b : t_w = 1 : 2 : 1 of the slowest stage's micro-batch time ((p-1)/v stage times for 1F1B and
   interleaved, a third of 1F1B's for ZB-H1). The activations' point-to-point sends overlap compute in the
-  steady state (A3's PP ratio is far below 1); the fill and the drain cross 2(p·v - 1) boundaries on the
-  critical path, and those sends are exposed.
-* **Data parallelism and ZeRO** (A3's overlap rules). The gradients of the slowest stage's parameters
-  (bf16) are reduced over the dp·cp ranks that share them (experts over dp·cp/ep) in buckets of `bucket_mb`
-  (25 MiB, DDP's default; each bucket pays the latency of a collective over all those ranks again; the
-  faster of NCCL's flat ring and the hierarchical all-reduce). ZeRO-0 all-reduces them during
-  the last micro-batch's backward: exposed = max(0, all-reduce - backward). ZeRO-1/2 reduce-scatter them
-  the same way, then all-gather the updated parameters after the optimizer step, exposed (so ZeRO-2 costs
-  what ZeRO-1 costs and saves memory: the playbook's "prefer ZeRO-2"). ZeRO-3 gathers each layer's
-  parameters before its forward and again before its backward and reduce-scatters its gradients after it,
-  for every micro-batch; layer i+1's gather hides behind layer i's compute (A3, `comms.zero3_overlap_ratio`
-  is the bandwidth-only form of the ratio), so the exposed time is the first layer's gather plus, per
-  layer, max(0, gather - forward) and max(0, gather + reduce-scatter - backward).
+  steady state (their time over a stage's compute is far below 1); the fill and the drain cross 2(p·v - 1)
+  boundaries on the critical path, and those sends are exposed.
+* **Data parallelism and ZeRO** (the overlap rules of the playbook's appendix "Math for Compute/Communication
+  Overlap"). The gradients of the slowest stage's parameters (bf16) are reduced over the dp·cp ranks that share
+  them (experts over dp·cp/ep) in buckets of `bucket_mb` (25 MiB, DDP's default; each bucket pays the latency of a
+  collective over all those ranks again; the faster of NCCL's flat ring and the hierarchical all-reduce). ZeRO-0
+  all-reduces them during the last micro-batch's backward: exposed = max(0, all-reduce - backward). ZeRO-1/2
+  reduce-scatter them the same way, then all-gather the updated parameters after the optimizer step, exposed (so
+  ZeRO-2 costs what ZeRO-1 costs and saves memory: the playbook's "prefer ZeRO-2"). ZeRO-3 gathers each layer's
+  parameters before its forward and again before its backward and reduce-scatters its gradients after it, for
+  every micro-batch; layer i+1's gather hides behind layer i's compute (`comms.zero3_overlap_ratio` is the
+  bandwidth-only form of the ratio), so the exposed time is the first layer's gather plus, per layer, max(0,
+  gather - forward) and max(0, gather + reduce-scatter - backward).
 
-Left out: kernel-level overheads (launches, memory-bound norms and element-wise ops), the vocabulary-parallel
-loss's small collectives, stragglers and switch congestion. The ranking is a model to shortlist layouts
-that are then measured, as the playbook's step 4 says, not a measurement.
+Left out: kernel-level overheads (launches, memory-bound norms and element-wise ops) and the kernels' different
+efficiencies (one `efficiency` for every matmul, whatever its shape after TP or CP splits it), the
+vocabulary-parallel loss's small collectives, stragglers and switch congestion. The ranking is a model to
+shortlist layouts that are then measured, as the playbook's step 4 says, not a measurement.
 """
 
 from __future__ import annotations
@@ -327,7 +331,7 @@ class _Work:
 
 
 def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _Work, net: _Network,
-               flops_per_s: float) -> StepTime:
+               flops_per_s: float, tp_overlap: float = 0.0, cp_exposed: float = 0.0) -> StepTime:
     """The model of the module docstring for one layout."""
     g, m = net.gpus_per_node, p.grad_accum
     tokens = mbs * seq // p.cp  # of one micro-batch on one rank
@@ -357,14 +361,14 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     if p.tp > 1:  # 2 AG + 2 RS (sp) or 2 AR per forward, the same per backward
         ops = ("all_gather", "reduce_scatter") if p.sp else ("all_reduce",)
         per_forward = 2 * sum(net.collective(op, activation, p.tp, tp_node) for op in ops)
-        tp_layer = per_forward * (forward_passes + 1)
+        tp_layer = per_forward * (forward_passes + 1) * (1 - tp_overlap)
     cp_layer = 0.0
     if p.cp > 1:  # K and V of the local tokens, cp-1 hops; 2x again backward (K, V and their gradients)
         width = (cfg.n_heads // p.tp * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
                  if cfg.attention == "mla" else 2 * max(cfg.n_kv_heads // p.tp, 1) * cfg.head_dim)
         ring = (p.cp - 1) * net.send(tokens * width * WIRE_BYTES, cp_node, p.cp) * (forward_passes + 2)
         attention = seconds(work.attention * mbs * seq / (p.tp * p.cp))
-        cp_layer = max(0.0, ring - attention)
+        cp_layer = max(ring - attention, cp_exposed * ring, 0.0)
     ep_mb = 0.0
     if p.ep > 1:
         ep_mb = all_to_all_seconds(tokens, cfg.top_k, cfg.d_model, p.ep, net.system,
@@ -410,7 +414,8 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
 # --- steps 1 and 2: enumerate, validate, fit ---------------------------------------------------------------
 
 def _check_inputs(cfg: ModelConfig, gpus: int, gpus_per_node: int, hardware: str, system: str, seq: int,
-                  global_batch_tokens: int, efficiency: float) -> None:
+                  global_batch_tokens: int, efficiency: float, tp_overlap: float = 0.0,
+                  cp_exposed: float = 0.0) -> None:
     def require(ok: bool, message: str) -> None:
         if not ok:
             raise ValueError(message)
@@ -427,6 +432,9 @@ def _check_inputs(cfg: ModelConfig, gpus: int, gpus_per_node: int, hardware: str
     require(round(global_batch_tokens / seq) >= 1,
             f"global_batch_tokens={global_batch_tokens} must be at least one sequence of seq={seq} tokens")
     require(isinstance(efficiency, int | float) and 0 < efficiency <= 1, f"efficiency={efficiency!r} must be in (0, 1]")
+    for name, value in (("tp_overlap", tp_overlap), ("cp_exposed", cp_exposed)):
+        require(isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1,
+                f"{name}={value!r} must be in [0, 1]")
 
 
 PINNABLE = ("dp", "tp", "pp", "cp", "ep", "zero", "pp_schedule", "pp_virtual_stages", "recompute", "mbs",
@@ -474,6 +482,8 @@ class _Context:
     work: _Work
     net: _Network
     model_flops: FlopsEstimate  # of one step, for MFU
+    tp_overlap: float = 0.0  # share of TP's collectives hidden (async TP)
+    cp_exposed: float = 0.0  # share of CP's ring exposed at least
 
     def train(self) -> TrainConfig:
         return TrainConfig(global_batch=self.batch, seq_len=self.seq)
@@ -481,27 +491,30 @@ class _Context:
 
 def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware: str | Accelerator = "h100",
            seq: int = 4096, global_batch_tokens: int = 2**20, *, system: str | None = None,
-           efficiency: float = COMPUTE_EFFICIENCY, fixed: dict | None = None) -> SearchResult:
+           efficiency: float = COMPUTE_EFFICIENCY, fixed: dict | None = None, tp_overlap: float = 0.0,
+           cp_exposed: float = 0.0) -> SearchResult:
     """Every layout of `model` on `gpus` GPUs (nodes of `gpus_per_node`) that fits and that lab.train runs,
     ranked by modelled tokens/s, for sequences of `seq` tokens and a global batch of about
     `global_batch_tokens` tokens (rounded to whole sequences). `hardware` is an accelerator of
     `lab.calc.hardware` (or one given as an `Accelerator`: its bf16 peak and memory); `system` the network of
     `lab.calc.network` (default: the one named like the hardware). `fixed` pins settings, e.g. {"cp": 1,
     "tp": 8} (the keys of `PINNABLE`: the fields of ParallelConfig the search varies, mbs and grad_accum),
-    to search what a published recipe left free. Invalid input raises a one-line ValueError."""
+    to search what a published recipe left free. `tp_overlap` (share of TP's collectives that async TP hides)
+    and `cp_exposed` (share of CP's ring that stays exposed however long the attention) move the two
+    overlaps the default model takes as 0 and perfect. Invalid input raises a one-line ValueError."""
     started = time.perf_counter()
     cfg = ModelConfig.from_preset(model) if isinstance(model, str) else model
     accelerator = hardware if isinstance(hardware, Accelerator) else get_accelerator(hardware)
     name = hardware if isinstance(hardware, str) else accelerator.name
     system = system or name
-    _check_inputs(cfg, gpus, gpus_per_node, name, system, seq, global_batch_tokens, efficiency)
+    _check_inputs(cfg, gpus, gpus_per_node, name, system, seq, global_batch_tokens, efficiency, tp_overlap, cp_exposed)
     fixed = dict(fixed or {})
     _check_fixed(fixed)
     peak = accelerator.peak_flops("bf16")
     batch = round(global_batch_tokens / seq)
     ctx = _Context(cfg, seq, batch, gpus, accelerator.memory_bytes, peak,
                    efficiency * peak, _Work.of(cfg, seq), _Network(system, gpus_per_node),
-                   training_flops(cfg, seq, batch * seq, counting="exact"))
+                   training_flops(cfg, seq, batch * seq, counting="exact"), tp_overlap, cp_exposed)
     candidates: list[Candidate] = []
     rejected: dict[str, Rejections] = {}
     families: set[str] = set()
@@ -604,7 +617,8 @@ def _fit(ctx: _Context, base: ParallelConfig, options: list, why: Rejections, fi
                 break
             if recompute == "none":
                 fits_without_recompute.add((zero, schedule, chunks, mbs))
-            step = _step_time(ctx.cfg, ctx.seq, parallel, mbs, ctx.work, ctx.net, ctx.flops_per_s)
+            step = _step_time(ctx.cfg, ctx.seq, parallel, mbs, ctx.work, ctx.net, ctx.flops_per_s, ctx.tp_overlap,
+                              ctx.cp_exposed)
             kept.append(Candidate(parallel, mbs, memory, step, ctx.batch * ctx.seq, ctx.gpus,
                                   mfu(ctx.model_flops, step.total, ctx.gpus, ctx.peak)))
             fitted += 1

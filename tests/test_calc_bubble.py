@@ -30,8 +30,8 @@ def test_every_op_once_and_the_simulator_never_deadlocks(p, m, v):
 @pytest.mark.parametrize("p, m, v", [(4, 8, 1), (8, 8, 1), (8, 32, 1), (8, 32, 4), (8, 16, 8), (4, 4, 2), (2, 6, 3),
                                      (4, 12, 2)])
 def test_bubble_ratio_equals_the_closed_form(p, m, v):
-    """Playbook §2.6: r_bubble = (p-1)/(v·m) with t_b = 2·t_f — its 'Bubble size for PP=8' figure (0.875 at m=8,
-    0.21875 at m=32, 0.0547 at m=32 v=4) — and idle/total = (p-1)/(m+p-1) without interleaving."""
+    """Playbook, "Pipeline Parallelism": r_bubble = (p-1)/(v·m) with t_b = 2·t_f — its 'Bubble size for PP=8'
+    figure (0.875 at m=8, 0.21875 at m=32, 0.0547 at m=32 v=4) — and idle/total = (p-1)/(m+p-1) without interleaving."""
     names = ("afab", "1f1b") if v == 1 else ("interleaved",)
     for name in names:
         sim = explore(name, p, m, v, tf=1, tb=2)

@@ -16,7 +16,7 @@ from lab.calc.network import LINKS, PLAYBOOK_BUSBW, SYSTEMS, System
 
 
 def test_ring_all_reduce_sends_2_w_minus_1_over_w_of_the_tensor():
-    # the ring is bandwidth-optimal: bytes per rank do not grow with W (others-digest: 2(N-1)/N)
+    # the ring is bandwidth-optimal: bytes per rank do not grow with W (Patarasuk & Yuan 2009: 2(N-1)/N of the data)
     for w in (2, 4, 8, 64):
         cost = collective_time("all_reduce", 1e9, w, LINKS["nvlink4"])
         assert cost.bytes_sent_per_rank == pytest.approx(2 * (w - 1) / w * 1e9)

@@ -40,7 +40,8 @@ def test_exact_counting_equals_flop_counter(cfg, recompute):
 
 
 def test_six_n_plus_attention():
-    # playbook §C.9 [EN]: FLOPs per sequence 6·s·N + 12·L·h·s² (per token 6N + 12·L·h·s)
+    # PaLM (Chowdhery et al. 2022), Appendix B: FLOPs per sequence 6·s·N + 12·L·h·s²
+    # (per token 6N + 12·L·h·s)
     cfg, s = PRESETS["llama3-8b"], 4096
     est = training_flops(cfg, s, 10 * s)
     assert est.model_flops_per_token == 6 * count_params(cfg) + 12 * cfg.n_layers * cfg.d_model * s
@@ -48,8 +49,8 @@ def test_six_n_plus_attention():
 
 
 def test_full_recompute_hfu_is_four_thirds_of_mfu():
-    # playbook §3.6 exercise: with full recompute the extra forward gives HFU = MFU·8/6 (scaling book ch. 4:
-    # block remat takes 6ND to ~8ND)
+    # playbook, "Activation recomputation": with full recompute the extra forward gives HFU = MFU·8/6
+    # (scaling book ch. 4: block remat takes 6ND to ~8ND)
     est = training_flops(PRESETS["llama3-8b"], 4096, 2**22, recompute="full")
     assert hfu(est, 10.0, 64) / mfu(est, 10.0, 64) == pytest.approx(8 / 6)
     selective = training_flops(PRESETS["llama3-8b"], 4096, recompute="selective")
@@ -64,13 +65,13 @@ def test_mfu_matches_hand_computation():
 
 
 def test_deepseek_v3_mfu():
-    # scaling-book digest ch. 4 Q7: 6·37e9·14.8e12 FLOPs in 2.79M H800-hours at 1.513e15 fp8 dense = 21.7%
-    # (3.3e24 / 1.52e25 with the digest's rounded factors; unrounded 21.6%)
+    # How to Scale Your Model ch. 4, question 7: 6·37e9·14.8e12 FLOPs in 2.79M H800-hours at 1.513e15 fp8 dense = 21.7%
+    # (3.3e24 / 1.52e25 with rounded factors; unrounded 21.6%)
     assert utilization(6 * 37e9 * 14.8e12, 2.79e6 * 3600, 1, 1.513e15) == pytest.approx(0.217, abs=1e-3)
 
 
 def test_hardware_table():
-    # scaling-book digest ch. 1: 1e12 FLOPs take 1.01 ms on an H100; critical intensity ~240 on TPU v5e
+    # How to Scale Your Model ch. 1: 1e12 FLOPs take 1.01 ms on an H100; critical intensity ~240 on TPU v5e
     # (1.97e14 / 8.1e11 = 243), ~298 on H100 (1e15 / 3.35e12; 295 with the exact dense 989.4 TFLOP/s)
     assert 1e12 / get_accelerator("h100").peak_flops() == pytest.approx(1.01e-3, abs=5e-6)
     assert round(HARDWARE["tpu-v5e"].critical_intensity()) == 243

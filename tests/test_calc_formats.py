@@ -1,9 +1,10 @@
 """lab.calc.formats against the published format tables and against torch's own casts, bit for bit.
 
-Sources: the playbook's format table and resolution figure (digest §12.9); Micikevicius et al. 2022, "FP8 Formats
-for Deep Learning", Table 1 (E4M3 and E5M2: bias, max, min normal, min subnormal, inf and NaN patterns); the OCP
-Microscaling (MX) Formats Specification v1.0, the E8M0 scale (bias 127, 2^-127..2^127, 0xFF NaN, no sign, no
-zero); IEEE 754 binary16/binary32; NVIDIA's TF32 (8 exponent bits, 10 mantissa bits).
+Sources: the playbook's format table and resolution figure (its section "Mixed precision training");
+Micikevicius et al. 2022, "FP8 Formats for Deep Learning", Table 1 (E4M3 and E5M2: bias, max, min normal, min
+subnormal, inf and NaN patterns); the OCP Microscaling (MX) Formats Specification v1.0, the E8M0 scale (bias 127,
+2^-127..2^127, 0xFF NaN, no sign, no zero); IEEE 754 binary16/binary32;
+NVIDIA's TF32 (8 exponent bits, 10 mantissa bits).
 """
 
 import math
@@ -48,9 +49,9 @@ def test_every_format_has_its_published_layout_and_range(name):
 def test_the_numbers_people_quote():
     assert get_format("fp16").max == 65504 and get_format("fp16").min_subnormal == pytest.approx(5.96e-8, rel=1e-3)
     assert get_format("bf16").max == pytest.approx(3.39e38, rel=1e-3)
-    assert get_format("fp32").epsilon == pytest.approx(1.19e-7, rel=1e-2)  # playbook §12.9: "1.19×10⁻⁷"
+    assert get_format("fp32").epsilon == pytest.approx(1.19e-7, rel=1e-2)  # the playbook: "1.19×10⁻⁷"
     assert get_format("fp32").decades == pytest.approx(83.4, abs=0.1)  # "~80 orders of magnitude"
-    # playbook §12.9 resolution figure: e4m3 has 7 values strictly inside (1, 2), e5m2 has 3
+    # playbook, "Mixed precision training", resolution figure: e4m3 has 7 values strictly inside (1, 2), e5m2 has 3
     assert [len(values_between(1, 2, f)) - 2 for f in ("e4m3fn", "e5m2")] == [7, 3]
     # FP8 paper Table 1: E4M3 max S.1111.110 and NaN S.1111.111 (no inf); E5M2 inf S.11111.00, NaN S.11111.xx
     assert encode(448, "e4m3fn").bit_string == "01111110" and math.isnan(decode("0 1111 111", "e4m3fn"))

@@ -1,9 +1,9 @@
-"""lab.calc.inference against How to Scale Your Model's worked numbers (ch. 4, 7 and 8; digest:
-shared/reference/scaling-book-digest.md), and `python -m lab calc inference`.
+"""lab.calc.inference against How to Scale Your Model's worked numbers (ch. 4, "All the
+Transformer Math You Need"; ch. 7 and 8, inference), and `python -m lab calc inference`.
 
 The book's TPU v5e numbers use 1.97e14 FLOP/s, 8.2e11 B/s of HBM bandwidth (ch. 7's B_crit = 240; lab.calc.hardware
 holds the chip table's 8.1e11) and "16 GB" per chip: `V5E_BOOK` is that chip, so the book's arithmetic is
-reproduced as printed. Where the book has an erratum (digest part (c)) the corrected value is tested and said so.
+reproduced as printed. Where the book's arithmetic is wrong the corrected value is tested and said so.
 """
 
 import json
@@ -48,7 +48,7 @@ CH7_MODEL = ModelConfig(name="ch7", vocab_size=32128, d_model=4096, n_layers=64,
 
 def test_llama3_70b_kv_per_token():
     # ch. 8, worked question 1: int8 KV per token = 2·K·H·L = 2·8·128·80 = 160 kB, exactly 163,840 B; bf16 twice
-    # that (the ch. 8 table's "324 kB" is 327,680 B: the digest's erratum 33, kB vs KiB)
+    # that (the ch. 8 table's "324 kB" is 327,680 B: kB vs KiB)
     assert kv_bytes_per_token(LLAMA70B, kv_bytes=1) == 163_840
     assert kv_bytes_per_token("llama3-70b") == 327_680
     # same question: ≈ 5.3 GB per 32k-token sequence, and 240 of them ≈ 1.3 TB
@@ -68,7 +68,7 @@ def test_mha_kv_examples_of_chapter_4():
 
 
 def test_gqa_kv_of_the_other_worked_models():
-    # ch. 7, problem 1 (KV part, missing from the seed; the digest's [derived] 2·L·K·H): 2·64·8·256 = 262,144 B int8
+    # ch. 7, problem 1 (its KV part, derived here: 2·L·K·H): 2·64·8·256 = 262,144 B int8
     assert kv_bytes_per_token(CH7_MODEL, kv_bytes=1) == 262_144
     # ch. 7 table: LLaMA-2-13B (MHA) holds 6.7 GB per 8192-token sequence in bf16; 1.34 GB with 8 KV heads
     assert kv_bytes_per_sequence(LLAMA2_13B, 8192) == pytest.approx(6.7e9, rel=0.01)
@@ -88,8 +88,8 @@ def test_mla_keeps_one_latent_per_token_and_layer():
 # --- the critical batch -----------------------------------------------------------------------------------------
 
 def test_critical_batch_is_the_ridge_scaled_by_weight_bytes():
-    # ch. 7 "linear ops": B_crit = 1.97e14 / 8.2e11 = 240 on a v5e in bf16 (lab's chip table, 8.1e11: 243, the
-    # digest's derived table); ch. 1 problem 5: H100 dense 1e15 / 3.35e12 ≈ 298 (295 with 989.4 TFLOP/s)
+    # ch. 7 "linear ops": B_crit = 1.97e14 / 8.2e11 = 240 on a v5e in bf16 (lab's chip table, 8.1e11: 243);
+    # ch. 1 problem 5: H100 dense 1e15 / 3.35e12 ≈ 298 (295 with 989.4 TFLOP/s)
     assert critical_batch(V5E_BOOK) == pytest.approx(240, rel=0.002)
     assert critical_batch("tpu-v5e") == pytest.approx(243, abs=0.5)
     assert critical_batch(H100_BOOK) == pytest.approx(298, abs=0.6)
@@ -188,7 +188,7 @@ def test_sequences_that_fit_a_v5e_slice():
 
 def test_minimum_chips_for_the_weights():
     # ch. 8 worked question 5 / table: params·bytes / 16 GB = 8.75 chips in bf16, 4.38 in int8. The int4 row prints
-    # 45 GB and 2.81 chips; the digest's erratum 17: 70e9 x 0.5 B = 35 GB, 2.19 chips. The corrected value is tested.
+    # 45 GB and 2.81 chips; but 70e9 x 0.5 B = 35 GB, 2.19 chips. The corrected value is tested.
     chips = {dtype: serving_plan("llama3-70b", V5E_BOOK, tp=16, batch=1, weight_bytes=b)["min_chips_for_weights"]
              for dtype, b in (("bf16", 2), ("int8", 1), ("int4", 0.5))}
     assert chips["bf16"] == pytest.approx(8.75, rel=0.01) and chips["int8"] == pytest.approx(4.38, rel=0.01)

@@ -1,7 +1,8 @@
 """lab.calc.memory against the published numbers it must reproduce, each test citing its source.
 
-"playbook §x" refers to /work/shared/reference/playbook-digest.md (the Ultra-Scale Playbook, figures rebuilt
-from the book's Plotly data); §R lists the conventions behind the plots. The book's plots say "GB" but
+"playbook, <title>" is the section of that title in the Ultra-Scale Playbook (its figures' numbers read from
+the book's Plotly data); its parallelism plots count 2/2/8 bytes per parameter (bf16 weights and gradients, an
+8-byte optimizer, no fp32 master) and selective recomputation. The book's plots say "GB" but
 compute GiB (2^30 bytes); its text tables use decimal GB.
 """
 
@@ -39,7 +40,8 @@ def test_lab_calc_imports_no_torch():
 @pytest.mark.parametrize("billions, plain_gb, accum_gb", [(1, 16, 20), (7, 112, 140), (70, 1120, 1400),
                                                           (405, 6480, 8100)])
 def test_bytes_per_parameter_table(billions, plain_gb, accum_gb):
-    # playbook §3.4 table (L412-L445): 16 B/param (fp32, or bf16 without fp32 grad accumulation), 20 with it
+    # playbook, "Memory usage in Transformers", table: 16 B/param (fp32, or bf16 without fp32 grad accumulation), 20
+    # with it
     n = billions * 10**9
     assert sum(static_bytes(n, "fp32").values()) == plain_gb * 10**9
     assert sum(static_bytes(n, "mixed").values()) == plain_gb * 10**9
@@ -48,7 +50,7 @@ def test_bytes_per_parameter_table(billions, plain_gb, accum_gb):
 
 @pytest.mark.parametrize("dp, per_param", [(64, (4.1875, 2.21875, 0.25)), (8, (5.5, 3.75, 2.0))])
 def test_zero_bytes_per_parameter(dp, per_param):
-    # playbook §4.3 exercises: ZeRO-1 = 2+2+12/Nd, ZeRO-2 = 2+14/Nd, ZeRO-3 = 16/Nd (ZeRO's 2Ψ+2Ψ+KΨ, K=12)
+    # playbook, "ZeRO", exercises: ZeRO-1 = 2+2+12/Nd, ZeRO-2 = 2+14/Nd, ZeRO-3 = 16/Nd (ZeRO's 2Ψ+2Ψ+KΨ, K=12)
     n = count_params(B8)
     for zero, expected in zip((1, 2, 3), per_param, strict=True):
         est = estimate_memory(B8, 4096, parallel=ParallelConfig(dp=dp, zero=zero))
@@ -56,20 +58,20 @@ def test_zero_bytes_per_parameter(dp, per_param):
 
 
 def test_zero_fp32_grad_accumulation():
-    # playbook §4.3: 2Ψ+6Ψ+12Ψ with fp32 gradients; [EN] ZeRO-2/3 add 4Ψ/Nd to the gradient term
+    # playbook, "ZeRO": 2Ψ+6Ψ+12Ψ with fp32 gradients; ZeRO-2/3 add 4Ψ/Nd to the gradient term
     assert sum(static_bytes(1000, "mixed", fp32_grad_accum=True).values()) == 20 * 1000
     assert static_bytes(1000, "mixed", zero=2, dp=8, fp32_grad_accum=True)["grads"] == (2 + 4) * 1000 // 8
 
 
 def test_zero_ladder_of_the_lecture():
-    # others-digest B.2: 7.5B on 64 accelerators: 120 -> 31.4 -> 16.6 -> 1.9 (1.875) GB
+    # ZeRO paper (Rajbhandari et al. 2020), Figure 1: 7.5B on 64 accelerators: 120 -> 31.4 -> 16.6 -> 1.9 (1.875) GB
     gb = [sum(static_bytes(7.5e9, "mixed", zero=z, dp=64).values()) / 1e9 for z in range(4)]
     assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9] and gb[3] == 1.875
 
 
 def test_zero3_memory_usage_plot():
-    # playbook §4.3 [PLOT] zero3_memoryusage, 8B, DP=8, GiB; plot convention (§R): 2/2/8 B/param, selective.
-    # The digest prints 15 / 60 / 7.5 / 1.875, i.e. rounded; 2·8.03e9 B is 14.96 GiB (as in §7/§8's plots).
+    # playbook, "ZeRO", figure zero3_memoryusage, 8B, DP=8, GiB; the plots' 2/2/8 B/param, selective.
+    # Rounded: 15 / 60 / 7.5 / 1.875; 2·8.03e9 B is 14.96 GiB (as in the CP and PP plots).
     expected = {0: (15, 15, 60), 1: (15, 15, 7.5), 2: (15, 1.875, 7.5), 3: (1.875, 1.875, 7.5)}
     for zero, (p, g, o) in expected.items():
         for seq, act in ((1024, 4.25), (4096, 17), (16384, 68)):
@@ -83,7 +85,8 @@ def test_zero3_memory_usage_plot():
 # --- Activations: §2.1 plots (playbook convention: GPT-2 N, fp32 4/4/8, bs=1) -----------------------------
 
 def test_playbook_parameter_formula():
-    # playbook §3.4 exercise: N = h·v + L(12h²+13h) + 2h = 6,969,499,648 for h=4096, v=128256, L=32 (s=0),
+    # playbook, "Memory usage in Transformers", exercise: N = h·v + L(12h²+13h) + 2h = 6,969,499,648 for h=4096,
+    # v=128256, L=32 (s=0),
     # 6,973,693,952 with the widget's h·s position embedding at s=1024
     assert playbook_num_params(B8, 0) == 6_969_499_648
     assert playbook_num_params(B8, 1024) == 6_973_693_952
@@ -97,7 +100,8 @@ def _playbook(cfg: ModelConfig, seq: int, recompute: str):
 @pytest.mark.parametrize("seq, published", [(1024, "9.254"), (2048, "28.51"), (4096, "97.02"), (8192, "354.0"),
                                             (16384, "1348.06")])
 def test_memusage_activations_plot(seq, published):
-    # playbook §3.5 [PLOT] memusage_activations, Llama-3.1-8B: s·h·(L·(34+5as/h)+1) bytes, bars in GiB
+    # playbook, "Memory usage in Transformers", figure memusage_activations, Llama-3.1-8B: s·h·(L·(34+5as/h)+1) bytes,
+    # bars in GiB
     est = _playbook(B8, seq, "none")
     acts = est.activations_breakdown
     assert matches(gib(acts["layers"] + acts["embedding"]), published)
@@ -106,12 +110,13 @@ def test_memusage_activations_plot(seq, published):
 
 
 def test_activation_exercise():
-    # playbook §3.5 exercise: 32·4096·4096·(34+160) = 104,152,956,928 B = 97.0 GiB
+    # playbook, "Memory usage in Transformers", exercise: 32·4096·4096·(34+160) = 104,152,956,928 B = 97.0 GiB
     assert _playbook(B8, 4096, "none").activations_breakdown["layers"] == 104_152_956_928
 
 
 def test_recompute_plot():
-    # playbook §3.6 [PLOT] "Memory Usage with Recomputation", 8B at 8192: 354.0 / 34.03 / 2.03 GiB
+    # playbook, "Activation recomputation", figure "Memory Usage with Recomputation", 8B at 8192: 354.0 / 34.03 / 2.03
+    # GiB
     for recompute, published in (("none", "354.0"), ("selective", "34.03"), ("full", "2.03")):
         acts = _playbook(B8, 8192, recompute).activations_breakdown
         assert matches(gib(acts["layers"] + acts["embedding"]), published)
@@ -120,7 +125,7 @@ def test_recompute_plot():
     assert round((sel["layers"] + sel["embedding"]) / (none["layers"] + none["embedding"]), 3) == 0.175
 
 
-# --- Activations: the parallelism chapters' plots (§R: exact N, 2/2/8 B/param, selective) ----------------
+# --- Activations: the parallelism chapters' plots (exact N, 2/2/8 B/param, selective) ---------------------
 
 def _five_d(cfg: ModelConfig, seq: int, **layout):
     return estimate_memory(cfg, seq, parallel=ParallelConfig(recompute="selective", **layout), precision="bf16")
@@ -134,11 +139,12 @@ def _five_d(cfg: ModelConfig, seq: int, **layout):
     (16, True, (8.21875, 8.21875, 32.875), (1.328125, 5.3125, 21.25)),
 ])
 def test_tp_and_sp_memory_usage_plots(tp, sp, static, acts):
-    # playbook §5 [PLOT] tp_memoryusage (70B; TP-only activations (10+24/t)/34 of TP=1) and §6 [PLOT]
-    # tp_sp_memoryusage (TP+SP: 1/t), at seq 1k / 4k / 16k, GiB. The plot's 131.5 GiB is N ≈ 70.6e9; the
+    # playbook, "Tensor Parallelism", figure tp_memoryusage (70B; TP-only activations (10+24/t)/34 of TP=1), and
+    # "Sequence Parallelism", figure tp_sp_memoryusage (TP+SP: 1/t), at seq 1k / 4k / 16k, GiB. The plot's 131.5 GiB is
+    # N ≈ 70.6e9; the
     # real Llama-3.1-70B has 70.55e9 parameters (131.42 GiB), hence the 0.2% tolerance on static memory.
     # The plot also divides every weight by 16 at TP=16, but 70B has 8 KV heads: each rank must keep a whole
-    # one (playbook §C.11), which lab counts and the plot does not.
+    # one, which lab counts and the plot does not.
     for seq, act in zip((1024, 4096, 16384), acts, strict=True):
         est = _five_d(B70, seq, tp=tp, sp=sp)
         got = [gib(est.per_gpu[k] - b * _kv_replicas(B70, tp)) for k, b in (("params", 2), ("grads", 2),
@@ -154,7 +160,8 @@ def _kv_replicas(cfg: ModelConfig, tp: int) -> int:
 
 
 def test_seventy_b_fits_at_16k_only_with_sp():
-    # playbook §6 exercise: 70B at 16k, TP+SP=16: 8.22·2 + 32.875 + 21.25 = 70.56 GiB <= 80; TP=16 alone 164.3;
+    # playbook, "Sequence Parallelism", exercise: 70B at 16k, TP+SP=16: 8.22·2 + 32.875 + 21.25 = 70.56 GiB <= 80; TP=16
+    # alone 164.3;
     # §5 exercise: static memory at TP=8 is 98.6 GiB (does not fit), at TP=16 49.3 GiB (50.2 with the
     # replicated KV heads the book leaves out)
     def used(**layout):
@@ -175,7 +182,8 @@ def test_seventy_b_fits_at_16k_only_with_sp():
     (2, 4, (7.48, 7.48, 29.91), (0.6875, 2.75, 11, 44, 88)),
 ])
 def test_cp_memory_usage_plot(tp, cp, static, acts):
-    # playbook §7 [PLOT] cp_8Bmemoryusage at seq 1k / 4k / 16k / 64k / 128k, GiB: activations scale as 1/cp
+    # playbook, "Context Parallelism", figure cp_8Bmemoryusage at seq 1k / 4k / 16k / 64k / 128k, GiB: activations scale
+    # as 1/cp
     for seq, act in zip((1024, 4096, 16384, 65536, 131072), acts, strict=True):
         est = _five_d(B8, seq, tp=tp, cp=cp)
         assert [gib(est.per_gpu[k]) for k in ("params", "grads", "optimizer")] == pytest.approx(static, abs=0.01)
@@ -183,7 +191,8 @@ def test_cp_memory_usage_plot(tp, cp, static, acts):
 
 
 def test_pp_memory_usage_plot():
-    # playbook §8 [PLOT] pp_memoryusage, 8B, PP=8: 2.60 / 2.60 / 10.41 GiB on the fullest stage (it holds the
+    # playbook, "Pipeline Parallelism", figure pp_memoryusage, 8B, PP=8: 2.60 / 2.60 / 10.41 GiB on the fullest stage
+    # (it holds the
     # embedding, so more than 1/8); activations unchanged (4.25 / 17 / 68): with 1F1B and m >= p the first
     # stage keeps p micro-batches of L/p layers
     for seq, act in ((1024, 4.25), (4096, 17), (16384, 68)):
@@ -195,7 +204,7 @@ def test_pp_memory_usage_plot():
 # --- Korthikanti et al. terms and pipeline schedules -------------------------------------------------------
 
 def test_korthikanti_layer_terms():
-    # others-digest B.2 / Korthikanti et al. 2022: sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
+    # Korthikanti et al. 2022, Table 2: sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
     # TP+SP everything /t; selective (and flash attention) 34sbh/t; full 2sbh
     s, b, h, a, t = 2048, 2, 1024, 16, 4
     sbh = s * b * h
@@ -205,13 +214,15 @@ def test_korthikanti_layer_terms():
     for kw in ({"recompute": "selective"}, {"flash": True}):
         assert korthikanti_layer_bytes(s, b, h, a, tp=t, sp=True, **kw) == 34 * sbh / t
     assert korthikanti_layer_bytes(s, b, h, a, recompute="full") == 2 * sbh
-    # playbook §3.6: selective recompute saves 70% of GPT-3 175B's activations (h=12288, a=96, s=2048)
+    # playbook, "Activation recomputation": selective recompute saves 70% of GPT-3 175B's activations (h=12288, a=96,
+    # s=2048)
     none, selective = (korthikanti_layer_bytes(2048, 1, 12288, 96, recompute=r) for r in ("none", "selective"))
     assert round(1 - selective / none, 2) == 0.70
 
 
 def test_pipeline_schedules_in_flight_activations():
-    # playbook §8: AFAB stores all m micro-batches, 1F1B only p; Korthikanti §4.2.3: interleaving (v chunks)
+    # playbook, "Pipeline Parallelism": AFAB stores all m micro-batches, 1F1B only p; Korthikanti §4.2.3: interleaving
+    # (v chunks)
     # makes the first stage hold L·(1 + (p-1)/(p·v)) layers' worth
     one = estimate_memory(B8, 4096, parallel=ParallelConfig(recompute="selective")).activations_breakdown["layers"]
     def layers(**kw):
@@ -223,7 +234,8 @@ def test_pipeline_schedules_in_flight_activations():
 
 
 def test_pipeline_schedules_keep_embeddings_and_logits_per_micro_batch_in_flight():
-    # playbook §8: AFAB runs all m forwards before any backward, so the last stage holds m micro-batches'
+    # playbook, "Pipeline Parallelism": AFAB runs all m forwards before any backward, so the last stage holds m
+    # micro-batches'
     # logits and the first m embeddings; 1F1B holds one micro-batch's logits and p embeddings.
     # tests/test_pp.py checks the same counts against the executor's measured in-flight peaks.
     one = estimate_memory(B8, 4096).activations_breakdown
@@ -249,7 +261,7 @@ def test_tensor_parallel_divides_weights_but_not_norms():
     norms = 2 * B8.d_model * B8.n_layers + B8.d_model
     est = estimate_memory(B8, 4096, parallel=ParallelConfig(tp=8))
     assert est.params_on_gpu == (count_params(B8) - norms) // 8 + norms
-    # beyond n_kv_heads=8 ranks each rank keeps one whole KV head (playbook §C.11: KV heads replicated)
+    # beyond n_kv_heads=8 ranks each rank keeps one whole KV head (a rank cannot hold part of a head)
     d, hd, ff, v = B8.d_model, B8.head_dim, B8.d_ff, B8.vocab_size
     layer16 = 2 * d * d // 16 + 2 * d * hd + 3 * d * ff // 16 + 2 * d
     est16 = estimate_memory(B8, 4096, parallel=ParallelConfig(tp=16))

@@ -24,7 +24,7 @@ LLAMA8B = PRESETS["llama3-8b"]
 
 def test_ridge_points_are_the_books():
     # scaling book ch. 1, problem 5: H100 dense bf16 9.89e14 FLOP/s over 3.35e12 B/s HBM, B_crit ≈ 298 with the
-    # rounded 1e15 (the digest's ~295 with 989 TFLOP/s); TPU v5e 1.97e14 / 8.1e11 ≈ 240 ("batch > 240")
+    # rounded 1e15 (~295 with 989 TFLOP/s); TPU v5e 1.97e14 / 8.1e11 ≈ 240 ("batch > 240")
     assert ridge_point("h100") == pytest.approx(989.4e12 / 3.35e12) == pytest.approx(295, abs=1)
     assert ridge_point("tpu-v5e") == pytest.approx(240, abs=5)
     # fp16 runs at the bf16 rate on NVIDIA tensor cores; fp8 doubles the FLOP/s and so the ridge

@@ -31,7 +31,7 @@ def _titles(widget) -> tuple[str, str]:
 
 
 def test_default_view_is_the_playbooks_contiguous_imbalance():
-    """Playbook §7: cp = 4, causal, contiguous chunks: ranks score 1, 3, 5, 7 of 16 half-blocks."""
+    """Playbook, "Context Parallelism": cp = 4, causal, contiguous chunks: ranks score 1, 3, 5, 7 of 16 half-blocks."""
     widget = ring_attention_explorer()
     seq, chunk = widget.controls["seq"].value, widget.controls["seq"].value // 4
     assert widget.work == attention_work(seq, 4, "contiguous")

@@ -36,7 +36,8 @@ def test_the_table_is_the_searchs_ranking():
 
 def test_more_gpus_change_the_top_layout():
     """Llama 3 8B with 1 M tokens a step: FSDP over the node's 8 GPUs, then over all 256 (TorchTitan trains
-    the 8B with FSDP alone, others-digest); the widget's top is the search's at each size."""
+    the 8B with FSDP alone: benchmarks/llama3_h100_202412_torchtitan.md); the widget's top is the search's at each
+    size."""
     widget = config_explorer()
     before = widget.selected.layout
     assert before == "dp8 zero3"

@@ -19,7 +19,7 @@ def _agg(monkeypatch):
 
 def test_default_view_is_the_zero_papers_figure_1():
     """Rajbhandari et al. 2020 (ZeRO), Figure 1: Ψ = 7.5 B, N_d = 64, K = 12 — 120 GB for plain data
-    parallelism, 31.4 GB with P_os, 16.6 GB with P_os+g, 1.9 GB with P_os+g+p (others-digest B.2)."""
+    parallelism, 31.4 GB with P_os, 16.6 GB with P_os+g, 1.9 GB with P_os+g+p (ZeRO paper, Figure 1)."""
     widget = zero_ladder()
     assert widget.num_params == 7_500_000_000
     published = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
@@ -31,7 +31,8 @@ def test_default_view_is_the_zero_papers_figure_1():
 
 
 def test_bytes_per_parameter_on_64_and_8_gpus():
-    """Playbook §4.3 exercise: 4.1875 / 2.21875 / 0.25 bytes per parameter on 64 GPUs; 5.5 / 3.75 / 2.0 on 8."""
+    """Playbook, "ZeRO (Zero Redundancy Optimizer)", exercise: 4.1875 / 2.21875 / 0.25 bytes per parameter on
+    64 GPUs; 5.5 / 3.75 / 2.0 on 8."""
     n = 64 * 8 * 1000  # divisible by both: no padding
     for dp, expected in ((64, (4.1875, 2.21875, 0.25)), (8, (5.5, 3.75, 2.0))):
         rows = ladder(n, dp)

@@ -292,7 +292,7 @@ CHECKSUMS = {
         "f5f56f9872c53d5dbc5b4a3596f8838d40652377ac59e578292020b2770cf910"
     ],
     "09.flash_attention_loop": [
-        "e0b1a361de7f41d0fccf96a4a0616756d8ddc7af706892956bba63bf432f6208",
+        "71b9aa3f21cbf3c931352392d47cdb9e9468351b5e807ad9cb5ad4899f34358c",
         "48f1da498b07cc3de423a831311fbb9e25e7276970a6946961414734ac91f803"
     ],
     "09.fused_softmax": [

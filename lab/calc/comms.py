@@ -39,8 +39,9 @@ wired), NCCL's choice of protocol and algorithm per size, in-switch reductions (
 On 1 and 2 H100 nodes it lands within a few percent of the playbook's measured all-reduce bus bandwidth
 (`network.PLAYBOOK_BUSBW`); from 4 nodes on the measurements fall 2-3x below it.
 
-`zero3_overlap_ratio` weighs a ZeRO-3 all-gather against the compute it must hide behind (playbook
-appendix A3): the measured timelines of `lab.parallel.overlap` are its executed counterpart.
+`zero3_overlap_ratio` weighs a ZeRO-3 all-gather against the compute it must hide behind (the playbook's
+appendix "A3: Math for Compute/Communication Overlap"): the measured timelines of `lab.parallel.overlap` are
+its executed counterpart.
 `latency_bandwidth_crossover`, `ring_tree_crossover` and `dp_critical_batch` are the model's thresholds, in
 closed form: where latency stops mattering, where the ring overtakes the tree, and how large a data-parallel
 batch must be for the gradient all-reduce to hide behind the backward (How to Scale Your Model, ch. 5).
@@ -203,8 +204,8 @@ def fit_alpha_beta(points: list[tuple[float, float, float]]) -> tuple[float, flo
 
 
 def zero3_overlap_ratio(tokens: int, dp: int, peak_flops: float, bandwidth: float, bytes_per_param: float = 2) -> float:
-    """t_comm / t_compute for one block under ZeRO-3 (playbook appendix A3): ≤ 1 means the next block's
-    all-gather can hide behind this block's forward.
+    """t_comm / t_compute for one block under ZeRO-3 (the playbook's appendix A3, "Math for
+    Compute/Communication Overlap"): ≤ 1 means the next block's all-gather can hide behind this block's forward.
 
     A block of P parameters: its all-gather moves bytes_per_param·P·(dp−1)/dp bytes through each rank's
     link, its forward costs 2·P·tokens FLOPs (tokens = seq_len × micro-batch). P cancels:

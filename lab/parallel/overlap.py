@@ -16,8 +16,9 @@ functions of `torch.distributed` (so torch's own DDP and FSDP2, which bypass the
     timelines = {kind: lab.distributed.run(step_timeline, 2, kind)[0] for kind in ("naive", "bucketed")}
     plot_timelines(timelines)
 
-`lab.calc.comms.zero3_overlap_ratio` is the other half of the story: appendix A3's condition for ZeRO-3's
-all-gathers to hide behind a block's compute on real hardware.
+`lab.calc.comms.zero3_overlap_ratio` is the other half of the story: the playbook's appendix A3
+("Math for Compute/Communication Overlap") gives the condition for ZeRO-3's all-gathers to hide behind a
+block's compute on real hardware.
 """
 
 from __future__ import annotations

@@ -543,9 +543,8 @@ def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkp
                             max_restarts=max_restarts,
                             **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
     except lab_dist.RankError as err:
-        said = err.message.partition(" failed: ")[2].split(" (then rank")[0]
-        if said.startswith("CheckpointError: "):  # a save that failed: its one line, as in one process
-            raise CheckpointError(said.removeprefix("CheckpointError: ")) from None
+        if err.summary.startswith("CheckpointError: "):  # a save that failed: its one line, as in one process
+            raise CheckpointError(err.summary.removeprefix("CheckpointError: ")) from None
         raise
 
 

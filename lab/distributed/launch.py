@@ -72,14 +72,16 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 class RankError(RuntimeError):
-    """A rank failed. `rank` is the culprit (or a list of ranks); `traceback_text` its traceback."""
+    """A rank failed. `rank` is the culprit (or a list of ranks); `traceback_text` its traceback; `summary` the
+    culprit's own error in one line ("CheckpointError: ...", "NotImplementedError: ..."), empty when it raised
+    none (killed, hung, or ranks that never joined), so that callers need not take `message` apart."""
 
-    def __init__(self, message: str, rank: int | list[int], traceback_text: str = "") -> None:
+    def __init__(self, message: str, rank: int | list[int], traceback_text: str = "", summary: str = "") -> None:
         super().__init__(message + (f"\n{traceback_text.rstrip()}" if traceback_text else ""))
-        self.message, self.rank, self.traceback_text = message, rank, traceback_text
+        self.message, self.rank, self.traceback_text, self.summary = message, rank, traceback_text, summary
 
     def __reduce__(self):  # picklable, e.g. by a grader that runs learners' code in a subprocess
-        return type(self), (self.message, self.rank, self.traceback_text)
+        return type(self), (self.message, self.rank, self.traceback_text, self.summary)
 
 
 class RankTimeout(RankError):
@@ -435,7 +437,7 @@ def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[
         verb = "" if summary.startswith(("was killed", "exited")) else "failed: "
         others = sorted(set(failures) - {rank})
         tail = f" (then rank(s) {others} failed too)" if others else ""
-        return RankError(f"rank {rank} {verb}{summary}{tail}", rank, tb)
+        return RankError(f"rank {rank} {verb}{summary}{tail}", rank, tb, summary if verb else "")
     diagnosis, collectives, odd, _ = _collectives(stack_paths)
     rank = min(failures, key=lambda r: failures[r][0])
     if len(odd) == 1 and odd[0] in failures and not running:  # the recorders point at it: it called another op
@@ -446,7 +448,7 @@ def _culprit(failures: dict, running: list[int], ranks: list, stack_paths: list[
         return RankError(f"rank(s) {sorted(failures)} failed in a collective while rank(s) {running} never "
                          f"joined it: {summary}{diagnosis}", running,
                          "\n".join([*stacks.values(), f"rank {rank}: {tb}", collectives]))
-    return RankError(f"rank {rank} failed: {summary}{diagnosis}", rank, f"{tb}\n{collectives}")
+    return RankError(f"rank {rank} failed: {summary}{diagnosis}", rank, f"{tb}\n{collectives}", summary)
 
 
 def _stuck(suspects: list[int], running: list[int], finished: list[int], what: str, ranks: list,

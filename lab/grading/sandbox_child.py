@@ -315,19 +315,15 @@ def _where(error: BaseException, answer: str) -> list:
 def _unattempted_on_ranks(error: BaseException) -> str | None:
     """The stub's error when ranks ran an answer left as released: lab.distributed.run wraps it in a RankError."""
     crash = _rank_crash(error)
-    if crash is not None:
-        inner = crash.message.partition(" failed: ")[2].split(" (then rank")[0]
-        if inner.startswith("NotImplementedError"):
-            return inner
-    return None
+    return crash.summary if crash is not None and crash.summary.startswith("NotImplementedError") else None
 
 
 def _network_error_on_a_rank(error: BaseException) -> bool:
     """Whether a rank died of reaching for the network (what it tried is noted in its own process, not ours)."""
     crash = _rank_crash(error)
-    inner = crash.message.partition(" failed: ")[2] if crash is not None else ""
-    return inner.startswith(("ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError", "gaierror",
-                             "socket.gaierror")) or "Network is unreachable" in inner.split(" (then rank")[0]
+    said = crash.summary if crash is not None else ""
+    return said.startswith(("ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError", "gaierror",
+                            "socket.gaierror")) or "Network is unreachable" in said
 
 
 def _diagnosis(text: str, limit: int = 500) -> str:

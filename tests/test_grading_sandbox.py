@@ -384,6 +384,22 @@ def test_a_warm_sandbox_is_confined_and_judged_like_a_cold_one(warm):
             sandbox.call("spin")
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_the_standard_library_stays_importable_when_its_directory_changes_under_a_running_sandbox(warm):
+    """Landlock lets a sandbox open the standard library's files but not list its directory. Python lists a directory
+    again when its mtime changes, so a file created and removed there by another process (another sandbox's test,
+    a package install) once made every standard module the student had not yet imported vanish mid-run."""
+    from lab.grading.sandbox import Limits, Sandbox
+
+    with Sandbox([("probe", WARM_PROBE)], entry=["probe"], modules=["lab.config"], packages=["tomli_w"],
+                 limits=Limits(wall_s=30), warm=warm) as sandbox:
+        sandbox.call("probe", str(CHECK_SOURCE))  # locked down, answering
+        touched = Path(os.__file__).parent / f"lab-listing-probe-{os.getpid()}"
+        touched.write_text("")
+        touched.unlink()
+        assert sandbox.call("stdlib") == "wave"
+
+
 GRADER = '''import os, sys, time
 from lab.grading.sandbox import Limits, Sandbox
 

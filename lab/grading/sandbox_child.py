@@ -25,6 +25,8 @@ import ast
 import ctypes
 import faulthandler
 import fcntl
+import functools
+import importlib.machinery
 import json
 import os
 import platform
@@ -35,6 +37,7 @@ import socket
 import struct
 import sys
 import traceback
+from collections.abc import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER = 1, 38, 24, 36
@@ -198,6 +201,27 @@ def _watch_network(event: str, args: tuple) -> None:
         _NETWORK_TRIED.append("open an internet socket")
 
 
+def _keep_listings() -> None:
+    """Python's FileFinder lists a directory again whenever the directory's mtime changes, and takes a listing it is
+    refused for an empty directory. Under Landlock the standard library's directory cannot be listed (site-packages,
+    which may be protected, lies inside it, so it is opened entry by entry): a file another process creates or removes
+    there while this sandbox runs would make every standard module not yet imported vanish ("No module named
+    'fnmatch'"). So each finder lists its directory now, while it still may, and keeps that listing when a later one
+    is refused."""
+    for finder in list(sys.path_importer_cache.values()):
+        if isinstance(finder, importlib.machinery.FileFinder):
+            finder.find_spec("__lab_listing__")  # fills the cache (no such module exists)
+            finder._fill_cache = functools.partial(_refill_unless_refused, finder, finder._fill_cache)
+
+
+def _refill_unless_refused(finder: importlib.machinery.FileFinder, fill: Callable[[], None]) -> None:
+    try:
+        os.listdir(finder.path or os.getcwd())
+    except PermissionError:
+        return  # Landlock: the listing made before it is the best there is
+    fill()
+
+
 def lock_down(settings: dict) -> str:
     """Confine this process for good; return how its network is cut off ("namespace", "user namespace",
     "seccomp", or "" where nothing could be done)."""
@@ -231,6 +255,7 @@ def lock_down(settings: dict) -> str:
     abi = landlock_abi()
     refuse_tcp = not network and not settings["ranks"] and "seccomp" in layers  # Landlock's TCP rules (ABI >= 4)
     if abi:
+        _keep_listings()
         _landlock(settings["landlock"], abi, refuse_tcp)
     if os.geteuid() == 0 or network == "user namespace":
         _drop_capabilities(last_cap)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lab import layout
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -34,9 +36,7 @@ DP_MODES = ("naive", "overlapped", "bucketed")
 CP_IMPLS = ("ring", "zigzag", "ulysses")  # ring attention on contiguous or zig-zag chunks; Ulysses all-to-all
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+_require = layout.require
 
 
 def _positive(obj: Any, *names: str, minimum: int = 1) -> None:
@@ -176,7 +176,8 @@ class ParallelConfig:
     pp: int = field(default=1, metadata={"help": "pipeline-parallel degree"})
     pp_schedule: str = field(default="1f1b", metadata={
         "choices": PP_SCHEDULES, "help": "pipeline schedule (default 1f1b); the micro-batches are --grad-accum's"})
-    pp_virtual_stages: int = field(default=1, metadata={
+    # 0: the schedule's own, resolved here once (2 for interleaved, else 1), so a file naming only the schedule loads
+    pp_virtual_stages: int = field(default=0, metadata={
         "flag": "--pp-chunks", "help": "layer chunks per pipeline rank (interleaved schedule; default 2 there)"})
     ep: int = field(default=1, metadata={"help": "expert-parallel degree (carved out of dp x cp)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage 0-3 over the dp x cp ranks (0: plain data "
@@ -190,6 +191,8 @@ class ParallelConfig:
                                                      "help": "activation recomputation (default none)"})
 
     def __post_init__(self) -> None:
+        if self.pp_virtual_stages == 0:
+            self.pp_virtual_stages = layout.pp_chunks(self.pp_schedule)
         self.validate()
 
     @property
@@ -208,30 +211,18 @@ class ParallelConfig:
         _one_of("cp_impl", self.cp_impl, CP_IMPLS)
         _one_of("recompute", self.recompute, RECOMPUTE_MODES)
         _require(not self.sp or self.tp > 1, f"sp=True needs tp > 1 (got tp={self.tp})")
-        _require((self.dp * self.cp) % self.ep == 0,
-                 f"ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp}")
+        layout.check_ep_ranks(self.ep, self.dp, self.cp)
 
     def check_model(self, model: ModelConfig) -> None:
         """Rules that tie the layout to a model's shape, e.g. "tp=3 must divide n_heads=8"."""
-        _require(model.n_heads % self.tp == 0, f"tp={self.tp} must divide n_heads={model.n_heads}")
-        if model.attention == "gqa":
-            _require(model.n_kv_heads % self.tp == 0 or self.tp % model.n_kv_heads == 0,
-                     f"tp={self.tp} must divide n_kv_heads={model.n_kv_heads} (KV heads split) or be a multiple "
-                     f"of it (KV heads replicated)")
-        _require(model.d_ff % self.tp == 0, f"tp={self.tp} must divide d_ff={model.d_ff}")
-        _require(model.vocab_size % self.tp == 0, f"tp={self.tp} must divide vocab_size={model.vocab_size}")
+        layout.check_tp(self.tp, model.n_heads, model.n_kv_heads if model.attention == "gqa" else None, model.d_ff,
+                        model.vocab_size)
         if self.cp > 1 and self.cp_impl == "ulysses":
-            _require((model.n_heads // self.tp) % self.cp == 0,
-                     f"cp={self.cp} must divide the heads per tensor-parallel rank, n_heads/tp = "
-                     f"{model.n_heads}/{self.tp} = {model.n_heads // self.tp}, for cp_impl='ulysses'")
-        stages = self.pp * self.pp_virtual_stages
-        _require(model.n_layers % stages == 0,
-                 f"pp*pp_virtual_stages = {self.pp}*{self.pp_virtual_stages} = {stages} "
-                 f"must divide n_layers={model.n_layers}")
+            layout.check_ulysses(model.n_heads, self.tp, self.cp)
+        layout.check_stages(model.n_layers, self.pp, self.pp_virtual_stages)
         if self.ep > 1:
             _require(model.is_moe, f"ep={self.ep} needs a mixture-of-experts model (n_experts=0)")
-            _require(model.n_experts % self.ep == 0,
-                     f"ep={self.ep} must divide n_experts={model.n_experts}")
+            layout.experts_per_rank(model.n_experts, self.ep)
 
 
 @dataclass
@@ -298,29 +289,10 @@ class Config:
         self.parallel.check_model(self.model)
         _require(self.train.seq_len <= self.model.max_seq_len,
                  f"seq_len={self.train.seq_len} must be <= max_seq_len={self.model.max_seq_len}")
-        zigzag = self.parallel.cp_impl == "zigzag" and self.parallel.cp > 1  # one rank keeps the sequence whole
-        chunks = 2 * self.parallel.cp if zigzag else self.parallel.cp
-        _require(self.train.seq_len % chunks == 0,
-                 f"seq_len={self.train.seq_len} must be divisible by "
-                 + (f"2*cp = {chunks} for cp_impl='zigzag'" if zigzag else f"cp={chunks}"))
-        local = self.train.seq_len // self.parallel.cp  # the tokens of a context-parallel rank
-        _require(self.parallel.tp == 1 or not self.parallel.sp or local % self.parallel.tp == 0,
-                 f"tp={self.parallel.tp} must divide seq_len={self.train.seq_len} with sp=True" if self.parallel.cp == 1
-                 else f"tp={self.parallel.tp} must divide seq_len/cp = {local} with sp=True")
         p = self.parallel
-        if p.pp > 1:  # the pipeline's micro-batches are the gradient-accumulation micro-batches
-            if p.pp_schedule == "interleaved":
-                _require(p.pp_virtual_stages >= 2, f"pp_virtual_stages={p.pp_virtual_stages} must be >= 2 for "
-                                                   f"pp_schedule='interleaved' (1 is plain 1f1b)")
-                _require(p.grad_accum % p.pp == 0, f"grad_accum={p.grad_accum} (the micro-batches) must be a "
-                                                   f"multiple of pp={p.pp} for pp_schedule='interleaved'")
-            else:
-                _require(p.pp_virtual_stages == 1, f"pp_virtual_stages={p.pp_virtual_stages}: only "
-                                                   f"pp_schedule='interleaved' runs several chunks per rank")
-        shards = self.parallel.dp * self.parallel.grad_accum
-        _require(self.train.global_batch % shards == 0,
-                 f"dp*grad_accum = {self.parallel.dp}*{self.parallel.grad_accum} = {shards} "
-                 f"must divide global_batch={self.train.global_batch}")
+        layout.check_sequence(self.train.seq_len, p.cp, p.cp_impl, p.tp, p.sp)
+        layout.check_schedule(p.pp, p.pp_virtual_stages, p.pp_schedule, p.grad_accum)
+        layout.micro_batch(self.train.global_batch, p.dp, p.grad_accum)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -334,7 +306,8 @@ class Config:
         preset = model_data.pop("preset", None)
         base = ModelConfig.from_preset(preset) if preset else ModelConfig()
         model = _replace_checked(base, model_data, "model", also_valid=("preset",))
-        parallel = _replace_checked(ParallelConfig(), data.get("parallel", {}), "parallel")
+        # pp_virtual_stages left out is the schedule's default, not the default schedule's 1
+        parallel = _replace_checked(ParallelConfig(), {"pp_virtual_stages": 0, **data.get("parallel", {})}, "parallel")
         train = _replace_checked(TrainConfig(), data.get("train", {}), "train")
         config = cls(model=model, parallel=parallel, train=train)
         config.validate()

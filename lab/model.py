@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lab.config import RECOMPUTE_MODES, ModelConfig
+from lab.layout import expert_capacity
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -287,7 +288,7 @@ class MoE(nn.Module):
         not training)."""
         if not self.capacity_factor or not self.training:
             return torch.ones_like(chosen, dtype=torch.bool)
-        capacity = math.ceil(self.capacity_factor * chosen.numel() / self.n_experts)
+        capacity = expert_capacity(chosen.shape[0], chosen.shape[1], self.n_experts, self.capacity_factor)
         flat = F.one_hot(chosen.flatten(), self.n_experts)  # assignments in token order, then slot order
         position = (flat.cumsum(dim=0) * flat).sum(dim=-1)  # 1-based place in its expert's queue
         return (position <= capacity).view_as(chosen)

@@ -40,6 +40,7 @@ from functools import lru_cache
 from lab.calc.params import count_params
 from lab.calc.schedules import B, F, W, make_schedule, rank_layers
 from lab.config import ModelConfig, ParallelConfig
+from lab.layout import check_sequence, experts_per_rank, kv_heads_per_rank
 
 # Bytes per parameter: (weights, gradients, optimizer states).
 PRECISIONS = {
@@ -142,8 +143,7 @@ def _attention_on_rank(cfg: ModelConfig, tp: int) -> int:
     n_kv_heads ranks, MLA's latent down-projections (and their norms) replicated."""
     d, h = cfg.d_model, cfg.n_heads
     if cfg.attention == "gqa":
-        kv_heads = max(cfg.n_kv_heads // tp, 1)
-        return 2 * d * h * cfg.head_dim // tp + 2 * d * kv_heads * cfg.head_dim
+        return 2 * d * h * cfg.head_dim // tp + 2 * d * kv_heads_per_rank(cfg.n_kv_heads, tp) * cfg.head_dim
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     q = (d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * qk // tp) if cfg.q_lora_rank \
         else d * h * qk // tp
@@ -168,7 +168,7 @@ def zero_units(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> list[t
         dense, expert = _attention_on_rank(cfg, tp) + 2 * d, 0
         if cfg.is_moe_layer(layer):
             dense += d * cfg.n_experts + cfg.n_shared_experts * 3 * d * cfg.d_ff_expert
-            expert = cfg.n_experts * 3 * d * cfg.d_ff_expert // parallel.ep
+            expert = experts_per_rank(cfg.n_experts, parallel.ep) * 3 * d * cfg.d_ff_expert
         else:
             dense += 3 * d * cfg.d_ff // tp
         units.append((dense, expert))
@@ -214,7 +214,7 @@ def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool, 
     """
     d, hd = cfg.d_model, cfg.head_dim
     a, ff = cfg.n_heads // tp, cfg.d_ff // tp
-    kv = cfg.n_kv_heads // tp if cfg.n_kv_heads % tp == 0 else 1
+    kv = kv_heads_per_rank(cfg.n_kv_heads, tp)
     local = s // tp if sp else s  # tokens of the residual stream on this rank
     if recompute == "full":
         return 4 * d * local * b
@@ -279,9 +279,7 @@ def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, preci
     cfg.validate()
     parallel.validate()
     parallel.check_model(cfg)
-    tp, cp = parallel.tp, parallel.cp
-    require(seq % cp == 0, f"cp={cp} must divide seq={seq}")
-    require(not parallel.sp or (seq // cp) % tp == 0, f"tp={tp} must divide seq/cp={seq // cp} with sp=True")
+    check_sequence(seq, parallel.cp, parallel.cp_impl, parallel.tp, parallel.sp, name="seq")
     require(stage is None or (isinstance(stage, int) and 0 <= stage < parallel.pp),
             f"stage={stage!r} must be None (the fullest stage) or in 0..{parallel.pp - 1}")
     if activation_model == "exact":

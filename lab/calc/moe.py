@@ -34,6 +34,7 @@ import math
 from lab.calc.comms import collective_time
 from lab.calc.hardware import get_accelerator
 from lab.calc.network import Link
+from lab.layout import expert_capacity, experts_per_rank
 
 
 def _check(name: str, value: int, minimum: int = 1) -> None:
@@ -198,9 +199,7 @@ def rows_per_expert(tokens_per_gpu: int, top_k: int, n_experts: int, ep: int) ->
     what keeps an expert's matmul large as experts multiply (a GPU computes tokens·top_k rows whatever ep)."""
     for name, value in (("tokens_per_gpu", tokens_per_gpu), ("top_k", top_k), ("n_experts", n_experts), ("ep", ep)):
         _check(name, value)
-    if n_experts % ep:
-        raise ValueError(f"ep={ep} must divide n_experts={n_experts}")
-    return ep * tokens_per_gpu * top_k / n_experts
+    return tokens_per_gpu * top_k / experts_per_rank(n_experts, ep)
 
 
 def dropped_assignments(tokens: int, top_k: int, n_experts: int, capacity_factor: float, hot_share: float) -> float:
@@ -212,7 +211,7 @@ def dropped_assignments(tokens: int, top_k: int, n_experts: int, capacity_factor
     if not 0 <= hot_share <= 1:
         raise ValueError(f"hot_share={hot_share!r} must be in [0, 1]")
     assignments = tokens * top_k
-    capacity = math.ceil(capacity_factor * assignments / n_experts)
+    capacity = expert_capacity(tokens, top_k, n_experts, capacity_factor)
     hot, cold = hot_share * assignments, (1 - hot_share) * assignments / (n_experts - 1) if n_experts > 1 else 0.0
     return max(0.0, hot - capacity) + (n_experts - 1) * max(0.0, cold - capacity)
 
@@ -226,9 +225,7 @@ def expert_bytes_per_gpu(moe_layers: int, n_experts: int, d_model: int, d_ff_exp
                         ("d_ff_expert", d_ff_expert), ("ep", ep)):
         _check(name, value)
     _positive("bytes_per_param", bytes_per_param)
-    if n_experts % ep:
-        raise ValueError(f"ep={ep} must divide n_experts={n_experts}")
-    return moe_layers * n_experts // ep * 3 * d_model * d_ff_expert * bytes_per_param
+    return moe_layers * experts_per_rank(n_experts, ep) * 3 * d_model * d_ff_expert * bytes_per_param
 
 
 def active_params(total_params: int, moe_layers: int, n_experts: int, top_k: int, d_model: int,

@@ -24,6 +24,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+# the TP split rule lives in lab.layout; tp_problem is passed on for the widgets, which import calc only
+from lab.layout import kv_heads_per_rank
+from lab.layout import tp_problem as tp_problem
+
 Spec = tuple[str | None, str | None]  # one mesh-axis name (or None) per dimension of a matrix
 
 
@@ -210,6 +214,4 @@ def kv_weight_bytes(d_model: int, n_kv_heads: int, head_dim: int, tp: int, bytes
     head (the one its query heads read), copied on tp/n_kv ranks — TP stops shrinking K and V there."""
     _degree(tp)
     _positive(d_model=d_model, n_kv_heads=n_kv_heads, head_dim=head_dim, bytes_per_value=bytes_per_value)
-    if n_kv_heads % tp and tp % n_kv_heads:
-        raise ValueError(f"tp={tp} must divide n_kv_heads={n_kv_heads} or be a multiple of it")
-    return 2 * d_model * head_dim * max(n_kv_heads // tp, 1) * bytes_per_value
+    return 2 * d_model * head_dim * kv_heads_per_rank(n_kv_heads, tp) * bytes_per_value

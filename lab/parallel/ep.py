@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lab.collectives.p2p import group_info
+from lab.layout import experts_per_rank
 from lab.model import MoE, Transformer
 from lab.parallel.a2a import all_to_all
 from lab.parallel.dp import NaiveDP, gradient_buffer
@@ -42,7 +43,7 @@ class ExpertParallelCompute:
     def __init__(self, moe: MoE, group: dist.ProcessGroup | None) -> None:
         self.moe, self.group = moe, group
         self.rank, self.ep, _ = group_info(group)
-        self.local = moe.n_experts // self.ep
+        self.local = experts_per_rank(moe.n_experts, self.ep)
         self.first = self.rank * self.local
 
     def __call__(self, inputs: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -66,9 +67,7 @@ def apply_expert_parallel(model: Transformer, group: dist.ProcessGroup | None) -
     over the ranks holding the same experts, and the global norm counts each expert once."""
     rank, ep, _ = group_info(group)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        if moe.n_experts % ep:
-            raise ValueError(f"ep={ep} must divide n_experts={moe.n_experts}")
-        local = moe.n_experts // ep
+        local = experts_per_rank(moe.n_experts, ep)
         for e in list(moe.experts):
             if not rank * local <= int(e) < (rank + 1) * local:
                 del moe.experts[e]

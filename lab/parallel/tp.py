@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab.layout import check_tp, kv_heads_replicated
 from lab.model import Attention, FeedForward, Linear, Transformer
 from lab.parallel.placement import Placement, place, sum_partial_gradients
 from lab.parallel.tp_comms import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
@@ -181,12 +182,7 @@ def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup, sequence
     if cfg.is_moe and sequence_parallel:
         raise ValueError("sequence parallelism with a mixture-of-experts model: each TP rank would route a shard of "
                          "the tokens and the balancing losses would change; use sp=False")
-    for name, size in (("n_heads", cfg.n_heads), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size)):
-        if size % tp:
-            raise ValueError(f"tp={tp} must divide {name}={size}")
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        raise ValueError(f"tp={tp} must divide n_kv_heads={cfg.n_kv_heads} (KV heads split) or be a multiple of it "
-                         "(KV heads replicated)")
+    check_tp(tp, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size)
     for param in model.parameters():  # what stays whole; the split layers below replace their weights
         place(param, Placement(tp_partial=sequence_parallel, replicas=tp))
     if model.tok_embeddings is not None:
@@ -196,7 +192,7 @@ def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup, sequence
         attn, ffn = block.attn, block.ffn
         assert isinstance(attn, Attention)
         attn.wq = ColumnParallelLinear(attn.wq, group)
-        if cfg.n_kv_heads % tp == 0:
+        if not kv_heads_replicated(cfg.n_kv_heads, tp):
             attn.wk, attn.wv = ColumnParallelLinear(attn.wk, group), ColumnParallelLinear(attn.wv, group)
         else:
             attn.wk, attn.wv = (ReplicatedKVLinear(m, group, cfg.n_kv_heads) for m in (attn.wk, attn.wv))

@@ -50,14 +50,9 @@ def layer_numbers(model: str, tp: int, seq: int, batch: int, sp: bool, gpu: str)
 
 
 def _fits(model: str, tp: int) -> str | None:
-    """Why `tp` cannot split `model` (lab.parallel.tp's rules), or None."""
+    """Why `tp` cannot split `model` (lab.layout's rules, which lab.parallel.tp applies), or None."""
     cfg = PRESETS[model]
-    for name, size in (("n_heads", cfg.n_heads), ("d_ff", cfg.d_ff)):
-        if size % tp:
-            return f"tp={tp} must divide {name}={size} of {model}"
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        return f"tp={tp} must divide n_kv_heads={cfg.n_kv_heads} of {model} or be a multiple of it"
-    return None
+    return sharding.tp_problem(tp, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size, of=model)
 
 
 class TPExplorer(Explorer):

@@ -23,7 +23,6 @@ assignment's row and add it, weighted, into its token.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -33,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.jaxtrack.fsdp import feed_forward
+from lab.layout import expert_capacity
 
 Params = dict[str, jax.Array]  # "router": (E, d); "w1", "w3": (E, f, d); "w2": (E, d, f)
 
@@ -55,7 +55,7 @@ def experts_forward(params: Params, rows: jax.Array) -> jax.Array:
 def capacity_of(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
     """Rows one expert takes from one device: `MoE.capacity_mask`'s ceil(c·n·k/E), or n (a token picks an expert
     at most once) without a capacity factor — then nothing is dropped."""
-    return math.ceil(capacity_factor * n_tokens * top_k / n_experts) if capacity_factor else n_tokens
+    return expert_capacity(n_tokens, top_k, n_experts, capacity_factor) if capacity_factor else n_tokens
 
 
 def moe_ep(mesh: Mesh, top_k: int, gating: str = "softmax", capacity_factor: float = 0.0) -> Callable:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
+from lab.calc.moe import expert_capacity
 from lab.config import MOE_GATINGS, PRESETS
 from lab.widgets.base import Explorer, note, show_figure, slider
 
@@ -113,7 +114,7 @@ def route_tokens(tokens: int = 1024, n_experts: int = 8, top_k: int = 2, capacit
         tokens=tokens, n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor, skew=skew, gating=gating,
         wanted=torch.bincount(chosen.flatten(), minlength=n_experts).tolist(), load=moe.load.tolist(),
         dropped=moe.dropped,
-        capacity=math.ceil(capacity_factor * chosen.numel() / n_experts) if capacity_factor else None,
+        capacity=expert_capacity(tokens, top_k, n_experts, capacity_factor) if capacity_factor else None,
         tokens_without_expert=int((~keep).all(dim=1).sum()), aux_loss=moe.aux_loss.item(),
         z_loss=moe.z_loss.item())
 

@@ -20,8 +20,8 @@ bench, in order (each part in a process of its own, with a time limit, so one cr
                (lab's TP vs DTensor's); the last two on >= 2 GPUs. The other benchmarks measure gloo ranks on a CPU
                (pipeline, cp, compose, checkpoint, search_vs_measured, precision_side_by_side, memory_accuracy)
 record: the recordings chapters 01-03 show
-  memory       the memory timeline of three training steps by category (`lab.profiling`, the CPU figure of chapter
-               01, now on the GPU), and a CUDA allocator snapshot for https://pytorch.org/memory_viz
+  memory       the memory timeline of three training steps by category (`lab.measure.memory_timeline`, the CPU
+               figure of chapter 01, now on the GPU), and a CUDA allocator snapshot for https://pytorch.org/memory_viz
   trace        a profiler trace of two training steps (chrome://tracing, https://ui.perfetto.dev) and its kernel table
   ddp_trace    DDP's bucketed all-reduce overlapping backward, on NCCL (>= 2 GPUs)
 
@@ -404,7 +404,7 @@ def _record_model(device: str, dtype=None):
 def part_memory(args: argparse.Namespace) -> dict:
     import torch
 
-    from lab.profiling import language_model_step, memory_timeline
+    from lab.measure.memory_timeline import language_model_step, memory_timeline
 
     cfg, model, optimizer, tokens, seq, mbs = _record_model(args.device)
     step = language_model_step(model, optimizer, tokens, tokens.roll(-1, 1))
@@ -443,7 +443,7 @@ def thin(timeline: dict, points: int = 1500) -> dict:
 def part_trace(args: argparse.Namespace) -> dict:
     import torch
 
-    from lab.profiling import language_model_step
+    from lab.measure.memory_timeline import language_model_step
 
     # bf16 on a GPU: the kernels a real step runs (tensor-core GEMMs, flash attention), not fp32's
     on_gpu = args.device == "cuda"
@@ -481,7 +481,9 @@ def kernel_table(averages, on_gpu: bool) -> list[dict]:
     """The profiler's ops by their own time, longest first: GPU kernels on a GPU, CPU ops otherwise."""
     from torch.autograd import DeviceType
 
-    from lab.profiling import PHASES  # the annotations of language_model_step's phases, also on the GPU's timeline
+    from lab.measure.memory_timeline import (
+        PHASES,  # the annotations of language_model_step's phases, also on the GPU's timeline
+    )
 
     rows = []
     for event in averages:
@@ -511,7 +513,7 @@ def _ddp_trace_rank(out: str, stem: str, device: str) -> dict | None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lab.profiling import language_model_step
+    from lab.measure.memory_timeline import language_model_step
 
     rank = dist.get_rank()  # lab.distributed.run has set this rank's GPU under NCCL
     _, model, _, tokens, _, _ = _record_model(device if device == "cpu" else f"cuda:{rank}")

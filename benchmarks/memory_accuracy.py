@@ -2,7 +2,7 @@
 
     python benchmarks/memory_accuracy.py
 
-For every configuration of `lab.measure.ACCURACY_GRID` (tiny fp32 models varying sequence, batch, width,
+For every configuration of `lab.measure.memory.ACCURACY_GRID` (tiny fp32 models varying sequence, batch, width,
 heads, KV heads and depth) and every recompute mode (none with the math and with the flash attention
 kernel, selective, full), it prints the bytes autograd keeps after forward + loss (saved-tensor hooks,
 deduplicated by storage), the `exact` model's prediction and Korthikanti's, with their ratios to the
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lab.measure import accuracy_rows  # noqa: E402
+from lab.measure.memory import accuracy_rows  # noqa: E402
 
 
 def main() -> int:

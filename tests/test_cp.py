@@ -202,7 +202,7 @@ def test_model_loss_and_gradients_equal_single_process(impl, cp):
 
 
 def _measured_activations(seq: int, recompute: str) -> dict[str, int]:
-    from lab.measure import saved_activation_bytes
+    from lab.measure.memory import saved_activation_bytes
     from lab.model import set_recompute
 
     mesh = Mesh(cp=dist.get_world_size())

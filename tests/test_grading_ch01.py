@@ -196,7 +196,7 @@ def test_an_answer_n_gpus_times_too_large_is_named():
 def test_the_blocks_reject_bad_input_in_one_line():
     import pytest
 
-    from lab.recompute import Block
+    from lab.measure.recompute import Block
 
     with pytest.raises(ValueError, match=r"kind='mlp' must be one of 'gelu', 'swiglu', 'gated'"):
         Block("mlp", 8, 8)
@@ -210,8 +210,8 @@ def test_lab_counts_only_the_input_of_torch_checkpoint():
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
-    from lab.measure_saved import saved_bytes
-    from lab.recompute import Block, example_input
+    from lab.measure.recompute import Block, example_input
+    from lab.measure.saved import saved_bytes
 
     class TorchCheckpointed(nn.Module):
         def __init__(self, block: nn.Module) -> None:

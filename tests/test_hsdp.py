@@ -10,7 +10,7 @@ import torch
 
 from lab.config import load_config
 from lab.distributed import run
-from lab.parallel.hsdp import VARIANTS, reference_gradients, sharded_gradients
+from lab.measure.fsdp2 import VARIANTS, reference_gradients, sharded_gradients
 
 CFG = dataclasses.replace(load_config("configs/tiny.toml").model, n_layers=2)  # 2 blocks: the prefetch has a next
 WORLD = 4

@@ -1,5 +1,5 @@
-"""Chapter 01's JAX section: `jax.checkpoint` policies on lab.recompute's GELU block give torch's gradients (same
-weights, fp32) under every policy, as torch.utils.checkpoint does; what each policy keeps differs as it should."""
+"""Chapter 01's JAX section: `jax.checkpoint` policies on lab.measure.recompute's GELU block give torch's gradients
+(same weights, fp32) under every policy, as torch.utils.checkpoint does; what each policy keeps differs as it should."""
 
 import pytest
 
@@ -9,10 +9,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from lab.jaxsim import simulated_devices  # noqa: E402
-from lab.measure_saved import saved_bytes  # noqa: E402
-from lab.recompute import Block, cotangent, example_input  # noqa: E402
-from lab.recompute import gradients as torch_gradients  # noqa: E402
+from lab.jaxtrack.sim import simulated_devices  # noqa: E402
+from lab.measure.recompute import Block, cotangent, example_input  # noqa: E402
+from lab.measure.recompute import gradients as torch_gradients  # noqa: E402
+from lab.measure.saved import saved_bytes  # noqa: E402
 
 SHAPE = dict(batch=2, seq=5, d_model=12, d_ff=20, seed=3)
 

@@ -10,8 +10,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lab.jaxsim import make_mesh, simulated_devices  # noqa: E402
 from lab.jaxtrack.fsdp import compiled_collectives, fsdp_step  # noqa: E402
+from lab.jaxtrack.sim import make_mesh, simulated_devices  # noqa: E402
 from lab.model import FeedForward  # noqa: E402
 
 D_MODEL, D_FF, TOKENS = 16, 40, 24  # every dimension a multiple of 8 devices

@@ -12,12 +12,12 @@ jax = pytest.importorskip("jax")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from lab.jaxsim import collectives_in, make_mesh, simulated_devices  # noqa: E402
 from lab.jaxtrack.collective_matmul import (  # noqa: E402
     allgather_then_matmul,
     collective_matmul,
     sequence_parallel_mlp,
 )
+from lab.jaxtrack.sim import collectives_in, make_mesh, simulated_devices  # noqa: E402
 
 SEQ, D_MODEL, D_FF = 40, 12, 24  # the sequence and F multiples of 8 devices; D is not split
 

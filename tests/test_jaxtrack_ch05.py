@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import lab.jaxtrack.ring_attention as jax_ring  # noqa: E402
-from lab.jaxsim import collectives_in, make_mesh, simulated_devices  # noqa: E402
+from lab.jaxtrack.sim import collectives_in, make_mesh, simulated_devices  # noqa: E402
 from lab.model import causal_attention  # noqa: E402
 
 SHAPE = (2, 3, 40, 8)  # B, H, T (5 tokens on each of 8 devices), D

@@ -11,8 +11,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from lab.config import ModelConfig  # noqa: E402
-from lab.jaxsim import collectives_in, make_mesh, simulated_devices  # noqa: E402
 from lab.jaxtrack.moe import moe_ep  # noqa: E402
+from lab.jaxtrack.sim import collectives_in, make_mesh, simulated_devices  # noqa: E402
 from lab.model import MoE  # noqa: E402
 
 DEVICES, TOKENS, D_MODEL, D_FF, N_EXPERTS = 8, 6, 16, 8, 16  # 6 tokens and 2 experts per device

@@ -1,4 +1,4 @@
-"""lab.measure on real tensors: the `exact` activation model within 2% of what autograd keeps, two
+"""lab.measure.memory on real tensors: the `exact` activation model within 2% of what autograd keeps, two
 independent measurements that agree (checkpointing included), and static bytes equal to the calculator."""
 
 import dataclasses
@@ -11,8 +11,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lab.calc import estimate_memory
 from lab.config import PRESETS, ModelConfig, ParallelConfig
-from lab.measure import ACCURACY_GRID, MODES, accuracy_rows, live_activation_bytes, saved_activation_bytes
-from lab.measure import static_bytes as measured_static_bytes
+from lab.measure.memory import ACCURACY_GRID, MODES, accuracy_rows, live_activation_bytes, saved_activation_bytes
+from lab.measure.memory import static_bytes as measured_static_bytes
 from lab.model import build_model, materialize, set_recompute
 
 SMALL = ModelConfig(name="small", vocab_size=96, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, d_ff=80,

@@ -1,4 +1,4 @@
-"""The overlap timeline (lab.parallel.overlap) on real gloo ranks, and appendix A3's ZeRO-3 condition."""
+"""The overlap timeline (lab.measure.overlap) on real gloo ranks, and appendix A3's ZeRO-3 condition."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from lab.calc.comms import zero3_overlap_ratio
 from lab.config import ModelConfig
 from lab.distributed import run
+from lab.measure.overlap import Span, make_engine, plot_timelines, step_timeline
 from lab.model import build_model, materialize
 from lab.parallel.dp import BucketedDP
-from lab.parallel.overlap import Span, make_engine, plot_timelines, step_timeline
 
 CONFIG = ModelConfig.from_preset("tiny", n_layers=3)
 BUCKET_MB = 0.05

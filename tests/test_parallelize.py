@@ -21,7 +21,7 @@ from lab import distributed as lab_dist
 from lab import train
 from lab.config import PRESETS, UNSUPPORTED, ParallelConfig, check_supported, load_config
 from lab.distributed import Mesh
-from lab.measure import PeakAllocation
+from lab.measure.memory import PeakAllocation
 from lab.model import build_model, materialize, num_params
 from lab.parallel.parallelize import parallelize
 from lab.parallel.placement import placement_of

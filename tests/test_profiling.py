@@ -7,8 +7,8 @@ import torch
 from nbclient import NotebookClient
 
 from lab.config import PRESETS
+from lab.measure.memory_timeline import language_model_step, memory_timeline
 from lab.model import build_model, materialize
-from lab.profiling import language_model_step, memory_timeline
 
 
 def test_timeline_shows_the_phases_of_a_training_step():
@@ -35,7 +35,7 @@ _CELL = """
 import os, torch
 from lab.config import PRESETS
 from lab.model import build_model, materialize
-from lab.profiling import language_model_step, memory_timeline
+from lab.measure.memory_timeline import language_model_step, memory_timeline
 model = materialize(build_model(PRESETS["tiny"]), seed=0)
 tokens = torch.randint(0, 256, (2, 16))
 step = language_model_step(model, torch.optim.AdamW(model.parameters()), tokens, tokens)

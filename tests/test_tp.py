@@ -162,7 +162,7 @@ def test_same_loss_as_torch_parallelize_module():
 
 
 def _measured_activations(tp: int, sp: bool, recompute: str, flash: bool) -> dict[str, int]:
-    from lab.measure import saved_activation_bytes
+    from lab.measure.memory import saved_activation_bytes
     from lab.model import set_recompute
 
     group = Mesh(tp=tp).tp_group

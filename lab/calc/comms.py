@@ -40,7 +40,7 @@ On 1 and 2 H100 nodes it lands within a few percent of the playbook's measured a
 (`network.PLAYBOOK_BUSBW`); from 4 nodes on the measurements fall 2-3x below it.
 
 `zero3_overlap_ratio` weighs a ZeRO-3 all-gather against the compute it must hide behind (the playbook's
-appendix "A3: Math for Compute/Communication Overlap"): the measured timelines of `lab.parallel.overlap` are
+appendix "A3: Math for Compute/Communication Overlap"): the measured timelines of `lab.measure.overlap` are
 its executed counterpart.
 `latency_bandwidth_crossover`, `ring_tree_crossover` and `dp_critical_batch` are the model's thresholds, in
 closed form: where latency stops mattering, where the ring overtakes the tree, and how large a data-parallel

@@ -7,7 +7,7 @@ CHECKSUMS = {
         "3e876b2e37f212395bc26e5f1f283b7cf97f2de246326a81dbec20bae44e8131"
     ],
     "01.activation_checkpoint": [
-        "0493d68e7d2a64dd324d3a58ea8b78806dff479411ffbbbb8540564a7497129f",
+        "89367fbe1508ca012fb9abca396d1e00a68c1d47fe8614df16c7089c3e4560f2",
         "3452b8f9d852cf564f3e12a00f99793fb540f8c21b2ce5c148ae62ae64a3065e"
     ],
     "01.max_micro_batch": [
@@ -15,7 +15,7 @@ CHECKSUMS = {
         "2c7372dd686810d1439a6e71f805d11aab56e4900ccfafc28cef346ead428ecf"
     ],
     "01.measured_activations": [
-        "149f73e16d8dc62a6b8e8c69a84799a34e1862c559f8b1e6fab8ca0bf5477de1",
+        "97eccf618563587ded52aa8e9c0630b8945932c089f98d651d36c10a735843da",
         "bafeb39ccb62fa407d021f6c714d66a827c6f656e51cf6fb0e80e42226ba8c6d"
     ],
     "01.mfu": [

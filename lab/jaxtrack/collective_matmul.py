@@ -15,7 +15,7 @@ column layer x · W[D, F_X] needs all of x: an all-gather along S, on the critic
 the hidden activation is pinned split along F (tensor parallel), the output pinned split along the sequence
 again — the layouts of chapter 04's SP block, the collectives left to XLA.
 
-Everything takes a 1-D mesh whose one axis is the TP group (`lab.jaxsim.make_mesh((n,), ("x",))`).
+Everything takes a 1-D mesh whose one axis is the TP group (`lab.jaxtrack.sim.make_mesh((n,), ("x",))`).
 """
 
 from __future__ import annotations

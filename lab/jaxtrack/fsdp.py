@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab.jaxsim import collectives_in
+from lab.jaxtrack.sim import collectives_in
 
 Params = dict[str, jax.Array]  # "w1", "w3": (d_ff, d_model); "w2": (d_model, d_ff), as lab.model.FeedForward
 

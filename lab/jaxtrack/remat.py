@@ -1,4 +1,4 @@
-"""Chapter 01 the JAX way: `jax.checkpoint` (remat) and its policies on `lab.recompute`'s GELU block.
+"""Chapter 01 the JAX way: `jax.checkpoint` (remat) and its policies on `lab.measure.recompute`'s GELU block.
 
 PyTorch decides what to keep op by op (each autograd node saves what its backward needs) and
 `torch.utils.checkpoint` throws a region's activations away wholesale. JAX makes the choice a *policy* over the
@@ -33,7 +33,7 @@ Params = Mapping[str, jax.Array | np.ndarray]
 
 
 def gelu_block(params: Params, x: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """x + W2·gelu(W1·LayerNorm(x)), with biases: `lab.recompute.Block("gelu")` without dropout, whose
+    """x + W2·gelu(W1·LayerNorm(x)), with biases: `lab.measure.recompute.Block("gelu")` without dropout, whose
     `state_dict()` (as numpy arrays) is `params` — torch's Linear computes x·Wᵀ + b."""
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
@@ -64,14 +64,14 @@ def residuals(params: Params, x: jax.Array, policy: str) -> list[tuple[tuple[int
 
 def activation_bytes(params: Params, x: jax.Array, policy: str) -> int:
     """Bytes of the residuals shaped like the tokens, (batch, seq, ...): the activations, weights (and their
-    transposes) left out — what `lab.measure_saved.saved_bytes` counts on the torch side."""
+    transposes) left out — what `lab.measure.saved.saved_bytes` counts on the torch side."""
     tokens = tuple(x.shape[:-1])
     return sum(nbytes for shape, nbytes in residuals(params, x, policy) if shape[:len(tokens)] == tokens)
 
 
 def gradients(params: Params, x: jax.Array, cotangent: jax.Array) -> dict[str, dict[str, np.ndarray]]:
     """Per policy: the output, the input's gradient and each parameter's gradient for the output gradient
-    `cotangent`, named as `lab.recompute.gradients` names them. All policies in one compiled program, at XLA's
+    `cotangent`, named as `lab.measure.recompute.gradients` names them. All policies in one compiled program, at XLA's
     lowest backend optimisation level: for a program this small, optimising costs more than it saves (op by op,
     every primitive would be compiled on its own)."""
 

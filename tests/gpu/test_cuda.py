@@ -8,7 +8,7 @@ Without a CUDA device every test here is skipped with that reason, so the CPU su
 - fp32 forward and backward on the GPU equal the CPU's (TF32 off, so only summation order differs);
 - the bytes a forward pass keeps for backward on the GPU, read off the caching allocator, are what
   `lab.calc.memory`'s `exact` activation model predicts, within 10% (on a CPU the bound is 2%, tests/test_measure.py);
-- `lab.profiling`'s memory timeline (chapter 01's figure) works on the GPU;
+- `lab.measure.memory_timeline`'s memory timeline (chapter 01's figure) works on the GPU;
 - `lab.train --precision bf16` trains on the GPU as the fp32 run does;
 - every layout of `lab.train` that fits the machine's GPUs (one rank per GPU, NCCL) gives the single-GPU run's
   losses: the same layouts tests/test_train.py proves on gloo ranks. A 1-GPU machine skips them, saying so.
@@ -25,8 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lab.calc.memory import estimate_memory
 from lab.config import ModelConfig, ParallelConfig, load_config
+from lab.measure.memory_timeline import language_model_step, memory_timeline
 from lab.model import build_model, materialize
-from lab.profiling import language_model_step, memory_timeline
 from lab.train import run
 
 pytestmark = [pytest.mark.gpu,
@@ -101,8 +101,8 @@ def _one_gpu_losses() -> tuple[float, ...]:
 
 
 def test_memory_timeline_on_the_gpu_has_every_phase_and_adams_states_from_step_2():
-    """lab.profiling's figure of chapter 01, on the GPU: the profiler files allocations under cuda:N, so asking
-    for "cuda" must still find them (it found none, before)."""
+    """lab.measure.memory_timeline's figure of chapter 01, on the GPU: the profiler files allocations under cuda:N,
+    so asking for "cuda" must still find them (it found none, before)."""
     cfg = ModelConfig.from_preset("tiny")
     model = materialize(build_model(cfg), "cuda", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

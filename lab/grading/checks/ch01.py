@@ -6,9 +6,9 @@ vocabularies and FFN widths that are not round, head_dim set apart from d_model 
 The worked problems (`01.problems`) are plain Python of random numbers in the sandbox (no lab.calc there),
 compared with `lab.calc` to 1%.
 
-The two torch exercises run small residual blocks from `lab.recompute` (drawn from the check's seed, so the
+The two torch exercises run small residual blocks from `lab.measure.recompute` (drawn from the check's seed, so the
 learner's driver and the check build the same weights): `01.measured_activations` compares the learner's
-saved-tensor count and prediction with `lab.measure_saved.saved_bytes`, `01.activation_checkpoint` the wrapped
+saved-tensor count and prediction with `lab.measure.saved.saved_bytes`, `01.activation_checkpoint` the wrapped
 block's output, gradients and saved bytes with the plain block's. torch is imported inside the functions.
 """
 
@@ -239,10 +239,10 @@ def long_sequences(student, rng):
 
 # --- 01.measured_activations and 01.activation_checkpoint: small blocks, really run -------------------------
 
-BLOCK_MODULES = ("lab.config", "lab.recompute")
+BLOCK_MODULES = ("lab.config", "lab.measure.recompute")
 MEASURED = exercise("01.measured_activations", entry=("run_measured",), **{**TORCH, "modules": BLOCK_MODULES})
 CHECKPOINT = exercise("01.activation_checkpoint", entry=("run_checkpoint",),
-                      **{**TORCH, "modules": (*BLOCK_MODULES, "lab.measure_saved")})
+                      **{**TORCH, "modules": (*BLOCK_MODULES, "lab.measure.saved")})
 
 
 def block_case(rng: random.Random, kind: str | None = None) -> dict:
@@ -259,11 +259,11 @@ def _call(case: dict, **extra) -> str:
 
 
 def lab_saved_bytes(case: dict, dtype: str = "float32") -> int:
-    """What `lab.measure_saved` counts for the block of `case`."""
+    """What `lab.measure.saved` counts for the block of `case`."""
     import torch
 
-    from lab.measure_saved import saved_bytes
-    from lab.recompute import Block, example_input
+    from lab.measure.recompute import Block, example_input
+    from lab.measure.saved import saved_bytes
 
     dt = getattr(torch, dtype)
     block = Block(case["kind"], case["d_model"], case["d_ff"], seed=case["seed"], dtype=dt)
@@ -332,7 +332,7 @@ def predicted_gated(student, rng):
 
 def _checkpoint(student, case: dict, dropout: float = 0.0, input_grad: bool = True) -> tuple[dict, dict, str]:
     """(the learner's driver's dict, the plain block's gradients, the call) for `case`."""
-    from lab.recompute import Block, example_input, gradients
+    from lab.measure.recompute import Block, example_input, gradients
 
     what = f"run_checkpoint({_call(case, dropout=dropout, input_requires_grad=input_grad)})"
     got = driver(what, "the wrapped block's output, gradients and saved bytes", student.run_checkpoint,

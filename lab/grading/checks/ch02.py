@@ -260,7 +260,7 @@ def time_tree_all_reduce(student, rng):
 # --- 02.sharded_matmul -----------------------------------------------------------------------------------------
 
 SHARDED_MATMUL = exercise("02.sharded_matmul", entry=("matmul_reduce_scatter", "run_matmul"),
-                          modules=("lab.config", "lab.jaxsim"), packages=("jax",), memory_mb=4096)
+                          modules=("lab.config", "lab.jaxtrack.sim"), packages=("jax",), memory_mb=4096)
 
 
 def _matmul(student, rng: random.Random, n: int) -> tuple[dict, dict]:

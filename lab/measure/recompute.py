@@ -2,7 +2,7 @@
 
 Activation checkpointing is easiest to get right, and to test, on a block that fits in a few lines. These are
 the three shapes of block whose saved tensors teach something (what each op keeps is measured by
-`lab.measure_saved.saved_bytes`):
+`lab.measure.saved.saved_bytes`):
 
 * "gelu": x + W2·dropout(gelu(W1·LayerNorm(x))), with biases — the classic MLP; LayerNorm keeps its input and
   a mean and 1/std per token, each Linear its input, GELU its input.

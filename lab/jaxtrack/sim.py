@@ -25,8 +25,8 @@ def simulated_devices(n: int = 8) -> list:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:  # the backend already started: fine if it has the right number of devices
         if jax.device_count() != n:
-            raise RuntimeError(f"JAX already started with {jax.device_count()} device(s); restart the kernel and "
-                               f"call lab.jaxsim.simulated_devices({n}) before any other JAX computation") from None
+            raise RuntimeError(f"JAX already started with {jax.device_count()} device(s); restart the kernel and call "
+                               f"lab.jaxtrack.sim.simulated_devices({n}) before any other JAX computation") from None
     devices = jax.devices()
     if len(devices) != n:
         raise RuntimeError(f"asked for {n} JAX devices, got {len(devices)}")

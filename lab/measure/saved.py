@@ -5,7 +5,7 @@ backward. Two things make counting them right: several saved tensors may share o
 SwiGLU both save their common input; q, k and v cut from one matmul's output are views of it), so bytes are
 counted once per storage (`untyped_storage().data_ptr()`) — at the storage's full size, since autograd keeps
 the whole storage alive, not just the view; and the module's parameters are saved too (a Linear saves its
-weight) but are not activations, so their storages are left out. `lab.measure.saved_activation_bytes` does the
+weight) but are not activations, so their storages are left out. `lab.measure.memory.saved_activation_bytes` does the
 same for a whole `lab.model.Transformer`, split by region.
 
 A checkpointed region (torch.utils.checkpoint, non-reentrant) saves its inputs through an ordinary autograd

@@ -37,9 +37,9 @@ from lab.config import ModelConfig
 from lab.data import SyntheticTokens, shard_rows
 from lab.distributed.comm import ALL_GATHER, REDUCE_SCATTER, RENAMED
 from lab.model import build_model, materialize
-from lab.parallel.dp import BucketedDP, NaiveDP, OverlappedDP
+from lab.parallel.dp import NaiveDP
 from lab.parallel.optim import adamw
-from lab.parallel.zero import Zero
+from lab.parallel.zero import Zero, make_data_parallel
 
 # operation (as this torch names what `lab.distributed` calls) -> its name in the legend. Spans are labelled with
 # torch's current name ("all_gather_single"), as `count_collectives` counts them, on every torch.
@@ -161,14 +161,15 @@ class StepRecorder:
 
 
 def make_engine(kind: str, model: nn.Module, bucket_mb: float = 0.25) -> NaiveDP | Zero:
-    """One of `KINDS` over the default process group (ZeRO-3 with or without prefetching)."""
-    if kind in ("naive", "overlapped"):
-        return {"naive": NaiveDP, "overlapped": OverlappedDP}[kind](model, None)
-    if kind == "bucketed":
-        return BucketedDP(model, None, bucket_mb=bucket_mb)
-    if kind.startswith("zero") and kind in KINDS:
-        return Zero(model, None, int(kind[4]), prefetch=not kind.endswith("no-prefetch"))
-    raise ValueError(f"kind={kind!r} must be one of {', '.join(map(repr, KINDS))}")
+    """One of `KINDS` over the default process group: the engine `make_data_parallel` builds for a training run,
+    and ZeRO-3 once more with prefetching off, to show what prefetching hides."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} must be one of {', '.join(map(repr, KINDS))}")
+    zero = int(kind[4]) if kind.startswith("zero") else 0
+    engine = make_data_parallel(model, None, zero=zero, dp_mode="naive" if zero else kind, bucket_mb=bucket_mb)
+    if kind == "zero3-no-prefetch":
+        engine.prefetch = False  # read at every gather: switching it off after construction is enough
+    return engine
 
 
 def step_timeline(kind: str, config: ModelConfig | None = None, batch: int = 8, seq_len: int = 64,

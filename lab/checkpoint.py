@@ -11,17 +11,16 @@ single-process name as the FULL logical tensor, of which every rank writes only 
     scaler                       fp16 only: the dynamic loss scale and its growth count
     rng.rank{r}                  each rank's CPU random state (restored only when the world size is the same)
 
-A rank describes its piece as a box — offsets and sizes within the full tensor — read off the parameter's
-`Placement`, and a small planner pair (`_BoxSavePlanner`, `_BoxLoadPlanner`, over DCP's default planners) hands
-DCP those boxes. DCP then does the rest: replicas (the same box on several ranks: dp copies, KV heads copied
-over TP, experts over ep_dp) are written once (`dedup_save_plans`), and a load at another layout reads, for each
-box a rank now holds, the overlapping parts of the saved boxes (`create_read_items_for_chunk_list`).
+A rank describes its piece as a box — offsets and sizes within the full tensor — read off its engine's boxes and
+the parameter's `Placement`, and a small planner pair (`_BoxSavePlanner`, `_BoxLoadPlanner`, over DCP's default
+planners) hands DCP those boxes. DCP then does the rest: replicas (the same box on several ranks: dp copies, KV
+heads copied over TP, experts over ep_dp) are written once (`dedup_save_plans`), and a load at another layout
+reads, for each box a rank now holds, the overlapping parts of the saved boxes (`create_read_items_for_chunk_list`).
 
-ZeRO's pieces are ranges of a flat buffer holding a whole block's parameters: a range that cuts a matrix mid-row
-is no box, so it cannot be a DCP chunk. ZeRO saves instead through its gathered units: one all-gather over dp per
-unit turns the shards (parameters, exp_avg, exp_avg_sq) back into each parameter's TP piece, which is a box; at
-load each rank reads those boxes and keeps its shard. This costs one unit's full buffer at a time while saving
-(the whole TP-local model's state while loading), and the dp ranks then write identical boxes, deduplicated.
+Which boxes a rank holds of each parameter is its data-parallel engine's to say (`DataParallel.state_boxes`,
+`load_boxes`): a plain engine holds whole parameters; ZeRO, whose flat pieces cut matrices mid-row, gathers its
+units and holds whole parameters too while saving or loading. This module knows DCP and placements only: an
+engine of another kind needs no change here.
 
 Atomicity: a save writes into `DIR/.tmp-step-N`, DCP's `.metadata` last, and once every rank is done rank 0
 renames it to `DIR/step-N` — one `rename`, so a checkpoint is visible only when complete. A kill during a save
@@ -77,9 +76,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lab.distributed import all_gather_single
+from lab.parallel.dp import WEIGHT
 from lab.parallel.placement import placement_of
-from lab.parallel.zero import Zero
 from lab.precision.loss_scale import DynamicLossScaler
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -191,114 +189,51 @@ def named_parameters(par) -> list[tuple[str, nn.Parameter]]:
     return [(name, param) for stage in stages for name, param in stage.named_parameters()]
 
 
-def _box(param: torch.Tensor) -> Box:
-    """Where this rank's piece of `param` lies in the full tensor, from its placement."""
+def _box(param: torch.Tensor, offsets: tuple[int, ...]) -> Box:
+    """Where the box of `param` starting at `offsets` lies in the full tensor: `param` is this rank's piece of it,
+    located by its placement."""
     spot = placement_of(param)
-    offsets = [0] * param.dim()
+    offsets = list(offsets)
     if spot.tp_dim is not None:
-        offsets[spot.tp_dim] = spot.tp_index * param.shape[spot.tp_dim]
+        offsets[spot.tp_dim] += spot.tp_index * param.shape[spot.tp_dim]
     return tuple(offsets), torch.Size(spot.full_shape(tuple(param.shape)))
 
 
-def _keys(name: str) -> dict[str, str]:
-    return {"param": f"model.{name}", **{s: f"optim.{name}.{s}" for s in ADAM_STATES}, "step": f"optim.{name}.step"}
+def _key(name: str, kind: str) -> str:
+    return f"model.{name}" if kind == WEIGHT else f"optim.{name}.{kind}"
 
 
 def _rank_state(par, optimizer: torch.optim.Optimizer, loading: bool
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Box], Callable[[], None]]:
     """This rank's tensors by checkpoint key, their boxes, and (when `loading`) what puts the loaded values in
-    place. Saving reads the live tensors (ZeRO: gathered per unit); loading fills buffers of the same boxes."""
-    if isinstance(par.engine, Zero):
-        return _zero_state(par, optimizer, loading)
-    tensors, boxes, fills = {}, {}, []
-    for name, param in named_parameters(par):
-        keys, box = _keys(name), _box(param)
-        master = par.masters.master(param)  # the fp32 weight under bf16/fp16 (the parameter itself under fp32)
-        tensors[keys["param"]] = master.data  # loaded in place
-        state = optimizer.state.get(master)
-        if loading:
-            state = {s: torch.zeros_like(master.data) for s in ADAM_STATES}
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            fills.append((master, state))
-        if state:
-            tensors.update({keys[s]: state[s] for s in (*ADAM_STATES, "step")})
-        for s in ("param", *ADAM_STATES):
-            boxes[keys[s]] = box
+    place. The engine says which boxes of which parameters it holds (`state_boxes`, `load_boxes`), given, for each
+    tensor the optimizer updates, its weight (the fp32 master under bf16/fp16) and AdamW's states."""
+    engine = par.engine
+    masters = [par.masters.master(tensor) for tensor in engine.parameters()]
+    if loading:  # loaded in place into the weights, into fresh tensors for the states
+        values = [{WEIGHT: master.data, **{s: torch.zeros_like(master.data) for s in ADAM_STATES},
+                   "step": torch.zeros((), dtype=torch.float32)} for master in masters]
+        boxes, put_back = engine.load_boxes(values)
+    else:
+        values = [{WEIGHT: master.data, **{s: state[s] for s in (*ADAM_STATES, "step")}}
+                  if (state := optimizer.state.get(master)) else {WEIGHT: master.data} for master in masters]
+        boxes, put_back = engine.state_boxes(values), None
+    names = {engine.parameter_of(param): name for name, param in named_parameters(par)}
+    tensors, where = {}, {}
+    for box in boxes:
+        for kind, value in box.values.items():
+            key = _key(names[box.param], kind)
+            tensors[key] = value
+            if value.dim():  # a 0-dim value (the step count) is one number: its own box
+                where[key] = _box(box.param, box.offsets)
 
     def apply() -> None:
-        for master, state in fills:
-            optimizer.state[master] = state
+        put_back()
+        for master, held in zip(masters, values, strict=True):
+            optimizer.state[master] = {s: held[s] for s in (*ADAM_STATES, "step")}
         par.masters.master_to_model()  # the loaded fp32 weights, rounded into a bf16/fp16 model
 
-    return tensors, boxes, apply
-
-
-def _zero_pieces(engine: Zero) -> list[tuple]:
-    """(unit, parameter, piece, lo, hi) with piece = unit.shard[lo:hi], in the order the engine built them."""
-    flat = [(unit, lo, hi, param) for unit in engine.units for lo, hi, param in _piece_ranges(unit)]
-    return [(unit, param, piece, lo, hi) for (unit, lo, hi, param), piece in zip(flat, engine.parameters(),
-                                                                                  strict=True)]
-
-
-def _piece_ranges(unit) -> list[tuple[int, int, nn.Parameter]]:
-    end = unit.start + unit.shard_numel
-    ranges = []
-    for param, offset in unit.offsets.items():
-        lo, hi = max(offset, unit.start) - unit.start, min(offset + param.numel(), end) - unit.start
-        if lo < hi:
-            ranges.append((lo, hi, param))
-    return ranges
-
-
-@torch.no_grad()
-def _zero_state(par, optimizer: torch.optim.Optimizer, loading: bool):
-    engine: Zero = par.engine
-    names = {engine.full_of.get(param, param): name for name, param in named_parameters(par)}  # ZeRO-3: pieces
-    pieces = _zero_pieces(engine)
-    tensors, boxes, flats = {}, {}, []
-    steps: dict[nn.Parameter, torch.Tensor] = {}
-    dtype = par.masters.master_params[0].dtype  # of the weights saved (fp32 masters of a bf16 model) and moments
-    for unit in engine.units:
-        full_numel, kinds = unit.full.numel(), ("param", *ADAM_STATES)
-        full = {kind: torch.zeros(full_numel, dtype=dtype, device=unit.shard.device) for kind in kinds}
-        if not loading:  # gather the shards of the parameters and of the optimizer's moments
-            shards = {kind: torch.zeros_like(unit.shard, dtype=dtype) for kind in kinds}
-            for owner, param, piece, lo, hi in pieces:
-                if owner is not unit:
-                    continue
-                master = par.masters.master(piece)
-                shards["param"][lo:hi] = master
-                if state := optimizer.state.get(master):
-                    for s in ADAM_STATES:
-                        shards[s][lo:hi] = state[s]
-                    steps[param] = state["step"]
-            for kind in kinds:
-                all_gather_single(full[kind], shards[kind], group=engine.group)
-        flats.append((unit, full))
-        for param, offset in unit.offsets.items():
-            keys, box = _keys(names[param]), _box(param)
-            for kind in kinds:
-                tensors[keys[kind]] = full[kind][offset:offset + param.numel()].view(param.shape)
-                boxes[keys[kind]] = box
-            if loading:
-                steps[param] = tensors[keys["step"]] = torch.zeros((), dtype=torch.float32)
-            elif param in steps:
-                tensors[keys["step"]] = steps[param]
-
-    @torch.no_grad()
-    def apply() -> None:
-        for unit, full in flats:
-            unit.shard.copy_(full["param"][unit.start:unit.start + unit.shard_numel])
-            if engine.stage < 3:
-                unit.full.copy_(full["param"])
-        fulls = {id(unit): full for unit, full in flats}
-        for unit, param, piece, lo, hi in pieces:  # each piece keeps its range of the unit's weights and moments
-            full, start, master = fulls[id(unit)], unit.start, par.masters.master(piece)
-            master.copy_(full["param"][start + lo:start + hi])  # a bf16 model's fp32 masters (under fp32: piece)
-            optimizer.state[master] = {"step": steps[param].clone(),
-                                       **{s: full[s][start + lo:start + hi].clone() for s in ADAM_STATES}}
-
-    return tensors, boxes, apply
+    return tensors, where, apply
 
 
 # --- save, find, load ----------------------------------------------------------------------------------------

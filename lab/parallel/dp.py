@@ -34,6 +34,11 @@ replicas start equal however each rank initialised them; clearing the gradients 
   soon as all of its gradients are in: fewer, larger messages, each paying the per-message latency once.
 - `TorchDDP`: torch's `DistributedDataParallel` behind the same loop, to check and time ours against.
 
+Checkpoints: an engine says what it holds of each parameter as a `ParamBox` — which parameter, where the box
+starts in it, the values (the weight, the optimizer's states) — and how to put loaded values back
+(`state_boxes`, `load_boxes`). `lab.checkpoint` turns boxes into DCP chunks and knows no engine: here every
+tensor the optimizer updates is a whole parameter, one box at offset 0; ZeRO overrides both.
+
 Gradient accumulation: inside `no_sync()` (every micro-batch but the last) nothing is communicated; the
 gradients add up locally and the last micro-batch's backward sends their sum once.
 
@@ -46,8 +51,9 @@ fp32 master weights take (`lab.precision.master`). Parameters already in `reduce
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -117,9 +123,24 @@ def gradient_buffer(param: nn.Parameter, reduce_dtype: torch.dtype) -> torch.Ten
     return grad
 
 
+WEIGHT = "param"  # the kind of value, among those a checkpoint moves, that is the parameter's own value
+
+
+@dataclass
+class ParamBox:
+    """What one rank holds of one parameter, for a checkpoint: `values` by kind (`WEIGHT`, the optimizer's states),
+    each the box of `param` that starts at `offsets` and has the value's shape. A 0-dim value (AdamW's step count)
+    is one number for the whole parameter. `param` is the parameter as the model built it on this rank: a TP shard
+    is itself a box of the full tensor, which its placement locates. A rank holds at most one box per parameter."""
+
+    param: nn.Parameter
+    offsets: tuple[int, ...]
+    values: dict[str, torch.Tensor]
+
+
 class DataParallel:
-    """What every variant here and ZeRO (`lab.parallel.zero`) share: a rank group, the initial broadcast and the
-    `no_sync` switch.
+    """What every variant here and ZeRO (`lab.parallel.zero`) share: a rank group, the initial broadcast, the
+    `no_sync` switch and what a checkpoint asks (`state_boxes`, `load_boxes`, `parameter_of`).
 
     The rest of the interface — `finish`, `parameters`, `after_step`, `zero_grad`, `resident_tensors` — is the
     loop in this module's docstring; each subclass decides when to communicate.
@@ -152,6 +173,26 @@ class DataParallel:
     def resident_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of `resident_tensors`, each storage counted once."""
         return {kind: storage_bytes(tensors) for kind, tensors in self.resident_tensors(optimizer).items()}
+
+    # --- checkpoints: what this rank holds, as boxes of the parameters ------------------------------------------
+
+    def state_boxes(self, values: list[dict[str, torch.Tensor]]) -> list[ParamBox]:
+        """This rank's boxes, to save. `values` holds, for each tensor of `parameters()` in order, its values by
+        kind (its weight, as the optimizer updates it, under `WEIGHT`), each of that tensor's shape or 0-dim. Here
+        each tensor is a whole parameter: its box starts at 0."""
+        return [ParamBox(param, (0,) * param.dim(), dict(held))
+                for param, held in zip(self.parameters(), values, strict=True)]
+
+    def load_boxes(self, values: list[dict[str, torch.Tensor]]) -> tuple[list[ParamBox], Callable[[], None]]:
+        """Boxes to load into, and what to call once they are filled: it copies them into `values` (laid out as
+        for `state_boxes`: where each loaded value belongs) and into whatever else the engine keeps. Here the boxes
+        are `values` themselves: nothing is left to do."""
+        return self.state_boxes(values), lambda: None
+
+    def parameter_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The parameter that `tensor`, as the model registers it, stands for (the `param` of its box): itself
+        here; ZeRO-3's model holds this rank's piece instead outside forward."""
+        return tensor
 
 
 class NaiveDP(DataParallel):

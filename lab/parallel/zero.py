@@ -50,12 +50,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lab.config import DP_MODES
 from lab.distributed import all_gather_single, reduce_scatter_single
 from lab.model import Block
-from lab.parallel.dp import BucketedDP, DataParallel, NaiveDP, OverlappedDP, broadcast_from_first_rank, storage_bytes
+from lab.parallel.dp import (
+    WEIGHT,
+    BucketedDP,
+    DataParallel,
+    NaiveDP,
+    OverlappedDP,
+    ParamBox,
+    broadcast_from_first_rank,
+    storage_bytes,
+)
 from lab.parallel.placement import place, placement_of, set_replicas
 
-DP_MODES = {"naive": NaiveDP, "overlapped": OverlappedDP, "bucketed": BucketedDP}
+DP_ENGINES = {"naive": NaiveDP, "overlapped": OverlappedDP, "bucketed": BucketedDP}  # the engine of each --dp-mode
+assert tuple(DP_ENGINES) == DP_MODES, f"lab.config.DP_MODES {DP_MODES} and DP_ENGINES {tuple(DP_ENGINES)} differ"
 
 # Which submodules are sharding units: a module type, a tuple of types, or a function of a submodule
 UnitPolicy = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool]
@@ -106,14 +117,14 @@ class Unit:
         self.next_forward: Unit | None = None  # the unit to prefetch while this one computes (ZeRO-3)
         self.next_backward: Unit | None = None
 
-    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]]:
-        """(piece of the shard, its gradient, the parameter it is a piece of) for each parameter in the shard."""
+    def ranges(self) -> list[tuple[int, int, nn.Parameter]]:
+        """(lo, hi, parameter) for each parameter in this rank's shard: its piece is `shard[lo:hi]`."""
         end = self.start + self.shard_numel
         result = []
         for param, offset in self.offsets.items():
             lo, hi = max(offset, self.start) - self.start, min(offset + param.numel(), end) - self.start
             if lo < hi:
-                result.append((self.shard[lo:hi], self.shard_grad[lo:hi], param))
+                result.append((lo, hi, param))
         return result
 
 
@@ -159,16 +170,18 @@ class Zero(DataParallel):
         # shard. A piece keeps its parameter's placement (held by 1/world of the ranks that held the parameter)
         # and whether it decays (a piece of a matrix does).
         self.pieces = []
+        self.spans: list[tuple[Unit, int, int, nn.Parameter]] = []  # each piece's (unit, lo, hi, parameter)
         self.local: dict[nn.Parameter, nn.Parameter] = {}  # each parameter's piece (ZeRO-3 puts it on the module)
         for unit in self.units:
-            for shard, grad, param in unit.pieces():
-                piece = nn.Parameter(shard)
+            for lo, hi, param in unit.ranges():
+                piece = nn.Parameter(unit.shard[lo:hi])
                 spot = placement_of(param)
                 place(piece, dataclasses.replace(spot, replicas=spot.replicas // self.world if spot.replicas else 1))
                 piece.decays = param.dim() >= 2
-                start = max(unit.offsets[param], unit.start) - unit.offsets[param]
+                start = unit.start + lo - unit.offsets[param]
                 piece.flat_range = (start, start + piece.numel())  # its slice of param.flatten()
-                self.pieces.append((piece, grad))
+                self.pieces.append((piece, unit.shard_grad[lo:hi]))
+                self.spans.append((unit, lo, hi, param))
                 self.local[param] = piece
         if stage == 3:
             self._shard_parameters(model, [module for module, _ in owners])
@@ -346,6 +359,77 @@ class Zero(DataParallel):
         return {name: values[param] for name, param in self.names.items() if param in values}
 
 
+    # --- checkpoints: a flat piece cutting a matrix mid-row is no box, so save and load whole units ------------
+
+    def parameter_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The full parameter of a piece that ZeRO-3 registers on the module (any other tensor: itself)."""
+        return self.full_of.get(tensor, tensor)
+
+    @torch.no_grad()
+    def state_boxes(self, values: list[dict[str, torch.Tensor]]) -> list[ParamBox]:
+        """Each unit's values gathered over dp (one all-gather per kind), every parameter then one whole box: the
+        same boxes on every dp rank, which DCP writes once. Costs one unit's full buffers at a time. A 0-dim value
+        is taken from this rank's piece of the parameter (a parameter of which it holds none has no such value
+        here: another rank saves it). Every rank must hold the same kinds: the optimizer stepped on all or none."""
+        kinds = _shaped_kinds(values)
+        boxes = []
+        for unit in self.units:
+            full = {}
+            for kind, dtype in kinds.items():
+                shard = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.shard.device)
+                for (owner, lo, hi, _), held in zip(self.spans, values, strict=True):
+                    if owner is unit and kind in held:
+                        shard[lo:hi] = held[kind]
+                full[kind] = torch.empty(unit.full.numel(), dtype=dtype, device=unit.shard.device)
+                all_gather_single(full[kind], shard, group=self.group)
+            numbers = self._numbers(unit, values)
+            boxes += [ParamBox(param, (0,) * param.dim(), {**_slices(full, offset, param), **numbers.get(param, {})})
+                      for param, offset in unit.offsets.items()]
+        return boxes
+
+    @torch.no_grad()
+    def load_boxes(self, values: list[dict[str, torch.Tensor]]) -> tuple[list[ParamBox], Callable[[], None]]:
+        """Every parameter of every unit whole (the whole TP-local model's state at once), each rank keeping its
+        shard afterwards: its pieces' values, and its shard of the weights (stages 1-2: the full buffer too)."""
+        kinds = _shaped_kinds(values)
+        numbers = {kind: held[kind].dtype for held in values for kind in held if held[kind].dim() == 0}
+        fulls, loaded, boxes = {}, {}, []
+        for unit in self.units:
+            fulls[unit] = full = {kind: torch.zeros(unit.full.numel(), dtype=dtype, device=unit.shard.device)
+                                  for kind, dtype in kinds.items()}
+            for param, offset in unit.offsets.items():
+                loaded[param] = {kind: torch.zeros((), dtype=dtype) for kind, dtype in numbers.items()}
+                boxes.append(ParamBox(param, (0,) * param.dim(), {**_slices(full, offset, param), **loaded[param]}))
+
+        @torch.no_grad()
+        def put_back() -> None:
+            for unit, full in fulls.items():
+                unit.shard.copy_(full[WEIGHT][unit.start:unit.start + unit.shard_numel])
+                if self.stage < 3:
+                    unit.full.copy_(full[WEIGHT])
+            for (unit, lo, hi, param), held in zip(self.spans, values, strict=True):
+                lo, hi = unit.start + lo, unit.start + hi  # in the unit's full buffers
+                for kind, value in held.items():
+                    value.copy_(loaded[param][kind] if value.dim() == 0 else fulls[unit][kind][lo:hi])
+
+        return boxes, put_back
+
+    def _numbers(self, unit: Unit, values: list[dict[str, torch.Tensor]]) -> dict[nn.Parameter, dict]:
+        """The 0-dim values of each parameter of `unit` this rank holds a piece of, from that piece."""
+        return {param: {kind: value for kind, value in held.items() if value.dim() == 0}
+                for (owner, _, _, param), held in zip(self.spans, values, strict=True) if owner is unit}
+
+
+def _shaped_kinds(values: list[dict[str, torch.Tensor]]) -> dict[str, torch.dtype]:
+    """The kinds of value that have a shape (not 0-dim), with their dtype."""
+    return {kind: value.dtype for held in values for kind, value in held.items() if value.dim() > 0}
+
+
+def _slices(full: dict[str, torch.Tensor], offset: int, param: nn.Parameter) -> dict[str, torch.Tensor]:
+    """Each kind's values of `param`, viewed in its unit's full flat buffer at `offset`."""
+    return {kind: flat[offset:offset + param.numel()].view(param.shape) for kind, flat in full.items()}
+
+
 class TorchFSDP2(NaiveDP):
     """The production API that does ZeRO-3's job — torch's FSDP2, `fully_shard` on each block then on the
     root, parameters as DTensors sharded on dim 0 — behind the same loop, for side-by-side checks and
@@ -401,4 +485,4 @@ def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zer
     if dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode={dp_mode!r} must be one of {', '.join(map(repr, DP_MODES))}")
     options = {"bucket_mb": bucket_mb} if dp_mode == "bucketed" else {}
-    return DP_MODES[dp_mode](model, group, reduce_dtype=reduce_dtype, **options)
+    return DP_ENGINES[dp_mode](model, group, reduce_dtype=reduce_dtype, **options)

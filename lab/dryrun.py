@@ -40,6 +40,7 @@ from lab.calc.hardware import HARDWARE, GiB, get_accelerator
 from lab.calc.memory import MemoryEstimate, estimate_memory, training_precision
 from lab.config import Config, check_supported
 from lab.distributed.mesh import AXES, GROUPS
+from lab.layout import describe, micro_batch
 from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
 from lab.precision.scheme import precision_scheme
 
@@ -83,13 +84,8 @@ class DryRun:
 
     def report(self) -> str:
         c, p = self.config, self.config.parallel
-        world, mbs = p.world_size, c.train.global_batch // (p.dp * p.grad_accum)
-        layout = ", ".join([f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "zero")
-                            if getattr(p, k) != (0 if k == "zero" else 1)] + (["sp"] if p.sp else [])
-                           + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
-                           + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])
-                           + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])) or "one rank"
-        lines = [f"dry run of {c.model.name} on {world:,} ranks [{layout}]: rank {self.rank} built on the meta "
+        world, mbs = p.world_size, micro_batch(c.train.global_batch, p.dp, p.grad_accum)
+        lines = [f"dry run of {c.model.name} on {world:,} ranks [{describe(p)}]: rank {self.rank} built on the meta "
                  f"device under a fake process group in {self.seconds:.1f} s (no rank started, no collective run)",
                  "coordinates: " + "  ".join(f"{axis}={self.coords[axis]}" for axis in (*AXES, "ep")),
                  "groups (global ranks):"]
@@ -173,7 +169,7 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
     finally:
         dist.destroy_process_group()
     seconds = time.perf_counter() - start
-    mbs = config.train.global_batch // (p.dp * p.grad_accum)
+    mbs = micro_batch(config.train.global_batch, p.dp, p.grad_accum)
     precision, fp32_grad_accum = training_precision(config.train.precision, config.train.reduce_dtype)
     kw = {"precision": precision, "fp32_grad_accum": fp32_grad_accum, "flash": True}  # SDPA's fused kernel on a GPU
     estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, stage=coords["pp"],

@@ -30,9 +30,10 @@ from lab.calc.hardware import HARDWARE, get_accelerator
 from lab.calc.memory import ACTIVATION_MODELS, PARAM_CONVENTIONS, PRECISIONS, estimate_memory
 from lab.calc.network import SYSTEMS
 from lab.calc.params import param_breakdown
-from lab.calc.schedules import INTERLEAVED_CHUNKS, SCHEDULES, chunks_or_default
+from lab.calc.schedules import SCHEDULES
 from lab.calc.search import REASONS, search
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
+from lab.layout import INTERLEAVED_CHUNKS, describe
 
 # The flags that name the same concept in `lab train` and the `lab calc` subcommands, and the commands that take
 # each: one spelling everywhere (tests/test_calc_cli.py checks every parser accepts them).
@@ -352,7 +353,7 @@ def _params(cfg: ModelConfig, args: argparse.Namespace) -> int:
 def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
                               grad_accum=args.grad_accum, recompute=args.recompute, pp_schedule=args.pp_schedule,
-                              pp_virtual_stages=chunks_or_default(args.pp_schedule, args.pp_chunks))
+                              pp_virtual_stages=args.pp_chunks or 0)  # 0: ParallelConfig resolves the default
     est = estimate_memory(cfg, args.seq, args.mbs, parallel, precision=args.precision,
                           fp32_grad_accum=args.fp32_grad_accum, flash=args.flash,
                           activation_model=args.activation_model, param_convention=args.param_convention,
@@ -363,8 +364,7 @@ def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
                           "hardware_memory_bytes": capacity, "fits": est.headroom(capacity) >= 0}))
         return 0
     print(f"{cfg.name}: {est.num_params:,} parameters; seq {args.seq} x micro-batch {args.mbs}")
-    print(f"dp={args.dp} (ZeRO-{args.zero}) tp={args.tp}{' +sp' if args.sp else ''} pp={args.pp} cp={args.cp} "
-          f"ep={args.ep}; precision {args.precision}{' + fp32 grad accum' if args.fp32_grad_accum else ''}; "
+    print(f"{describe(parallel)}; precision {args.precision}{' + fp32 grad accum' if args.fp32_grad_accum else ''}; "
           f"recompute {args.recompute}{'; flash attention' if args.flash else ''}; "
           f"activations: {args.activation_model}")
     if args.pp > 1:

@@ -84,7 +84,6 @@ from lab.calc.hardware import Accelerator, get_accelerator
 from lab.calc.memory import MemoryEstimate, estimate_memory, stage_params
 from lab.calc.moe import all_to_all_seconds
 from lab.calc.network import SYSTEMS, Link
-from lab.calc.schedules import INTERLEAVED_CHUNKS, chunks_or_default
 from lab.config import (
     PP_SCHEDULES,
     RECOMPUTE_MODES,
@@ -94,6 +93,7 @@ from lab.config import (
     TrainConfig,
     check_supported,
 )
+from lab.layout import INTERLEAVED_CHUNKS, pp_chunks, strides
 
 COMPUTE_EFFICIENCY = 0.6  # achievable fraction of the dense bf16 peak for the model's matmuls (see above)
 PRECISION = "mixed"  # bf16 weights and gradients, fp32 master weights and Adam states: 16 bytes per parameter
@@ -346,14 +346,14 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     forward = seconds((layers * work.layer_forward + work.head / 3) * mbs * seq / (p.tp * p.cp))
     backward = compute - forward
 
-    # groups: TP (stride 1), CP (stride tp), PP (stride tp·cp), DP (stride tp·cp·pp); EP inside dp x cp
-    stride_pp, stride_dp = p.tp * p.cp, p.tp * p.cp * p.pp
-    tp_node = _per_node(g, ((1, p.tp),))
-    cp_node = _per_node(g, ((p.tp, p.cp),))
-    pp_node = _per_node(g, ((stride_pp, p.pp),))
-    dpcp = ((p.tp, p.cp), (stride_dp, p.dp))
+    # groups along the mesh's axes (lab.layout: TP innermost); EP inside dp x cp
+    stride = strides(p.dp, p.pp, p.cp, p.tp)
+    tp_node = _per_node(g, ((stride["tp"], p.tp),))
+    cp_node = _per_node(g, ((stride["cp"], p.cp),))
+    pp_node = _per_node(g, ((stride["pp"], p.pp),))
+    dpcp = ((stride["cp"], p.cp), (stride["dp"], p.dp))
     dpcp_node = _per_node(g, dpcp)
-    ep_node = _per_node(g, ((p.tp, min(p.cp, p.ep)), (stride_dp, max(p.ep // p.cp, 1))))
+    ep_node = _per_node(g, ((stride["cp"], min(p.cp, p.ep)), (stride["dp"], max(p.ep // p.cp, 1))))
 
     forward_passes = 2 if p.recompute == "full" else 1
     activation = tokens * cfg.d_model * WIRE_BYTES
@@ -463,7 +463,7 @@ def _options(cfg: ModelConfig, dp: int, pp: int, fixed: dict) -> list[tuple[int,
     schedules = [s for s in SCHEDULES if cfg.n_layers % (pp * s[1]) == 0] if pp > 1 else [("1f1b", 1)]
     if "pp_schedule" in fixed or "pp_virtual_stages" in fixed:
         name = fixed.get("pp_schedule", "interleaved" if fixed.get("pp_virtual_stages", 1) > 1 else "1f1b")
-        schedules = [(name, chunks_or_default(name, fixed.get("pp_virtual_stages")))]
+        schedules = [(name, pp_chunks(name, fixed.get("pp_virtual_stages", 0)))]
     recomputes = [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE_SEARCHED
     return [(z, s, v, r) for s, v in schedules for z in zeros if fixed.get("zero", z) == z for r in recomputes]
 

@@ -27,23 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-AXES = ("dp", "pp", "cp", "tp")
+from lab.layout import AXES, check_mesh
+
 GROUPS = AXES + ("dp_cp", "ep", "ep_dp")
 
 
-def _check(world_size: int, dp: int, pp: int, cp: int, tp: int, ep: int = 1) -> None:
-    for name, value in zip(AXES + ("ep",), (dp, pp, cp, tp, ep), strict=True):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    if dp * pp * cp * tp != world_size:
-        raise ValueError(f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * pp * cp * tp} must equal world_size={world_size}")
-    if (dp * cp) % ep:
-        raise ValueError(f"ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp}")
-
-
 def layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> torch.Tensor:
-    """The grid: `layout(...)[d, p, c, t]` is the global rank with those coordinates."""
-    _check(world_size, dp, pp, cp, tp)
+    """The grid: `layout(...)[d, p, c, t]` is the global rank with those coordinates (`lab.layout.strides`)."""
+    check_mesh(world_size, dp, pp, cp, tp)
     return torch.arange(world_size).view(dp, pp, cp, tp)
 
 
@@ -51,7 +42,7 @@ def axis_groups(world_size: int, axis: str, dp: int = 1, pp: int = 1, cp: int = 
                 ep: int = 1) -> list[list[int]]:
     """Every group along `axis` ("dp", "pp", "cp", "tp", "dp_cp", "ep" or "ep_dp"), as lists of global ranks, in the
     order `Mesh` creates them. E.g. `axis_groups(8, "tp", dp=2, tp=4) == [[0, 1, 2, 3], [4, 5, 6, 7]]`."""
-    _check(world_size, dp, pp, cp, tp, ep)
+    check_mesh(world_size, dp, pp, cp, tp, ep)
     grid = layout(world_size, dp, pp, cp, tp)
     if axis in AXES:
         dim = AXES.index(axis)
@@ -91,7 +82,7 @@ class Mesh:
                                "(or after lab.distributed.init_from_env under torchrun)")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.pp, self.cp, self.tp, self.ep = dp, pp, cp, tp, ep
-        _check(self.world_size, dp, pp, cp, tp, ep)
+        check_mesh(self.world_size, dp, pp, cp, tp, ep)
         self.grid = layout(self.world_size, dp, pp, cp, tp)
         coords = self.coords(self.rank)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)

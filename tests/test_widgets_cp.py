@@ -8,16 +8,12 @@ import subprocess
 import sys
 
 import pytest
+from widget_support import agg_backend, shown  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
 from lab.calc.cp import attention_work, block_work, chunk_ids, num_chunks  # noqa: E402
 from lab.widgets.cp import ring_attention_explorer, ring_schedule, source_rank  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 def _png(widget) -> str:
@@ -124,25 +120,20 @@ def test_a_layout_change_can_make_seq_invalid_and_back():
     assert widget.error.value == "" and widget.work is not None
 
 
-def _shown(widget) -> list[str]:
-    """The PNGs the chart's output widget holds, as the browser receives them (its synced `outputs` state)."""
-    return [output["data"]["image/png"] for output in widget.plot.outputs]
-
-
 def test_the_chart_is_the_output_widgets_state_and_follows_every_redraw():
     """The chart is set as the output's state, not captured from a `with output:` block: a capture can be lost
     in JupyterLab (a redraw that never showed, in the browser lane). One PNG each time, a new one per change,
     none while the error line shows."""
     widget = ring_attention_explorer()
-    first = _shown(widget)
+    first = shown(widget)
     assert len(first) == 1 and first[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
     widget.controls["layout"].value = "zigzag"
-    second = _shown(widget)
+    second = shown(widget)
     assert len(second) == 1 and second != first
     widget.controls["seq"].value = 1001
-    assert _shown(widget) == []
+    assert shown(widget) == []
     widget.controls["seq"].value = 1680
-    assert len(_shown(widget)) == 1
+    assert len(shown(widget)) == 1
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

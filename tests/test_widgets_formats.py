@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from widget_support import agg_backend, shown  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
@@ -15,20 +16,10 @@ from lab.calc.formats import FORMATS, encode, neighbours, values_between  # noqa
 from lab.widgets.formats import DEFAULT_FORMATS, flags, format_explorer, parse_value  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-
-
 @pytest.fixture(scope="module")
 def widget():
     """One explorer shared by the tests that put it back as they found it (a redraw costs ~0.3 s)."""
     return format_explorer()
-
-
-def _shown(widget) -> list[str]:
-    """The PNGs the chart's output widget holds, as the browser receives them (its synced `outputs` state)."""
-    return [output["data"]["image/png"] for output in widget.plot.outputs]
 
 
 def _row(widget, name: str) -> list[str]:
@@ -94,7 +85,7 @@ def test_e8m0_is_unsigned_and_says_so(widget):
     widget.update()
     assert _row(widget, "e8m0") == ["e8m0", "value=-3.0 has no e8m0 encoding: e8m0 is unsigned (a scale), values "
                                     "must be >= 0"]
-    assert _row(widget, "fp32")[2] == "-3.0" and len(_shown(widget)) == 1
+    assert _row(widget, "fp32")[2] == "-3.0" and len(shown(widget)) == 1
     with widget.batched():
         widget.controls["e8m0"].value = False
         widget.controls["value"].value = "0.1"
@@ -103,11 +94,11 @@ def test_e8m0_is_unsigned_and_says_so(widget):
 
 def test_the_chart_and_the_table_follow_every_change(widget):
     """One PNG each time (set as the output's state, see lab.widgets.base.show_figure), a new one per change."""
-    seen = [(_shown(widget), widget.summary.value)]
+    seen = [(shown(widget), widget.summary.value)]
     assert len(seen[0][0]) == 1 and seen[0][0][0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
     for name, value in (("value", "1e5"), ("tf32", True), ("saturate", True)):
         widget.controls[name].value = value
-        now = (_shown(widget), widget.summary.value)
+        now = (shown(widget), widget.summary.value)
         assert len(now[0]) == 1 and now[0] != seen[-1][0] and now[1] != seen[-1][1], name
         seen.append(now)
     assert list(widget.encodings) == ["fp32", "tf32", "fp16", "bf16", "e4m3fn", "e5m2"]  # FORMATS' order
@@ -124,13 +115,13 @@ def test_the_chart_and_the_table_follow_every_change(widget):
 def test_a_bad_value_shows_one_line_naming_it_instead_of_chart_and_table(widget):
     message = "value='abc' is not a number: type e.g. 0.1, 1e-5, 65504, 2^-24, inf or nan"
     widget.controls["value"].value = "abc"
-    assert widget.encodings is None and widget.summary.value == "" and _shown(widget) == []
+    assert widget.encodings is None and widget.summary.value == "" and shown(widget) == []
     assert html.escape(message) in widget.error.value and widget.error.value.count("<p") == 1
     widget.controls["fp32"].value = False  # other controls keep showing the error while the value is bad
     assert widget.encodings is None and html.escape(message) in widget.error.value
     widget.controls["fp32"].value = True
     widget.controls["value"].value = "0.1"
-    assert widget.error.value == "" and len(_shown(widget)) == 1 and widget.encodings["fp32"] == encode(0.1, "fp32")
+    assert widget.error.value == "" and len(shown(widget)) == 1 and widget.encodings["fp32"] == encode(0.1, "fp32")
 
 
 def test_no_format_ticked_is_one_line(widget):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from widget_support import agg_backend, shown  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
@@ -12,19 +13,10 @@ from lab.calc.inference import decode_step, inference_roofline, max_sequences, p
 from lab.widgets.inference import BATCHES, inference_explorer  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-
-
 @pytest.fixture(scope="module")
 def widget():
     """One explorer for the tests that move its controls (each redraw is a matplotlib figure)."""
     return inference_explorer()
-
-
-def _shown(widget) -> list[str]:
-    return [output["data"]["image/png"] for output in widget.plot.outputs]
 
 
 def test_default_view_is_calc_inference_for_llama3_8b_on_an_h100():
@@ -42,7 +34,7 @@ def test_default_view_is_calc_inference_for_llama3_8b_on_an_h100():
     assert f"{widget.fit:,} sequences of 4,096 tokens fit" in summary
     rate = widget.prefill.tokens / widget.prefill.time_s
     assert f"{rate:,.0f} tokens/s: {rate / s['tokens_per_s']:,.1f}x this decode rate" in summary
-    assert len(_shown(widget)) == 1 and _shown(widget)[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
+    assert len(shown(widget)) == 1 and shown(widget)[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
 
 
 def test_every_control_moves_the_step_and_lands_on_the_calc(widget):
@@ -84,13 +76,13 @@ def test_a_context_the_model_lacks_shows_one_line_instead_of_the_chart_and_clear
             widget.controls[name].value = value
     widget.controls["model"].value = "tiny"
     message = "context=4096 must be <= max_seq_len=256 of 'tiny'"
-    assert widget.step is None and widget.summary.value == "" and _shown(widget) == []
+    assert widget.step is None and widget.summary.value == "" and shown(widget) == []
     assert html.escape(message) in widget.error.value and widget.error.value.count("<p") == 1
     widget.controls["batch"].value = 8  # other controls keep showing the error while the context is wrong
     assert widget.step is None and html.escape(message) in widget.error.value
     widget.controls["context"].value = 128
     assert widget.error.value == "" and widget.step == inference_roofline("tiny", "h100", 8, 128)
-    assert len(_shown(widget)) == 1
+    assert len(shown(widget)) == 1
     widget.controls["tp"].value = 8
     assert "tp=8 must divide n_heads=4" in widget.error.value
 

@@ -3,17 +3,13 @@
 import itertools
 
 import pytest
+from widget_support import agg_backend  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
 from lab.calc.memory import estimate_memory  # noqa: E402
 from lab.config import PRESETS, ParallelConfig  # noqa: E402
 from lab.widgets.memory import memory_calculator  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 def test_default_view_is_the_playbook_8b_example():

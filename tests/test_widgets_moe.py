@@ -6,15 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from widget_support import agg_backend  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
 from lab.widgets.moe import draw_dispatch, draw_load_history, moe_explorer, route_tokens  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 def _fingerprint(widget) -> tuple:

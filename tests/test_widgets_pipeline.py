@@ -6,17 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from widget_support import agg_backend  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
 from lab.calc.bubble import bubble_ratio, explore, zb_h1_bubble  # noqa: E402
 from lab.calc.schedules import SCHEDULES  # noqa: E402
 from lab.widgets.pipeline import pipeline_explorer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 def _gantt(widget):

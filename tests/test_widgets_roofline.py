@@ -5,22 +5,13 @@ import subprocess
 import sys
 
 import pytest
+from widget_support import agg_backend, shown  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
 from lab.calc.roofline import llama_block_ops, place  # noqa: E402
 from lab.config import PRESETS  # noqa: E402
 from lab.widgets.roofline import roofline_explorer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-
-
-def _shown(widget) -> list[str]:
-    """The PNGs the chart's output widget holds, as the browser receives them (its synced `outputs` state)."""
-    return [output["data"]["image/png"] for output in widget.plot.outputs]
 
 
 def test_default_view_is_calc_roofline_on_an_h100():
@@ -54,16 +45,16 @@ def test_the_chart_is_the_output_widgets_state_and_follows_every_redraw():
     """One PNG each time (set as the output's state, see lab.widgets.base.show_figure), a new one per change,
     none while the error line shows, one again once the input is valid."""
     widget = roofline_explorer()
-    first = _shown(widget)
+    first = shown(widget)
     assert len(first) == 1 and first[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
     widget.controls["batch"].value = 64
-    second = _shown(widget)
+    second = shown(widget)
     assert len(second) == 1 and second != first
     widget.controls["gpu"].value = "a100"
     widget.controls["dtype"].value = "fp8"
-    assert _shown(widget) == []
+    assert shown(widget) == []
     widget.controls["dtype"].value = "fp16"
-    assert len(_shown(widget)) == 1
+    assert len(shown(widget)) == 1
 
 
 @pytest.mark.parametrize(("gpu", "dtype", "message"), [

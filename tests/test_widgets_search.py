@@ -4,16 +4,12 @@ import html
 import re
 
 import pytest
+from widget_support import agg_backend  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
 from lab.calc.search import search  # noqa: E402
 from lab.widgets.search import MAX_GPUS, MAX_SEQUENCES, config_explorer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 def _rows(widget) -> list[str]:

@@ -4,17 +4,13 @@ the model's weights), every control reaches them, and bad input shows one line i
 import html
 
 import pytest
+from widget_support import agg_backend  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
 from lab.calc.params import count_params  # noqa: E402
 from lab.config import PRESETS  # noqa: E402
 from lab.widgets.tp import layer_numbers, tp_explorer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 def test_default_view_is_llama3_70b_at_tp_8_with_sp():

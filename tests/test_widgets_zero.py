@@ -3,6 +3,7 @@
 import html
 
 import pytest
+from widget_support import agg_backend  # noqa: F401 (agg_backend: an autouse fixture, applied by importing it)
 
 pytest.importorskip("ipywidgets")
 
@@ -10,11 +11,6 @@ from lab.calc.memory import static_bytes  # noqa: E402
 from lab.calc.params import count_params  # noqa: E402
 from lab.config import PRESETS  # noqa: E402
 from lab.widgets.zero import ladder, sent_per_rank, zero_ladder  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _agg(monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
 def test_default_view_is_the_zero_papers_figure_1():

@@ -48,7 +48,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -58,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.timing import median_ms  # noqa: E402
 from lab.calc.hardware import HARDWARE, Accelerator, device_accelerator  # noqa: E402
 from lab.calc.roofline import Op, matmul, peak_flops, place, ridge_point  # noqa: E402
 from lab.config import ModelConfig  # noqa: E402
@@ -344,15 +344,6 @@ def cpu_inputs(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     return _randn((shape.m, shape.k), "cpu", 0), _randn((shape.n, shape.k), "cpu", 1, shape.k ** -0.5)
 
 
-def _perf_ms(call: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def cpu_rows(shapes: Sequence[Shape] = CPU_SHAPES, repeats: int = 3,
              probe: Callable[[str, str], str | None] = probe_scaled_mm) -> list[dict]:
     """Each recipe on each shape against the float32 GEMM of the unquantised inputs (bf16 for scale), with
@@ -379,7 +370,7 @@ def cpu_rows(shapes: Sequence[Shape] = CPU_SHAPES, repeats: int = 3,
             db = sqnr(reference, out)
             rel = float((out.double() - reference.double()).norm() / reference.double().norm())
             rows.append({**base, "recipe": label, "status": "ok" if db >= SQNR_MIN_DB else "FAIL", "sqnr_db": db,
-                         "rel_error": rel, "cpu_emulation_ms": _perf_ms(call, repeats)})
+                         "rel_error": rel, "cpu_emulation_ms": median_ms(call, repeats)})
     return rows
 
 

@@ -31,11 +31,9 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +45,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import lab.kernels  # noqa: E402  (decides compiled vs interpreter before any kernel module is imported)
+from benchmarks.timing import median_ms  # noqa: E402
 from lab.calc.hardware import Accelerator, device_accelerator  # noqa: E402
 from lab.calc.roofline import peak_flops  # noqa: E402
 from lab.kernels.accuracy import error_ratio  # noqa: E402
@@ -248,16 +247,7 @@ def cpu_row(case: Case, dtype: torch.dtype, repeats: int) -> dict:
     except Exception as err:  # a kernel that cannot run is a row saying why
         return {**row, "status": f"error: {_first_line(err)}"}
     kernel, baseline = checked.pop("calls")
-    return {**row, **checked, "kernel_ms": _perf_ms(kernel, repeats), "torch_ms": _perf_ms(baseline, repeats)}
-
-
-def _perf_ms(call: Callable, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return {**row, **checked, "kernel_ms": median_ms(kernel, repeats), "torch_ms": median_ms(baseline, repeats)}
 
 
 def _do_bench(call: Callable[[], object]) -> float:

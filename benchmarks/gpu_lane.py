@@ -168,19 +168,19 @@ def validate(doc: dict) -> list[str]:
 
 def mfu_of_run(step_seconds: list[float], model_cfg, seq: int, tokens_per_step: int, peak_flops: float,
                warmup: int = MFU_WARMUP_STEPS) -> dict:
-    """Model FLOPs utilisation of a one-GPU run from its step times: the model's FLOPs per step (6N plus attention,
-    `lab.calc.flops.training_flops`; recomputation would not count) over the median steady step time x the peak."""
-    from lab.calc.flops import training_flops
+    """Model FLOPs utilisation of a one-GPU run from its step times: `lab.calc.flops.mfu` of the median steady step,
+    whose FLOPs are the model's (6N plus attention, `lab.calc.flops.training_flops`; recomputation would not count)."""
+    from lab.calc.flops import mfu, training_flops
 
     if len(step_seconds) <= warmup:
         raise ValueError(f"{len(step_seconds)} steps: MFU needs more than the {warmup} warm-up steps")
     if not peak_flops > 0:
         raise ValueError(f"peak_flops={peak_flops!r} must be > 0 (FLOP/s)")
     step_s = statistics.median(step_seconds[warmup:])
-    flops = training_flops(model_cfg, seq, tokens=tokens_per_step).model_flops
-    return {"mfu": flops / (step_s * peak_flops), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
-            "tokens_per_step": tokens_per_step, "model_flops_per_step": flops, "peak_flops": peak_flops,
-            "steady_steps": len(step_seconds) - warmup}
+    estimate = training_flops(model_cfg, seq, tokens=tokens_per_step)
+    return {"mfu": mfu(estimate, step_s, 1, peak_flops), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+            "tokens_per_step": tokens_per_step, "model_flops_per_step": estimate.model_flops,
+            "peak_flops": peak_flops, "steady_steps": len(step_seconds) - warmup}
 
 
 def _peak_flops(device: str) -> float | None:

@@ -8,10 +8,12 @@ rank to itself (one rank dies) or to its launcher (the whole run dies: the ranks
 of the save chosen by a hook armed in that rank only; one case kills at a random moment. The model is the tiny
 config cut to two layers, trained four steps."""
 
+import ast
 import contextlib
 import dataclasses
 import errno
 import hashlib
+import inspect
 import json
 import multiprocessing as mp
 import os
@@ -34,8 +36,10 @@ from lab.checkpoint import Checkpointer, CheckpointOptions
 from lab.config import Config
 from lab.data import SyntheticTokens
 from lab.model import build_model
+from lab.parallel.dp import DataParallel, NaiveDP, ParamBox
 from lab.parallel.optim import adamw
 from lab.parallel.parallelize import build_mesh, parallelize
+from lab.precision.master import MasterWeights
 
 STEPS = 4
 LAYOUTS = {  # name: ([parallel] section, model preset)
@@ -538,6 +542,95 @@ def test_reshard_is_exact(trained, tmp_path, source_layout, layout):
     before = _tensors(source)
     assert len(before) == 4 * len(list(build_model(_config(layout).model).parameters()))
     _assert_same(_tensors(tmp_path / _name(2)), before, f"{source_layout} -> {layout}")
+
+
+class RowShardedDP(NaiveDP):
+    """An engine lab.checkpoint has never seen: ZeRO-1 by rows. Gradients are all-reduced whole (NaiveDP); each
+    rank's optimizer then updates only its rows `lo:hi` of every parameter (views of it, FSDP2's dim-0 cut) and
+    the ranks exchange their rows after the step. It says what it holds as boxes starting at row `lo`."""
+
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+        super().__init__(model, group)
+        rank = dist.get_rank(group)
+        self.rows = {param: _rows(param, self.world) for param in self.params}  # every rank's (lo, hi)
+        self.pieces = [(param, lo, torch.nn.Parameter(param.data[lo:hi]))
+                       for param in self.params for lo, hi in [self.rows[param][rank]] if lo < hi]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [piece for _, _, piece in self.pieces]
+
+    def finish(self) -> None:
+        super().finish()
+        for param, lo, piece in self.pieces:
+            piece.grad = param.grad[lo:lo + len(piece)]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for param, rows in self.rows.items():
+            for rank, (lo, hi) in enumerate(rows):
+                if lo < hi:
+                    dist.broadcast(param.data[lo:hi], src=dist.get_global_rank(self.group, rank), group=self.group)
+
+    def state_boxes(self, values: list[dict[str, torch.Tensor]]) -> list[ParamBox]:
+        return [ParamBox(param, (lo,) + (0,) * (param.dim() - 1), dict(held))
+                for (param, lo, _), held in zip(self.pieces, values, strict=True)]
+
+    def load_boxes(self, values: list[dict[str, torch.Tensor]]) -> tuple[list[ParamBox], Callable[[], None]]:
+        return self.state_boxes(values), self.after_step  # each rank loaded its rows: give them to the others
+
+
+def _rows(param: torch.Tensor, world: int) -> list[tuple[int, int]]:
+    n = -(-len(param) // world)
+    return [(min(r * n, len(param)), min((r + 1) * n, len(param))) for r in range(world)]
+
+
+def _row_sharded_worker(source: str, target: str) -> None:
+    """dp2 with `RowShardedDP` in place of lab's engine: load `source`, check what each rank now holds against
+    it, save to `target`."""
+    par, _, lab_scheduler, data, config = _build("dp2")
+    engine = RowShardedDP(par.model, par.engine.group)
+    par = dataclasses.replace(par, engine=engine, masters=MasterWeights(engine.parameters(), par.masters.policy))
+    optimizer = adamw(par.parameters(), config.train.lr, config.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lab_scheduler.lr_lambdas[0])  # lab.train's schedule
+    meta = checkpoint.load(source, par, optimizer, scheduler, data, config)
+    saved = checkpoint.read_full(source)
+    names = {param: name for name, param in par.model.named_parameters()}
+    for param, lo, piece in engine.pieces:  # the whole weights (rows exchanged), this rank's rows of the moments
+        name = names[param]
+        assert torch.equal(param, saved[f"model.{name}"]), name
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[piece][state], saved[f"optim.{name}.{state}"][lo:lo + len(piece)])
+    checkpoint.save(target, meta["step"], par, optimizer, scheduler, data, config)
+
+
+def test_an_engine_of_its_own_round_trips_through_checkpoint_unchanged(trained, tmp_path):
+    """An engine that lab.checkpoint does not know (`RowShardedDP`, defined here) holds rows of each parameter:
+    its boxes alone put them where they belong, at load and at save."""
+    source = trained("dp2")[0] / _name(2)
+    lab_dist.run(_row_sharded_worker, 2, str(source), str(tmp_path), timeout_s=120)
+    _assert_same(_tensors(tmp_path / _name(2)), _tensors(source), "dp2 -> dp2 by rows")
+
+
+def test_the_checkpointer_names_no_engine():
+    """lab.checkpoint reaches an engine only through `parameters`, `state_boxes`, `load_boxes` and `parameter_of`:
+    it imports and names no engine class and reads no engine's attributes."""
+    tree = ast.parse(inspect.getsource(checkpoint))
+    engines = {cls.__name__ for cls in _subclasses(DataParallel)} | {"DataParallel"}
+    named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    named |= {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+              for alias in node.names}
+    assert not named & engines, named & engines
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "lab.parallel.zero" not in imported
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "engine"}
+    read |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+             and isinstance(node.value, ast.Attribute) and node.value.attr == "engine"}
+    assert read <= {"parameters", "state_boxes", "load_boxes", "parameter_of"}, read
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]
 
 
 def test_resume_at_another_dp_sees_the_same_global_batches(trained, tmp_path, capfd):

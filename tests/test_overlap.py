@@ -9,6 +9,7 @@ import pytest
 from lab.calc.comms import zero3_overlap_ratio
 from lab.config import ModelConfig
 from lab.distributed import run
+from lab.measure.overlap import KINDS as ENGINE_KINDS
 from lab.measure.overlap import Span, make_engine, plot_timelines, step_timeline
 from lab.model import build_model, materialize
 from lab.parallel.dp import BucketedDP
@@ -76,6 +77,20 @@ def test_zero3_overlap_ratio_is_appendix_a3():
     assert zero3_overlap_ratio(4096, 1, flops, bandwidth) == 0.0  # one rank gathers nothing
     with pytest.raises(ValueError, match="tokens=0 must be > 0"):
         zero3_overlap_ratio(0, 8, flops, bandwidth)
+
+
+def _engines() -> dict[str, tuple[str, bool | None]]:
+    """Each kind's engine class and, for ZeRO, whether it prefetches: a rank function (ZeRO needs the group)."""
+    engines = {kind: make_engine(kind, materialize(build_model(CONFIG), seed=0)) for kind in ENGINE_KINDS}
+    return {kind: (type(engine).__name__, getattr(engine, "prefetch", None)) for kind, engine in engines.items()}
+
+
+def test_each_kind_is_a_training_runs_engine_and_only_no_prefetch_stops_prefetching():
+    """make_engine builds through lab.parallel.zero.make_data_parallel, as a run does; the one kind a run never
+    builds, ZeRO-3 without prefetching, differs from ZeRO-3 in that alone."""
+    assert run(_engines, 2)[0] == {
+        "naive": ("NaiveDP", None), "overlapped": ("OverlappedDP", None), "bucketed": ("BucketedDP", None),
+        "zero1": ("Zero", True), "zero2": ("Zero", True), "zero3": ("Zero", True), "zero3-no-prefetch": ("Zero", False)}
 
 
 def test_bad_kind_and_plot(monkeypatch):

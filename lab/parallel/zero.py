@@ -37,6 +37,10 @@ its forward the module's parameters *are* this rank's pieces — `model.named_pa
 piece, empty where the shard holds none of it — so `torch.optim.AdamW(model.parameters())` and a look at
 `param.grad` work as in FSDP2 (whose shards are dim-0 rows of each parameter rather than flat slices);
 `full_parameters()` gathers the full values. Stages 1-2 keep the whole parameters on the module, as DDP does.
+
+Checkpoints: a flat piece cuts matrices mid-row, so it is no box of its parameter; `state_boxes` and `load_boxes`
+gather each unit back into whole parameters (the same boxes on every dp rank, which DCP writes once), and
+`lab.checkpoint` sees only boxes.
 """
 
 from __future__ import annotations
@@ -357,7 +361,6 @@ class Zero(DataParallel):
             for param, offset in unit.offsets.items():
                 values[param] = full[offset:offset + param.numel()].view(param.shape).clone()
         return {name: values[param] for name, param in self.names.items() if param in values}
-
 
     # --- checkpoints: a flat piece cutting a matrix mid-row is no box, so save and load whole units ------------
 

@@ -14,63 +14,40 @@ peak_bytes) to `--log-json`; the final summary compares the loss with the data's
 again after a failure (`--max-restarts`, or `torchrun --max-restarts`) resumes from its newest checkpoint.
 
 Each chapter adds its flag here and a test showing its losses equal the single-process run's.
+
+What belongs here: the command line, turning it into a runnable `Config` (flags, overrides, the degrees the
+launched ranks imply), and the final summary. The loop each rank runs, and the launch of those ranks (`run`,
+which notebooks call as `from lab.train import run`), are `lab.trainer`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lab import distributed as lab_dist
 from lab.calc.schedules import INTERLEAVED_CHUNKS
-from lab.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, check_resume, newest
+from lab.checkpoint import CheckpointOptions
 from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
-from lab.distributed import flight
 from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.dryrun import dry_run
 from lab.faults import USAGE, InjectedFailure
-from lab.model import MoE, build_model, moe_losses, num_params
-from lab.outputs import check_output_dir, check_output_file
-from lab.parallel.optim import adamw, clip_grad_norm
-from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
-from lab.parallel.pp import cross_entropy
-from lab.precision.loss_scale import DynamicLossScaler
+from lab.model import build_model, num_params
 from lab.precision.scheme import precision_scheme
-from lab.preemption import EXIT_STOPPED, StopOnSignal, StoppedBySignal, checkpoint_now
-
-
-@dataclass
-class StepLog:
-    step: int
-    loss: float  # the language-model loss (cross-entropy), comparable with the data's floor
-    lr: float
-    grad_norm: float
-    tokens_per_s: float
-    peak_bytes: int | None
-    # mixture-of-experts models only: assignments per expert over all layers and ranks, their max/mean (1 when
-    # balanced), those dropped by the capacity limit, and the load-balancing loss (1 when balanced)
-    expert_load: list[int] | None = None
-    expert_load_per_layer: dict[str, list[int]] | None = None  # the same for each MoE layer, keyed by its block
-    load_imbalance: float | None = None
-    dropped_tokens: int | None = None
-    aux_loss: float | None = None
-    loss_scale: float | None = None  # fp16 only: the dynamic loss scale this step's backward used
-    skipped: bool | None = None  # fp16 only: an inf/nan gradient made the step skip its update
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None or k == "peak_bytes"}
+from lab.preemption import EXIT_STOPPED, StoppedBySignal
+from lab.trainer import (
+    NonFiniteLoss,
+    StepLog,
+    _lr_factor,  # noqa: F401 - read here by lab.hf and benchmarks/precision_side_by_side.py
+    run,
+)
 
 
 def _error_once(prog: str, message: str) -> int:
@@ -240,228 +217,6 @@ def _check_kernels(config: Config) -> None:
                          f"fp32 or fp16, or --kernels eager")
 
 
-def _device(config: Config) -> torch.device:
-    if config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available()):
-        index = dist.get_rank() % torch.cuda.device_count() if dist.is_initialized() else 0
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def _lr_factor(step: int, config: Config) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak learning rate."""
-    warmup, total = config.train.warmup_steps, config.train.steps
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-
-def train_worker(config: Config, log_path: str | None = None, verbose: bool = True,
-                 checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None,
-                 on_step: Callable[[StepLog], None] | None = None) -> list[StepLog]:
-    """The training loop run by every rank (or by the only process). Returns the per-step log (of the steps
-    this run made: after a resume, those after the checkpoint's step). A group started again after a failure
-    (`lab.distributed.restarts`, under `lab.distributed.run` or torchrun) resumes as `--resume` does.
-
-    It knows one thing about the layout: whether a pipeline drives the model. Everything else — which rows and
-    tokens this rank holds, how the loss and gradients are reduced — is asked of what `parallelize` built."""
-    parallel, train = config.parallel, config.train
-    device = _device(config)
-    loss = cross_entropy
-    if train.kernels == "triton":  # the fused loss here; RMSNorm, SwiGLU and attention patched in below
-        from lab import kernels
-        from lab.kernels.cross_entropy import cross_entropy as loss
-    scheme = precision_scheme(train.precision, train.reduce_dtype)
-    par = parallelize(config.model, build_mesh(parallel), parallel, device, train.seed, train.seq_len, loss, scheme)
-    if train.kernels == "triton":
-        kernels.patch(par.model)
-    optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16
-    scaler = DynamicLossScaler(enabled=scheme.policy.needs_loss_scaling)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
-                           train.data_branching)
-    moe = MoEStats(config) if config.model.is_moe else None
-    if par.pipeline is not None and moe is not None:
-        par.pipeline.extra_loss = moe.router_loss  # each stage's MoE layers, after its forward
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    restart, max_restarts = lab_dist.restarts()
-    if restart > 0 and rank == 0:
-        path = newest(checkpoint.dir)[0] if checkpoint is not None else None
-        where = (f"resuming from checkpoint {os.path.basename(path)}" if path else
-                 f"starting again from step 0 ({'no checkpoint yet' if checkpoint else 'no --checkpoint-dir'})")
-        print(f"restart {restart}/{max_restarts}: {where}", file=sys.stderr, flush=True)
-    if restart > 0 and checkpoint is not None:  # a restarted group goes on from its newest checkpoint
-        checkpoint = dataclasses.replace(checkpoint, resume=True)
-    checkpointer = Checkpointer(checkpoint, config, scaler) if checkpoint is not None else None
-    first = checkpointer.resume(par, optimizer, scheduler, data) if checkpointer is not None else 0
-
-    log_file = _open_log(log_path, first) if (log_path and rank == 0) else None
-    stop = StopOnSignal(enabled=checkpointer is not None)  # SIGTERM: a checkpoint at the step's end, then exit
-    stop.install()
-    progress = _progress(train.steps, enabled=verbose and rank == 0)
-    logs: list[StepLog] = []
-    try:
-        for step in range(first, train.steps):
-            start = time.perf_counter()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            inputs, targets = par.batch(*data.next_batch())
-            if moe is not None:
-                moe.reset()
-            scale = scaler.get_scale()  # fp16: backward starts from loss x scale (1 otherwise)
-            if par.pipeline is not None:
-                par.pipeline.grad_scale = scale
-                with par.engine.no_sync():  # the schedule's backwards accumulate; gradients are reduced after
-                    loss = par.pipeline.step(inputs, targets, par.batch.positions)
-                loss = torch.zeros((), device=device) if loss is None else loss
-            else:
-                loss = _accumulate_gradients(par, inputs, targets, parallel.grad_accum, moe, scale)
-            par.finish_gradients()  # every rank now holds the averaged gradients of what it updates (fp32 masters)
-            loss = par.mean_loss(loss)
-            scaler.unscale_(par.parameters())  # fp16: divide by the scale; all ranks agree on any inf/nan
-            norm = clip_grad_norm(par.parameters(), train.grad_clip)
-            lr = scheduler.get_last_lr()[0]
-            if non_finite(loss.item(), norm.item(), scaler.enabled) is not None:  # every rank holds the same two
-                logs.append(StepLog(step + 1, loss.item(), lr, norm.item(), math.nan, None))
-                break  # before the update, which would write nan into every weight: `run` says so
-            if inject is not None:  # gradients reduced, update not made: the step is lost
-                inject.maybe_fire(rank, step + 1)
-            stepped = scaler.step(optimizer)  # fp16: skipped when a gradient overflowed
-            scaler.update()
-            par.after_step()  # the masters rounded into the model's weights; ZeRO-1/2 all-gather
-            scheduler.step()
-            par.zero_grad()
-            if device.type == "cuda":  # kernels run asynchronously: the step ends when the GPU's work does
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            fp16 = {"loss_scale": scale, "skipped": not stepped} if scaler.enabled else {}
-            entry = StepLog(step + 1, loss.item(), lr, norm.item(), train.global_batch * train.seq_len / elapsed,
-                            peak, **(moe.summary() if moe else {}), **fp16)
-            logs.append(entry)
-            if log_file:
-                log_file.write(json.dumps(entry.as_dict()) + "\n")
-                log_file.flush()
-            progress(entry)
-            flight.heartbeat()  # a step is progress, whether or not the launcher saw its collectives
-            if on_step is not None:  # e.g. a profiler's step(), so that it records chosen steps and not the set-up
-                on_step(entry)
-            if checkpointer is not None:
-                checkpointer.after_step(step + 1, par, optimizer, scheduler, data)
-            if stop.agreed(device) and step + 1 < train.steps:  # lab.preemption: every rank stops at this step
-                raise StoppedBySignal(step + 1, checkpoint_now(checkpointer, step + 1, par, optimizer, scheduler, data))
-    finally:
-        stop.uninstall()
-        if log_file:
-            log_file.close()
-    return logs
-
-
-def _open_log(path: str, first: int):
-    """The JSON log, opened for writing; a resumed run keeps the entries up to the step it resumed from.
-
-    They are kept by cutting the file after them in place, not by writing them again: a kill at any moment after
-    this leaves them on disk. Reading stops at a line a kill tore in half."""
-    if not (first and os.path.exists(path)):
-        return open(path, "w")  # noqa: SIM115 - closed by the caller
-    log_file = open(path, "r+")  # noqa: SIM115 - closed by the caller
-    end = 0
-    for line in iter(log_file.readline, ""):
-        try:
-            if json.loads(line)["step"] > first:
-                break
-        except json.JSONDecodeError:
-            break
-        end = log_file.tell()
-    log_file.seek(end)
-    log_file.truncate()
-    return log_file
-
-
-class MoEStats:
-    """The router's losses and what the MoE layers report over one step: assignments per expert, dropped ones,
-    the balancing loss (mean over layers, micro-batches and ranks)."""
-
-    def __init__(self, config: Config) -> None:
-        self.cfg, self.tp = config.model, config.parallel.tp
-        self.reset()
-
-    def reset(self) -> None:
-        self.load = torch.zeros(self.cfg.n_experts, dtype=torch.double)
-        self.layer_load = torch.zeros(self.cfg.n_layers, self.cfg.n_experts, dtype=torch.double)  # row: a block
-        self.dropped = self.aux = self.layer_forwards = 0.0
-
-    def router_loss(self, module: nn.Module) -> torch.Tensor:
-        """After `module`'s forward (the model, or a pipeline stage's chunk): its MoE layers' balancing and z
-        losses with their weights, to add to what is backpropagated; their load is recorded."""
-        layers = [m for m in module.modules() if isinstance(m, MoE)]
-        for m in layers:
-            self.load += m.load.cpu().double()
-            self.layer_load[m.layer] += m.load.cpu().double()
-            self.dropped += m.dropped
-            self.aux += m.aux_loss.item()
-            self.layer_forwards += 1
-        aux, z = moe_losses(module)
-        return self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
-
-    def summary(self) -> dict:
-        totals = torch.cat([self.layer_load.flatten(), self.load,
-                            torch.tensor([self.dropped, self.aux, self.layer_forwards])])
-        if dist.is_initialized():  # every rank routed its own tokens through its own layers...
-            dist.all_reduce(totals)
-            totals[:-2] /= self.tp  # ...except the TP ranks of one group, which route the same ones
-        per_layer, load = totals[:self.layer_load.numel()].view_as(self.layer_load), totals[self.layer_load.numel():-3]
-        return {"expert_load": [round(n) for n in load.tolist()], "load_imbalance": (load.max() / load.mean()).item(),
-                "expert_load_per_layer": {str(i): [round(n) for n in row.tolist()] for i, row in enumerate(per_layer)
-                                          if self.cfg.is_moe_layer(i)},
-                "dropped_tokens": round(totals[-3].item()), "aux_loss": (totals[-2] / totals[-1]).item()}
-
-
-def _accumulate_gradients(par: Parallelized, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int,
-                          moe: MoEStats | None, grad_scale: float = 1.0) -> torch.Tensor:
-    """Forward and backward of every micro-batch in turn (gradient accumulation); returns the mean
-    cross-entropy. An MoE model's router losses are added to what is backpropagated, with their weights; what is
-    backpropagated is multiplied by `grad_scale` (fp16's loss scale)."""
-    loss = torch.zeros((), device=inputs.device)
-    positions = par.batch.positions
-    pairs = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
-    for i, (micro_in, micro_tgt) in enumerate(pairs):
-        # no gradient communication until the last micro-batch's backward
-        with par.engine.backward_context(last_micro_batch=i == len(pairs) - 1):
-            micro_loss = par.loss_fn(par.model(micro_in, positions), micro_tgt)
-            objective = micro_loss + (moe.router_loss(par.model) if moe is not None else 0.0)
-            (objective * (grad_scale / micro_batches)).backward()
-        loss += micro_loss.detach() / micro_batches
-    return loss
-
-
-def _progress(total: int, enabled: bool):
-    """A tqdm bar on a terminal; plain lines (about 20 per run) when the output is a file or a notebook."""
-    if not enabled:
-        return lambda entry: None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="step", dynamic_ncols=True)
-
-        def update(entry: StepLog) -> None:
-            bar.set_postfix(loss=f"{entry.loss:.4f}", tok_s=f"{entry.tokens_per_s:,.0f}")
-            bar.update(1)
-            if entry.step == total:
-                bar.close()
-
-        return update
-    every = max(1, total // 20)
-
-    def report(entry: StepLog) -> None:
-        if entry.step % every == 0 or entry.step == total:
-            print(f"step {entry.step:>5}/{total}  loss {entry.loss:.4f}  lr {entry.lr:.2e}  "
-                  f"{entry.tokens_per_s:,.0f} tok/s", flush=True)
-
-    return report
-
-
 def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> str:
     p = config.parallel
     floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
@@ -491,103 +246,6 @@ def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tup
     step_seconds = sum(tokens_per_step / log.tokens_per_s for log in steady)
     which = f"steps {steady[0].step}-{steady[-1].step}" if len(steady) > 1 else f"step {steady[0].step}"
     return tokens_per_step * len(steady) / step_seconds, max(0.0, seconds - step_seconds), which
-
-
-def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True,
-        checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None, max_restarts: int = 0,
-        collective_timeout_s: float | None = None, on_step: Callable[[StepLog], None] | None = None,
-        hang_timeout_s: float | None = HANG_TIMEOUT_S, time_limit_s: float | None = None) -> list[StepLog]:
-    """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched. A layout
-    lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`).
-
-    `inject` makes a rank fail on purpose (`lab.faults`); `max_restarts` starts the local ranks again after a
-    failure, resuming from the newest checkpoint (under torchrun, torchrun's own `--max-restarts` does this).
-    `collective_timeout_s` bounds how long a collective waits for a missing rank (the process group's timeout).
-    `on_step(log)` is called after every step, in every rank (benchmarks/gpu_lane.py steps a profiler with it).
-    Local ranks are stopped when one makes no progress (finishes no step, no collective) for `hang_timeout_s`, and
-    after `time_limit_s` if given: a run that progresses has no time limit (`lab.distributed.run`).
-    Every output path is checked first, and a non-finite loss or gradient norm stops the run (`NonFiniteLoss`)."""
-    check_supported(config)
-    _check_faults(config, checkpoint, inject, max_restarts, collective_timeout_s)
-    _check_limits(hang_timeout_s, time_limit_s)
-    _check_outputs(log_path, checkpoint)
-    logs = _run(config, nproc, log_path, verbose, checkpoint, inject, max_restarts, collective_timeout_s, on_step,
-                hang_timeout_s, time_limit_s)
-    if logs and (reason := non_finite(logs[-1].loss, logs[-1].grad_norm, logs[-1].loss_scale is not None)):
-        raise NonFiniteLoss(f"step {logs[-1].step}: {reason}; stopped before its update (lower train.lr="
-                            f"{config.train.lr:g}, or look at the data and the model's numerics)")
-    return logs
-
-
-def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkpoint: CheckpointOptions | None,
-         inject: InjectedFailure | None, max_restarts: int, collective_timeout_s: float | None,
-         on_step: Callable[[StepLog], None] | None, hang_timeout_s: float | None, time_limit_s: float | None
-         ) -> list[StepLog]:
-    """`run` once its arguments are checked: train here, on local ranks, or in torchrun's group."""
-    if lab_dist.launched_by_torchrun():
-        lab_dist.init_from_env(**({} if collective_timeout_s is None else {"timeout_s": collective_timeout_s}))
-        if dist.get_world_size() != config.parallel.world_size:
-            raise ValueError(f"torchrun started {dist.get_world_size()} ranks but dp*tp*cp*pp = "
-                             f"{config.parallel.world_size}")
-        return train_worker(config, log_path, verbose, checkpoint, inject, on_step)
-    if nproc != config.parallel.world_size:
-        p = config.parallel
-        raise ValueError(f"nproc={nproc} must equal dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
-    check_resume(checkpoint, config)  # a damaged or foreign checkpoint: one line now, not a traceback per rank
-    if nproc == 1 and inject is None and not max_restarts:  # a failure on purpose runs in a rank of its own
-        return train_worker(config, log_path, verbose, checkpoint, on_step=on_step)
-    backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
-    try:
-        return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, on_step,
-                            backend=backend, timeout_s=time_limit_s, hang_timeout_s=hang_timeout_s,
-                            max_restarts=max_restarts,
-                            **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
-    except lab_dist.RankError as err:
-        if err.summary.startswith("CheckpointError: "):  # a save that failed: its one line, as in one process
-            raise CheckpointError(err.summary.removeprefix("CheckpointError: ")) from None
-        raise
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss or the gradient norm of a step was inf or nan: every later step would be nan too."""
-
-
-def non_finite(loss: float, grad_norm: float, loss_scaled: bool) -> str | None:
-    """What is not finite in a step ("loss nan, grad norm inf"), or None when it can go on. Under fp16's loss
-    scaling an inf/nan gradient is the scaler's business (it skips the step and lowers the scale), not a stop."""
-    if math.isfinite(loss) and (loss_scaled or math.isfinite(grad_norm)):
-        return None
-    return f"loss {loss:g}, grad norm {grad_norm:g}: both must be finite"
-
-
-def _check_limits(hang_timeout_s: float | None, time_limit_s: float | None) -> None:
-    for flag, value in (("--hang-timeout", hang_timeout_s), ("--time-limit", time_limit_s)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{flag}={value!r} must be a number of seconds > 0 (inf: no limit)")
-
-
-def _check_outputs(log_path: str | None, checkpoint: CheckpointOptions | None) -> None:
-    """Every path the run writes, checked before any rank starts: a bad one would fail at its first use."""
-    if log_path is not None:
-        check_output_file(log_path, "--log-json")
-    if checkpoint is not None:
-        check_output_dir(checkpoint.dir, "--checkpoint-dir")
-
-
-def _check_faults(config: Config, checkpoint: CheckpointOptions | None, inject: InjectedFailure | None,
-                  max_restarts: int, collective_timeout_s: float | None) -> None:
-    if inject is not None:
-        inject.check(config.parallel.world_size, config.train.steps)
-    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
-        raise ValueError(f"--max-restarts={max_restarts!r} must be an integer >= 0")
-    if max_restarts and lab_dist.launched_by_torchrun():
-        raise ValueError(f"--max-restarts={max_restarts} under torchrun: give it to torchrun instead "
-                         f"(torchrun --max-restarts {max_restarts} ...), which restarts the group")
-    if max_restarts and checkpoint is None:
-        raise ValueError(f"--max-restarts={max_restarts} needs --checkpoint-dir: a restart resumes from the "
-                         f"newest checkpoint")
-    if collective_timeout_s is not None and not collective_timeout_s > 0:
-        raise ValueError(f"--collective-timeout={collective_timeout_s!r} must be > 0 (seconds)")
 
 
 def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions | None:
@@ -648,3 +306,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

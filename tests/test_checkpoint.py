@@ -1,7 +1,7 @@
 """`lab.checkpoint`: resume is bit-for-bit, a checkpoint saved at one layout loads exactly at another, a save killed
 at any moment never leaves a checkpoint that loads wrongly, and `python -m lab checkpoint` inspects and converts.
 
-Every run here is `lab.train`'s own loop (`train_worker`) on ranks forked by `lab.distributed.run` from this
+Every run here is `lab.trainer`'s own loop (`train_worker`) on ranks forked by `lab.distributed.run` from this
 process: a `python -m lab.train` subprocess would pay seconds of imports per run, and what is tested is the
 checkpoint, not the command line (its checkpoint flags: `test_checkpoint_flags`). A kill -9 is a real SIGKILL, sent by a
 rank to itself (one rank dies) or to its launcher (the whole run dies: the ranks follow their parent), at a point
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from lab import checkpoint, train
+from lab import checkpoint, train, trainer
 from lab import distributed as lab_dist
 from lab.checkpoint import Checkpointer, CheckpointOptions
 from lab.config import Config
@@ -186,7 +186,7 @@ def _rank_trains(config: Config, options: CheckpointOptions, kill: Kill | None, 
         FileSystem.create_stream = _full_disk_at(full_disk)
     if kill is not None:  # after: a kill at resume comes once the loaded state is recorded
         kill.arm()
-    return [entry.loss for entry in train.train_worker(config, None, False, options)]
+    return [entry.loss for entry in trainer.train_worker(config, None, False, options)]
 
 
 def _train(layout: str, ckpt, every: int = 0, keep: int = 0, resume: bool = False, asynchronous: bool = False,
@@ -511,7 +511,7 @@ def _build(layout: str) -> tuple:
     par = parallelize(config.model, build_mesh(config.parallel), config.parallel, torch.device("cpu"),
                       config.train.seed, config.train.seq_len)
     optimizer = adamw(par.parameters(), config.train.lr, config.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: train._lr_factor(step, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: trainer._lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, config.train.seq_len, config.train.global_batch, 0)
     return par, optimizer, scheduler, data, config
 

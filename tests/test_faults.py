@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from lab.faults import InjectedFailure
-from lab.train import _open_log, main
+from lab.train import main
+from lab.trainer import _open_log
 
 STEPS = 4
 TINY = ["--config", "configs/tiny.toml", "--steps", str(STEPS), "--quiet"]

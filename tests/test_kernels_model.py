@@ -25,9 +25,10 @@ from lab import kernels  # noqa: E402  (first: it decides how kernels run before
 from lab.config import ModelConfig  # noqa: E402
 from lab.data import SyntheticTokens  # noqa: E402
 from lab.kernels.accuracy import assert_error_ratio  # noqa: E402
+from lab.loss import cross_entropy  # noqa: E402
 from lab.model import RMSNorm, build_model, materialize, rms_norm  # noqa: E402
 from lab.parallel.optim import adamw  # noqa: E402
-from lab.parallel.pp import cross_entropy, weight_gradients  # noqa: E402
+from lab.parallel.pp import weight_gradients  # noqa: E402
 from lab.train import main  # noqa: E402
 
 # Triton's interpreter pays per program instance, and attention launches one per (sequence, head): the tiny model

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lab import distributed as lab_dist
-from lab import train
+from lab import train, trainer
 from lab.config import PRESETS, UNSUPPORTED, ParallelConfig, check_supported, load_config
 from lab.distributed import Mesh
 from lab.measure.memory import PeakAllocation
@@ -85,9 +85,26 @@ def test_every_refusal_is_one_named_line_and_the_readme_lists_it(rule):
 
 def test_the_training_loop_asks_the_layout_nothing_but_whether_there_is_a_pipeline():
     """train_worker reads no degree but through `parallelize`: a reader finds each parallelism in its module."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(train.train_worker)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(trainer.train_worker)))
     read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert not read & {"tp", "cp", "ep", "sp", "zero", "tp_group", "cp_group", "ep_group", "dp_rank", "cp_rank"}
+
+
+def test_the_trainer_reaches_into_none_of_the_parts_of_what_parallelize_built():
+    """lab.trainer asks `Parallelized` (forward_backward, finish_gradients, mean_loss, ...): it sets none of its
+    attributes and reads none of its parts' (no `par.engine.no_sync()`, no `par.pipeline.grad_scale = ...`), which
+    would make the loop know the layout again."""
+    tree = ast.parse(inspect.getsource(trainer))
+
+    def is_par(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "par"
+
+    through = {ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_par(node.value)}
+    stored = {ast.unparse(node) for node in ast.walk(tree) if is_par(node) and isinstance(node.ctx, ast.Store)}
+    private = {ast.unparse(node) for node in ast.walk(tree) if is_par(node) and node.attr.startswith("_")}
+    assert not through | stored | private
+    asked = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and is_par(node.func)}
+    assert {"forward_backward", "finish_gradients", "mean_loss", "after_step", "zero_grad"} <= asked
 
 
 def test_flags_are_the_parallel_config_fields():

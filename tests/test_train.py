@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import lab.train
+import lab.trainer
 from lab.config import load_config
 from lab.distributed import RankTimeout
 from lab.distributed.launch import HANG_TIMEOUT_S
@@ -324,7 +325,7 @@ def test_nproc_runs_have_no_wall_clock_limit_unless_asked(monkeypatch):
     """A 1000-step run died at max(600 s, 10 s x steps) = 10,000 s whatever its progress; now only a hang (no step
     and no collective for --hang-timeout) stops it, and a wall-clock limit only when --time-limit asks for one."""
     calls = []
-    monkeypatch.setattr(lab.train.lab_dist, "run", lambda *args, **kwargs: calls.append(kwargs) or [[]])
+    monkeypatch.setattr(lab.trainer.lab_dist, "run", lambda *args, **kwargs: calls.append(kwargs) or [[]])
     config = load_config("configs/tiny.toml", ["parallel.dp=2", "train.steps=1000"])
     run(config, 2, verbose=False)
     run(config, 2, verbose=False, hang_timeout_s=30, time_limit_s=7200)
@@ -359,7 +360,7 @@ def test_a_hung_rank_is_named_at_the_hang_timeout_not_the_collective_timeout():
 def test_a_bad_output_path_is_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch, flag, path, why):
     """Formerly a checkpoint dir that is a file failed at the first save (hours in, on a real job), a log path in a
     missing directory once the model was built. The checks work as root too (no permission bits involved)."""
-    monkeypatch.setattr(lab.train.lab_dist, "run", lambda *args, **kwargs: pytest.fail("ranks were started"))
+    monkeypatch.setattr(lab.trainer.lab_dist, "run", lambda *args, **kwargs: pytest.fail("ranks were started"))
     (tmp_path / "file").write_text("")
     names = {"file": str(tmp_path / "file"), "tmp": str(tmp_path)}
     path, why = path.format(**names), why.format(**names)
@@ -389,6 +390,6 @@ def test_a_non_finite_step_stops_every_rank_of_a_group():
 def test_fp16_overflow_is_still_skipped_not_stopped(monkeypatch):
     """fp16's loss scaler owns an inf/nan gradient: a scale of 2^24 overflows the first steps, which it skips
     while it halves the scale; the run goes on."""
-    monkeypatch.setattr(lab.train, "DynamicLossScaler", functools.partial(DynamicLossScaler, init_scale=2.0**24))
+    monkeypatch.setattr(lab.trainer, "DynamicLossScaler", functools.partial(DynamicLossScaler, init_scale=2.0**24))
     logs = run(load_config("configs/tiny.toml", ["train.steps=6", "train.precision='fp16'"]), 1, verbose=False)
     assert len(logs) == 6 and logs[0].skipped and not math.isfinite(logs[0].grad_norm) and not logs[-1].skipped

@@ -19,8 +19,9 @@ itself (`lab.model`) knows nothing of any of it.
     par = parallelize(config.model, mesh, config.parallel, device, seed, seq_len, precision=scheme)
     optimizer = adamw(par.parameters(), lr, weight_decay)   # the fp32 masters under bf16/fp16
     inputs, targets = par.batch(*data.next_batch())
-    ... forward/backward: par.pipeline.step(...) or par.model(...) with par.loss_fn ...
+    loss, moe = par.forward_backward(inputs, targets)       # the pipeline's schedule, or gradient accumulation
     par.finish_gradients()
+    loss = par.mean_loss(loss)
     ... clip, optimizer.step() ...
     par.after_step()
     par.zero_grad()
@@ -38,12 +39,13 @@ from lab.calc.schedules import make_schedule
 from lab.config import ModelConfig, ParallelConfig
 from lab.data import shard_rows
 from lab.distributed import Mesh
-from lab.model import Transformer, build_model, init_tensor, set_recompute
+from lab.loss import LossFn, cross_entropy, router_loss
+from lab.model import MoE, Transformer, build_model, init_tensor, set_recompute
 from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
 from lab.parallel.dp import DataParallel, NaiveDP, storage_bytes
 from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
 from lab.parallel.placement import placement_of, set_replicas, sum_partial_gradients
-from lab.parallel.pp import Boundary, LossFn, Pipeline, cross_entropy, cut_to_stage
+from lab.parallel.pp import Boundary, Pipeline, cut_to_stage
 from lab.parallel.tp import apply_tensor_parallel, vocab_parallel_cross_entropy
 from lab.parallel.zero import make_data_parallel
 from lab.precision.master import MasterWeights
@@ -91,10 +93,51 @@ class LocalBatch:
         return inputs.to(self.device), targets.to(self.device)
 
 
+class MoEStats:
+    """The router's losses and what the MoE layers report over one step: assignments per expert, dropped ones,
+    the balancing loss (mean over layers, micro-batches and ranks). It lives with the layout because its sum over
+    ranks must know which of them routed the same tokens."""
+
+    def __init__(self, cfg: ModelConfig, tp: int) -> None:
+        self.cfg, self.tp = cfg, tp
+        self.reset()
+
+    def reset(self) -> None:
+        self.load = torch.zeros(self.cfg.n_experts, dtype=torch.double)
+        self.layer_load = torch.zeros(self.cfg.n_layers, self.cfg.n_experts, dtype=torch.double)  # row: a block
+        self.dropped = self.aux = self.layer_forwards = 0.0
+
+    def router_loss(self, module: nn.Module) -> torch.Tensor:
+        """After `module`'s forward (the model, or a pipeline stage's chunk): its MoE layers' weighted balancing
+        and z losses (`lab.loss.router_loss`), to add to what is backpropagated; their load is recorded."""
+        for m in (m for m in module.modules() if isinstance(m, MoE)):
+            self.load += m.load.cpu().double()
+            self.layer_load[m.layer] += m.load.cpu().double()
+            self.dropped += m.dropped
+            self.aux += m.aux_loss.item()
+            self.layer_forwards += 1
+        return router_loss(module, self.cfg)
+
+    def summary(self) -> dict:
+        """The step's record, summed over every rank: expert_load (assignments per expert), its max/mean
+        load_imbalance (1 when balanced), expert_load_per_layer, dropped_tokens, aux_loss (1 when balanced)."""
+        totals = torch.cat([self.layer_load.flatten(), self.load,
+                            torch.tensor([self.dropped, self.aux, self.layer_forwards])])
+        if dist.is_initialized():  # every rank routed its own tokens through its own layers...
+            dist.all_reduce(totals)
+            totals[:-2] /= self.tp  # ...except the TP ranks of one group, which route the same ones
+        per_layer, load = totals[:self.layer_load.numel()].view_as(self.layer_load), totals[self.layer_load.numel():-3]
+        return {"expert_load": [round(n) for n in load.tolist()], "load_imbalance": (load.max() / load.mean()).item(),
+                "expert_load_per_layer": {str(i): [round(n) for n in row.tolist()] for i, row in enumerate(per_layer)
+                                          if self.cfg.is_moe_layer(i)},
+                "dropped_tokens": round(totals[-3].item()), "aux_loss": (totals[-2] / totals[-1]).item()}
+
+
 @dataclass
 class Parallelized:
     """What `parallelize` gives a rank: its part of the model, the pipeline driving it (None when pp = 1), the
-    data-parallel engine, the master weights the optimizer updates, the loss function, and how to cut its batch."""
+    data-parallel engine, the master weights the optimizer updates, the loss function, how to cut its batch, and
+    (a mixture of experts) the router's record. A training loop needs only its methods."""
 
     model: nn.Module
     pipeline: Pipeline | None
@@ -104,6 +147,39 @@ class Parallelized:
     mesh: Mesh | None
     masters: MasterWeights
     precision: PrecisionScheme
+    micro_batches: int = 1  # per optimizer step: gradient accumulation's, or the pipeline schedule's
+    moe: MoEStats | None = None
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, grad_scale: float = 1.0
+                         ) -> tuple[torch.Tensor, dict | None]:
+        """One optimizer step's forwards and backwards over this rank's batch (from `batch`): the pipeline's
+        schedule, or the micro-batches in turn. What is backpropagated is the loss (plus an MoE model's weighted
+        router losses) times `grad_scale`, fp16's loss scale. Returns this rank's mean cross-entropy (zero on a
+        pipeline stage without the loss; `mean_loss` gathers it) and, for a mixture of experts, the step's
+        `MoEStats.summary` over all ranks (else None)."""
+        if self.moe is not None:
+            self.moe.reset()
+        if self.pipeline is not None:
+            with self.engine.no_sync():  # the schedule's backwards accumulate; gradients are reduced after
+                loss = self.pipeline.step(inputs, targets, self.batch.positions, grad_scale)
+            loss = torch.zeros((), device=inputs.device) if loss is None else loss
+        else:
+            loss = self._accumulate_gradients(inputs, targets, grad_scale)
+        return loss, self.moe.summary() if self.moe is not None else None
+
+    def _accumulate_gradients(self, inputs: torch.Tensor, targets: torch.Tensor, grad_scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch in turn (gradient accumulation); the mean cross-entropy."""
+        loss = torch.zeros((), device=inputs.device)
+        positions = self.batch.positions
+        pairs = list(zip(inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches), strict=True))
+        for i, (micro_in, micro_tgt) in enumerate(pairs):
+            # no gradient communication until the last micro-batch's backward
+            with self.engine.backward_context(last_micro_batch=i == len(pairs) - 1):
+                micro_loss = self.loss_fn(self.model(micro_in, positions), micro_tgt)
+                objective = micro_loss + (self.moe.router_loss(self.model) if self.moe is not None else 0.0)
+                (objective * (grad_scale / self.micro_batches)).backward()
+            loss += micro_loss.detach() / self.micro_batches
+        return loss
 
     def parameters(self) -> list[torch.Tensor]:
         """The tensors this rank's optimizer updates: its whole parameters, TP shards or ZeRO pieces — or, under
@@ -246,12 +322,14 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
     if policy.output_dtype is not None:  # the log-sum-exp over the vocabulary, in fp32
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return loss_on_whole_logits(logits.to(policy.output_dtype), targets)
+    moe = MoEStats(cfg, parallel.tp) if cfg.is_moe else None
     pipeline = None
     if schedule is not None:
         boundary = Boundary(cfg.d_model, parallel.tp if parallel.sp else 1, next(model.parameters()).dtype)
-        pipeline = Pipeline(stages, schedule, mesh.pp_group, loss_fn, boundary=boundary)
+        pipeline = Pipeline(stages, schedule, mesh.pp_group, loss_fn, boundary=boundary,
+                            extra_loss=moe.router_loss if moe is not None else None)  # each stage's MoE layers
     engine = _engine(model, mesh, parallel, policy.reduce_dtype)  # after the pipeline: ZeRO's hooks see its calls
     masters = MasterWeights(engine.parameters(), policy, initial_values(engine, fp32) if fp32 else None)
     coords = (mesh.dp_rank, mesh.dp, mesh.cp_rank, mesh.cp) if mesh is not None else (0, 1, 0, 1)
     batch = LocalBatch(*coords, layout_of(parallel.cp_impl), device, seq_len)
-    return Parallelized(model, pipeline, engine, loss_fn, batch, mesh, masters, precision)
+    return Parallelized(model, pipeline, engine, loss_fn, batch, mesh, masters, precision, parallel.grad_accum, moe)

@@ -36,20 +36,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lab.calc.schedules import B, Op, Schedule, W, virtual_stage_layers
 from lab.collectives.p2p import group_info
 from lab.config import ModelConfig
+from lab.loss import LossFn, cross_entropy
 from lab.model import RMSNorm, Transformer, build_model, materialize
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean next-token loss of logits (B, T, vocab): the last stage's loss, and one process's."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def cut_to_stage(model: Transformer, virtual_stage: int, virtual_stages: int) -> Transformer:
@@ -160,7 +153,6 @@ class Pipeline:
         self.op_delay = op_delay or {}  # seconds of extra work per op kind, to make stages visible on a CPU
         self.boundary = boundary or Boundary(chunks[0].cfg.d_model, dtype=next(chunks[0].parameters()).dtype)
         self.extra_loss = extra_loss  # called after each chunk's forward: loss terms of its own (or None)
-        self.grad_scale = 1.0  # what backward starts from, d(scaled loss)/d(loss): fp16's loss scale, set per step
         self.timings: list[OpTiming] = []
         self.peak_in_flight = 0
         self._recording: list | None = None
@@ -186,13 +178,15 @@ class Pipeline:
     def _tag(self, microbatch: int, stage: int, backward: bool) -> int:
         return (microbatch * self.schedule.virtual_stages + stage) * 2 + backward
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor,
-             positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+             grad_scale: float = 1.0) -> torch.Tensor | None:
         """Run the schedule on this rank's batch (split into the schedule's micro-batches). `positions`: those of
-        this rank's tokens, for RoPE (default 0..T-1; context parallelism passes its chunks')."""
+        this rank's tokens, for RoPE (default 0..T-1; context parallelism passes its chunks'). Every backward
+        starts from `grad_scale` (fp16's loss scale) instead of 1."""
         m = self.schedule.microbatches
         if tokens.shape[0] % m:
             raise ValueError(f"batch of {tokens.shape[0]} sequences must be divisible by microbatches={m}")
+        self._grad_scale = grad_scale  # what backward starts from, d(scaled loss)/d(loss)
         self._tokens, self._targets = tokens.chunk(m), targets.chunk(m)
         self._positions = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
         self._stash: dict[tuple[int, int], _Stash] = {}
@@ -255,7 +249,7 @@ class Pipeline:
         stage, last = self._stage(op.chunk), self.schedule.virtual_stages - 1
         stash = self._stash[(op.microbatch, op.chunk)]
         def scaled(loss: torch.Tensor) -> torch.Tensor | None:
-            return None if self.grad_scale == 1.0 else torch.full_like(loss, self.grad_scale)
+            return None if self._grad_scale == 1.0 else torch.full_like(loss, self._grad_scale)
 
         grad = scaled(stash.output) if stage == last else self._receive(op.microbatch, stage, backward=True)
         roots, root_grads = [stash.output], [grad]  # the loss (last stage) or the output and its gradient

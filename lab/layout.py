@@ -111,17 +111,17 @@ def check_schedule(pp: int, chunks: int, schedule: str, micro_batches: int) -> N
 
 # Context and sequence parallelism, and the batch.
 
-def check_sequence(seq_len: int, cp: int, cp_impl: str, tp: int, sp: bool) -> None:
+def check_sequence(seq_len: int, cp: int, cp_impl: str, tp: int, sp: bool, name: str = "seq_len") -> None:
     """The sequence splits into cp chunks (2·cp for zig-zag, when there is a cp > 1 to split over), and each
-    context-parallel rank's tokens into tp pieces under sequence parallelism."""
+    context-parallel rank's tokens into tp pieces under sequence parallelism. `name`: the caller's word for it."""
     zigzag = cp_impl == "zigzag" and cp > 1
     chunks = 2 * cp if zigzag else cp
-    require(seq_len % chunks == 0, f"seq_len={seq_len} must be divisible by "
+    require(seq_len % chunks == 0, f"{name}={seq_len} must be divisible by "
                                    + (f"2*cp = {chunks} for cp_impl='zigzag'" if zigzag else f"cp={chunks}"))
     local = seq_len // cp
     require(tp == 1 or not sp or local % tp == 0,
-            f"tp={tp} must divide seq_len={seq_len} with sp=True" if cp == 1
-            else f"tp={tp} must divide seq_len/cp = {local} with sp=True")
+            f"tp={tp} must divide {name}={seq_len} with sp=True" if cp == 1
+            else f"tp={tp} must divide {name}/cp = {local} with sp=True")
 
 
 def check_ulysses(n_heads: int, tp: int, cp: int) -> None:

@@ -4,7 +4,8 @@ Three small dataclasses, each handed only to the component that needs it (TorchT
 monolithic job config reached into everything is hard to change). `Config` bundles them for TOML files.
 
 Everything here is torch-free, so `lab.calc` and the widgets can use it without importing torch.
-Validation raises `ValueError` with one line that names the field, the value and the rule.
+Validation raises `ValueError` with one line that names the field, the value and the rule. The rules that tie the
+degrees to the model and the batch live in `lab.layout`, which calc, parallel and the widgets call too.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Imports run one way (DESIGN.md, "Which way imports run"): every module under `lab/` is parsed, and each
 import it makes is checked against the directions the design forbids.
 
-Deferred imports (inside a function) count like module-level ones: a function that imports `widgets` from
-`grading` ties the two together as surely as a top-level import, it only delays the cost. The one exception
-the design grants is written out in `WIDGET_DEFERRED`: a widget may, inside a function, import what a live
-demonstration runs (ranks started through `lab.distributed`, the collectives or the model they execute). Nothing
+Imports under `if TYPE_CHECKING:` do not count: they never run (lab.layout names lab.config's ParallelConfig in
+a type hint that way). Deferred imports (inside a function) count like module-level ones: a function that imports
+`widgets` from `grading` ties the two together as surely as a top-level import, it only delays the cost. The one
+exception the design grants is written out in `WIDGET_DEFERRED`: a widget may, inside a function, import what a
+live demonstration runs (ranks started through `lab.distributed`, the collectives or the model they execute). Nothing
 else is exempt.
 """
 
@@ -17,10 +18,11 @@ from pathlib import Path
 LAB = Path(__file__).resolve().parents[1] / "lab"
 RULE_SOURCE = "DESIGN.md, 'Which way imports run'"
 
-IMPLEMENTATION = ("lab.parallel", "lab.distributed", "lab.model", "lab.calc", "lab.collectives", "lab.config",
-                  "lab.data", "lab.kernels", "lab.precision", "lab.inference")
-TORCH_FREE = ("lab.calc", "lab.config")  # they run in a browser kernel and make widgets instant
-WIDGET_MODULE_LEVEL = ("lab.calc", "lab.config", "lab.widgets")  # widgets ─► calc: instant to import
+IMPLEMENTATION = ("lab.parallel", "lab.distributed", "lab.model", "lab.loss", "lab.calc", "lab.collectives",
+                  "lab.config", "lab.layout", "lab.data", "lab.kernels", "lab.precision", "lab.inference")
+TORCH_FREE = ("lab.calc", "lab.config", "lab.layout")  # they run in a browser kernel and make widgets instant
+WIDGET_MODULE_LEVEL = ("lab.calc", "lab.config", "lab.layout", "lab.widgets")  # widgets ─► calc: instant to import
+PROGRAMS = ("lab.train", "lab.trainer")  # the CLI and the loop it runs
 # The exception, each entry for a demonstration that runs the real code: ranks started through lab.distributed
 # (welcome, collectives, ring, sharding), the ring all-reduce those ranks execute (ring), the MoE router (moe).
 WIDGET_DEFERRED = ("lab.distributed", "lab.collectives", "lab.model")
@@ -32,10 +34,13 @@ FORBIDDEN = [
     (("lab.kernels", "lab.precision", "lab.inference"), ("lab.parallel", "lab.distributed", "lab.checkpoint"),
      "inference, precision, kernels ─► model, never the techniques above it"),
     (("lab.distributed",), ("lab.parallel",), "dist knows nothing of the techniques above it"),
-    (("lab.parallel",), ("lab.train", "lab.widgets", "lab.grading"), "parallel imports no train, widgets or grading"),
+    (("lab.parallel",), (*PROGRAMS, "lab.widgets", "lab.grading"), "parallel imports no train, widgets or grading"),
     (("lab.grading",), ("lab.widgets",), "grading imports no widgets (a reference both need lives in calc)"),
-    (IMPLEMENTATION, ("lab.widgets", "lab.grading", "lab.train"),
+    (IMPLEMENTATION, ("lab.widgets", "lab.grading", *PROGRAMS),
      "no implementation imports widgets, grading or train"),
+    (IMPLEMENTATION, ("lab.measure",), "lesson instruments (lab.measure) serve lessons, never an implementation"),
+    (("lab.loss",), ("lab.parallel", "lab.distributed"), "the loss lives beside the model: model ─► config only"),
+    (("lab.layout",), ("lab",), "config ─► layout, which imports nothing of lab (every sandbox carries it)"),
 ]
 
 
@@ -66,6 +71,9 @@ def find_imports(source: str, module: str, is_package: bool, known: set[str]) ->
 
     def visit(node: ast.AST, deferred: bool) -> None:
         for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                visit(ast.Module(body=child.orelse, type_ignores=[]), deferred)  # the body never runs
+                continue
             inner = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
                 found.extend(Import(module, alias.name, child.lineno, inner) for alias in child.names)
@@ -144,6 +152,11 @@ def test_finder_sees_deferred_relative_and_from_imports():
     got = [(i.imported, i.deferred) for i in find_imports(source, "lab.calc.x", False, known)]
     assert got == [("os", False), ("lab.calc.memory", False), ("lab.config", False),
                    ("lab.widgets.sharding", True), ("torch", True)]
+
+
+def test_finder_skips_what_only_type_checkers_read():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\nelse:\n    import os\n"
+    assert [i.imported for i in find_imports(source, "lab.layout", False, set())] == ["typing", "os"]
 
 
 def test_rules_catch_a_planted_import():

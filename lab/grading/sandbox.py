@@ -57,6 +57,9 @@ from lab.grading.confine import (
 from lab.grading.sandbox_child import STACK_FILE, _qualname
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
+# Carried into every sandbox whatever the exercise lists: the layout rules that lab.config, lab.calc, lab.model and
+# lab.distributed all read. It imports nothing, so it brings nothing else along.
+ALWAYS_CARRIED = ("lab.layout",)
 ZYGOTE = Path(__file__).with_name("zygote.py")
 _PYTHON = (sys.executable, "-I", "-S", "-B")  # how a sandbox child (and a zygote) starts: isolated, no site
 _MAX_LINE = 1 << 20  # bytes of one answer: more is a protocol violation
@@ -255,7 +258,7 @@ class Sandbox:
     def _copy_code(self, lib: Path) -> None:
         (lib / "lab").mkdir(parents=True)
         (lib / "lab" / "__init__.py").write_text('"""A copy of `lab` with only the modules this exercise may use."""\n')
-        for module in self.modules:
+        for module in dict.fromkeys((*self.modules, *ALWAYS_CARRIED)):
             relative = Path(*module.split(".")[1:])
             source = LAB_DIR / relative
             if source.is_dir():

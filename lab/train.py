@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from lab import distributed as lab_dist
-from lab.calc.schedules import INTERLEAVED_CHUNKS
 from lab.checkpoint import CheckpointOptions
 from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
 from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.dryrun import dry_run
 from lab.faults import USAGE, InjectedFailure
+from lab.layout import describe, infer_dp
 from lab.model import build_model, num_params
 from lab.precision.scheme import precision_scheme
 from lab.preemption import EXIT_STOPPED, StoppedBySignal
@@ -127,21 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def infer_dp(world_size: int, parallel: dict) -> int | None:
-    """The data-parallel degree that `world_size` launched ranks imply: the ranks that tp x cp x pp leave.
-
-    One rule for both launchers (`--nproc N` and torchrun), applied when the command line does not name dp.
-    `parallel` is the [parallel] section as requested (file, then overrides), before defaults and validation.
-    None when the degrees are not valid integers or do not divide world_size: the layout check then says why."""
-    others = 1
-    for name in ("tp", "cp", "pp"):
-        value = parallel.get(name, 1)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            return None
-        others *= value
-    return world_size // others if world_size % others == 0 else None
-
-
 def _world_size_launched(args: argparse.Namespace) -> int | None:
     """How many ranks run this: torchrun's WORLD_SIZE, else --nproc, else None (the layout decides)."""
     if args.nproc is not None and args.nproc < 1:
@@ -171,8 +156,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     names_dp = args.dp is not None or any(parse_override(o)[:2] == ("parallel", "dp") for o in args.set)
     if world is not None and not names_dp and (dp := infer_dp(world, parallel)) is not None:
         parallel["dp"] = dp
-    if parallel.get("pp_schedule") == "interleaved" and "pp_virtual_stages" not in parallel:
-        parallel["pp_virtual_stages"] = INTERLEAVED_CHUNKS
     if args.mbs is not None:  # the global batch is what the config holds: mbs x dp x grad_accum sequences
         if args.mbs < 1:
             raise ValueError(f"--mbs={args.mbs} must be >= 1 (sequences per micro-batch)")
@@ -220,11 +203,7 @@ def _check_kernels(config: Config) -> None:
 def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> str:
     p = config.parallel
     floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
-    layout = ", ".join([f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep", "grad_accum")
-                        if getattr(p, k) != 1] + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
-                       + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])
-                       + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])
-                       + (["sp"] if p.sp else []) + ([f"zero={p.zero}"] if p.zero else [])) or "single process"
+    layout = describe(p) + (f", grad_accum={p.grad_accum}" if p.grad_accum > 1 else "")
     rate, startup, steady = throughput(logs, config.train.global_batch * config.train.seq_len, seconds)
     precision = "" if config.train.precision == "fp32" else f" in {config.train.precision}"
     skipped = sum(bool(log.skipped) for log in logs)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from lab import layout
+from lab.calc import bubble, schedules, sharding
 from lab.calc import moe as calc_moe
-from lab.calc import schedules, sharding
 from lab.calc.cli import main as calc_main
 from lab.calc.memory import estimate_memory, stage_params
 from lab.config import PRESETS, Config, ModelConfig, ParallelConfig, TrainConfig
@@ -219,8 +219,8 @@ def test_the_interleaved_default_is_resolved_once_and_the_cli_and_config_agree()
     """`Config.from_dict` accepts an interleaved layout without chunks, as `lab calc memory` and `lab train` do."""
     config = Config.from_dict({"model": {"preset": "tiny"}, "parallel": {"pp": 2, "pp_schedule": "interleaved",
                                                                          "grad_accum": 2}})
-    assert config.parallel.pp_virtual_stages == layout.INTERLEAVED_CHUNKS == schedules.INTERLEAVED_CHUNKS \
-        == schedules.chunks_or_default("interleaved", None) == 2
+    assert config.parallel.pp_virtual_stages == layout.INTERLEAVED_CHUNKS == 2
+    assert bubble.explore("interleaved", 2, 4).schedule.chunks == 2  # the simulator's default
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = calc_main(["memory", "--model", "tiny", "--seq", "32", "--pp", "2", "--pp-schedule", "interleaved",

@@ -19,9 +19,9 @@ from lab.config import load_config
 from lab.distributed import RankTimeout
 from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.faults import InjectedFailure
+from lab.layout import INTERLEAVED_CHUNKS
 from lab.precision.loss_scale import DynamicLossScaler
 from lab.train import (
-    INTERLEAVED_CHUNKS,
     NonFiniteLoss,
     StepLog,
     build_parser,

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lab.calc.schedules import B, F, Op, Schedule, W, chunks_or_default, make_schedule
+from lab.calc.schedules import B, F, Op, Schedule, W, make_schedule
+from lab.layout import pp_chunks
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,7 @@ def explore(schedule: str, pp: int, microbatches: int, chunks: int | None = None
             tb: float = 2.0, tw: float = 1.0, p2p: float = 0.0) -> Simulation:
     """Build a schedule by name and simulate it: what the CLI and the pipeline explorer widget call.
     `chunks=None` means 2 for interleaved, else 1."""
-    chunks = chunks_or_default(schedule, chunks)
+    chunks = pp_chunks(schedule, chunks) if chunks is not None else pp_chunks(schedule)
     schedule_ = make_schedule(schedule, pp, microbatches, chunks)
     if pp * microbatches * chunks > MAX_OPS:
         raise ValueError(f"pp x microbatches x chunks = {pp * microbatches * chunks:,} must be at most "

@@ -28,7 +28,6 @@ from lab.config import PP_SCHEDULES
 
 F, B, W = "F", "B", "W"
 SCHEDULES = (*PP_SCHEDULES, "zb-h2", "dualpipe")  # lab.train runs the first four; the others, the simulator
-INTERLEAVED_CHUNKS = 2  # layer chunks per rank when an interleaved schedule names none (calc, widgets, train)
 
 
 def virtual_stage_of(rank: int, chunk: int, pp: int) -> int:
@@ -51,11 +50,6 @@ def rank_layers(n_layers: int, pp: int, chunks: int = 1) -> list[list[int]]:
     return [[layer for chunk in range(chunks)
              for layer in virtual_stage_layers(n_layers, virtual_stage_of(rank, chunk, pp), pp * chunks)]
             for rank in range(pp)]
-
-
-def chunks_or_default(schedule: str, chunks: int | None) -> int:
-    """The chunks per rank a schedule runs with: those given, else INTERLEAVED_CHUNKS for interleaved, else 1."""
-    return chunks if chunks is not None else INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
 
 
 @dataclass(frozen=True, order=True)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-# the TP split rule lives in lab.layout; tp_problem is passed on for the widgets, which import calc only
 from lab.layout import kv_heads_per_rank
-from lab.layout import tp_problem as tp_problem
 
 Spec = tuple[str | None, str | None]  # one mesh-axis name (or None) per dimension of a matrix
 

@@ -22,6 +22,7 @@ from lab.calc.memory import korthikanti_layer_bytes
 from lab.calc.network import SYSTEMS
 from lab.calc.roofline import ridge_point, tp_mlp_matmuls
 from lab.config import PRESETS
+from lab.layout import tp_problem
 from lab.widgets.base import Explorer, selection, show_figure
 
 GB = 1e9
@@ -52,7 +53,7 @@ def layer_numbers(model: str, tp: int, seq: int, batch: int, sp: bool, gpu: str)
 def _fits(model: str, tp: int) -> str | None:
     """Why `tp` cannot split `model` (lab.layout's rules, which lab.parallel.tp applies), or None."""
     cfg = PRESETS[model]
-    return sharding.tp_problem(tp, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size, of=model)
+    return tp_problem(tp, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size, of=model)
 
 
 class TPExplorer(Explorer):

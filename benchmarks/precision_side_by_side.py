@@ -6,7 +6,7 @@
 
 One run — the config's model, `lab.data.SyntheticTokens` batches cut by rows over the dp ranks, the weights
 `lab.model` draws by name from the seed, lab.train's AdamW (`lab.parallel.optim.adamw`), its warm-up plus cosine
-schedule (`lab.train._lr_factor`) and its clipping by the global norm (`clip_grad_norm`) — trained by lab and by
+schedule (`lab.trainer.lr_factor`) and its clipping by the global norm (`clip_grad_norm`) — trained by lab and by
 the production stack:
 
   bf16            `lab.train --precision bf16` (bf16 weights, fp32 masters owned by the optimizer, gradients
@@ -61,13 +61,13 @@ import torch.distributed as dist  # noqa: E402
 from lab.config import Config, read_config  # noqa: E402
 from lab.data import SyntheticTokens, shard_rows  # noqa: E402
 from lab.distributed import run  # noqa: E402
+from lab.loss import cross_entropy  # noqa: E402
 from lab.model import build_model, materialize  # noqa: E402
 from lab.parallel.optim import adamw, clip_grad_norm  # noqa: E402
 from lab.parallel.placement import set_replicas  # noqa: E402
-from lab.parallel.pp import cross_entropy  # noqa: E402
 from lab.precision.scheme import KEEP_IN_HIGH_PRECISION  # noqa: E402
-from lab.train import _lr_factor  # noqa: E402
 from lab.train import run as lab_train  # noqa: E402
+from lab.trainer import lr_factor  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "configs" / "tiny.toml"
 DEFAULT_SETS = ("model.n_layers=2",)
@@ -158,7 +158,7 @@ def torch_worker(config: Config, fp8: bool = False, rounded_masters: bool = Fals
     params = list(model.parameters())  # DTensor shards of the fp32 masters
     set_replicas(params, 1)  # each value on one rank: what lab's clip_grad_norm reads
     optimizer = adamw(params, train.lr, train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     data = SyntheticTokens(cfg.vocab_size, train.seq_len, train.global_batch, train.seed, train.data_branching)
     logs = []
     for step in range(train.steps):

@@ -204,7 +204,7 @@ def write_checkpoint(config: Config, state: dict[str, torch.Tensor], out: str) -
     """`state` as step 0 (before any optimizer step) of a `lab.train` run of `config`, in `out`, with the run's
     config beside it as `out/lab.toml`: what `lab.train --resume` and `lab serve --checkpoint` read. lab's own
     save writes it, from the very objects a run builds, so the format has one home (`lab.checkpoint`)."""
-    from lab.train import _lr_factor  # the schedule of lab.train: its resume at step 0 is then a fresh run's
+    from lab.trainer import lr_factor  # the schedule of lab.train: its resume at step 0 is then a fresh run's
 
     if done := complete_checkpoints(out):
         raise ValueError(f"{out} already holds checkpoints ({os.path.basename(done[-1])}): --resume would take "
@@ -213,7 +213,7 @@ def write_checkpoint(config: Config, state: dict[str, torch.Tensor], out: str) -
     par = parallelize(config.model, None, config.parallel, torch.device("cpu"), train.seed, train.seq_len)
     par.model.load_state_dict(state)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
                            train.data_branching)
     path = save(out, 0, par, optimizer, scheduler, data, config)

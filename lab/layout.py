@@ -171,11 +171,13 @@ def infer_dp(world_size: int, parallel: dict) -> int | None:
     return world_size // others if world_size % others == 0 else None
 
 
-def describe(parallel: ParallelConfig) -> str:
-    """One line for logs and reports, e.g. "dp=8, tp=8, pp=4, zero=1, sp, pp_schedule=1f1b": the degrees
-    that are not 1 (ZeRO's stage when not 0), then the switches that go with them; "one rank" for none."""
+def describe(parallel: ParallelConfig, grad_accum: bool = False) -> str:
+    """One line for logs and reports, e.g. "dp=8, tp=8, pp=4, zero=1, sp, pp_schedule=1f1b": the degrees that
+    are not 1 (ZeRO's stage when not 0), then the switches that go with them; "one rank" for none. A run's summary
+    also says how many micro-batches a step took (`grad_accum=True`: "dp=2, pp=2, grad_accum=4, ...")."""
     p = parallel
-    degrees = [f"{k}={getattr(p, k)}" for k in ("dp", "tp", "cp", "pp", "ep") if getattr(p, k) != 1]
+    names = ("dp", "tp", "cp", "pp", "ep") + (("grad_accum",) if grad_accum else ())
+    degrees = [f"{k}={getattr(p, k)}" for k in names if getattr(p, k) != 1]
     return ", ".join(degrees + ([f"zero={p.zero}"] if p.zero else []) + (["sp"] if p.sp else [])
                      + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
                      + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])

@@ -45,7 +45,6 @@ from lab.preemption import EXIT_STOPPED, StoppedBySignal
 from lab.trainer import (
     NonFiniteLoss,
     StepLog,
-    _lr_factor,  # noqa: F401 - read here by lab.hf and benchmarks/precision_side_by_side.py
     run,
 )
 
@@ -201,9 +200,8 @@ def _check_kernels(config: Config) -> None:
 
 
 def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> str:
-    p = config.parallel
     floor = SyntheticTokens(config.model.vocab_size, 2, 1, branching=config.train.data_branching).loss_floor
-    layout = describe(p) + (f", grad_accum={p.grad_accum}" if p.grad_accum > 1 else "")
+    layout = describe(config.parallel, grad_accum=True)
     rate, startup, steady = throughput(logs, config.train.global_batch * config.train.seq_len, seconds)
     precision = "" if config.train.precision == "fp32" else f" in {config.train.precision}"
     skipped = sum(bool(log.skipped) for log in logs)

@@ -164,7 +164,7 @@ def _device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def _lr_factor(step: int, config: Config) -> float:
+def lr_factor(step: int, config: Config) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak learning rate."""
     warmup, total = config.train.warmup_steps, config.train.steps
     if step < warmup:
@@ -194,7 +194,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         kernels.patch(par.model)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16
     scaler = DynamicLossScaler(enabled=scheme.policy.needs_loss_scaling)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
                            train.data_branching)
 

@@ -511,7 +511,7 @@ def _build(layout: str) -> tuple:
     par = parallelize(config.model, build_mesh(config.parallel), config.parallel, torch.device("cpu"),
                       config.train.seed, config.train.seq_len)
     optimizer = adamw(par.parameters(), config.train.lr, config.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: trainer._lr_factor(step, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: trainer.lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, config.train.seq_len, config.train.global_batch, 0)
     return par, optimizer, scheduler, data, config
 

@@ -87,13 +87,13 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The pure-torch op the kernel must match (`lab.parallel.pp.cross_entropy`, for any leading shape)."""
+    """The pure-torch op the kernel must match (`lab.loss.cross_entropy`, for any leading shape)."""
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, block_v: int | None = None) -> torch.Tensor:
     """The mean cross-entropy of logits (..., V) against int64 targets (...) in [0, V), in logits' dtype:
-    `lab.parallel.pp.cross_entropy`'s signature and values. The gradient of the logits is computed in the
+    `lab.loss.cross_entropy`'s signature and values. The gradient of the logits is computed in the
     forward and kept (an N×V tensor); `block_v` (a power of two) sets the columns per chunk of the V loop."""
     check_input(logits, "logits")
     if logits.dim() < 1 or targets.shape != logits.shape[:-1]:

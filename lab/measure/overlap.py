@@ -89,11 +89,10 @@ class StepRecorder:
 
     The hooks are registered after the engine's own, so a gradient hook fires once the engine has already
     launched whatever that gradient completed; on the full parameters, which autograd fills (ZeRO-3's module
-    holds its pieces, `engine.full_of`). Nothing is recorded outside `recording()`.
+    holds its pieces, `engine.parameter_of`). Nothing is recorded outside `recording()`.
     """
 
     def __init__(self, model: nn.Module, engine: NaiveDP | Zero) -> None:
-        full_of = getattr(engine, "full_of", {})
         self.spans: list[Span] = []
         self.origin: float | None = None
         self._forward_start: dict[str, float] = {}
@@ -104,7 +103,7 @@ class StepRecorder:
                 name, time.perf_counter()))
             block.register_forward_hook(lambda _m, _a, _o, name=name: self.add(
                 "compute", f"fwd L{name}", self._forward_start[name], time.perf_counter()))
-            for param in (full_of.get(p, p) for p in block.parameters() if p.requires_grad):
+            for param in (engine.parameter_of(p) for p in block.parameters() if p.requires_grad):
                 param.register_post_accumulate_grad_hook(lambda _p, name=name: self._on_grad(name))
         self._sizes = {name: sum(p.requires_grad for p in block.parameters()) for name, block in model.layers.items()}
 

@@ -275,15 +275,15 @@ def _engine(model: nn.Module, mesh: Mesh | None, parallel: ParallelConfig, reduc
 
 def initial_values(engine: DataParallel, fp32: dict[nn.Parameter, torch.Tensor]) -> list[torch.Tensor]:
     """For each tensor the engine's optimizer updates, the fp32 value it was rounded from: its parameter's in
-    `fp32`, or for a ZeRO piece the slice `flat_range` of its full parameter's, flattened (`engine.full_of`)."""
-    full_of = getattr(engine, "full_of", {})
+    `fp32`, or for a ZeRO piece the slice `flat_range` of its full parameter's, flattened (`engine.parameter_of`)."""
     values = []
     for tensor in engine.parameters():
-        if tensor in full_of:
-            start, end = tensor.flat_range
-            values.append(fp32[full_of[tensor]].reshape(-1)[start:end])
-        else:
+        param = engine.parameter_of(tensor)
+        if param is tensor:
             values.append(fp32[tensor])
+        else:
+            start, end = tensor.flat_range
+            values.append(fp32[param].reshape(-1)[start:end])
     return values
 
 

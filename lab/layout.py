@@ -53,6 +53,12 @@ def check_tp(tp: int, n_heads: int, n_kv_heads: int | None, d_ff: int, vocab_siz
     require(problem is None, problem or "")
 
 
+def heads_per_rank(n_heads: int, tp: int) -> int:
+    """Query heads a tensor-parallel rank holds."""
+    require(n_heads % tp == 0, f"tp={tp} must divide n_heads={n_heads}")
+    return n_heads // tp
+
+
 def kv_heads_per_rank(n_kv_heads: int, tp: int) -> int:
     """KV heads a tensor-parallel rank holds: n_kv/tp when tp divides them, else one (replicated tp/n_kv times)."""
     require(n_kv_heads % tp == 0 or tp % n_kv_heads == 0,
@@ -110,6 +116,12 @@ def check_schedule(pp: int, chunks: int, schedule: str, micro_batches: int) -> N
 
 
 # Context and sequence parallelism, and the batch.
+
+def tokens_per_rank(seq: int, cp: int) -> int:
+    """Tokens of one sequence a context-parallel rank holds (contiguous chunks; `check_sequence` for a layout)."""
+    require(seq % cp == 0, f"cp={cp} must divide seq={seq}")
+    return seq // cp
+
 
 def check_sequence(seq_len: int, cp: int, cp_impl: str, tp: int, sp: bool, name: str = "seq_len") -> None:
     """The sequence splits into cp chunks (2·cp for zig-zag, when there is a cp > 1 to split over), and each

@@ -134,7 +134,7 @@ def test_draw_dispatch_labels_the_split_sizes():
     texts = [t.get_text() for t in ax.texts]
     assert "send [3, 6]" in texts and "send [4, 7]" in texts
     assert "rank 0 receives 7" in texts and "rank 1 receives 13" in texts
-    with pytest.raises(ValueError, match="ep=3 ranks must divide n_experts=4"):
+    with pytest.raises(ValueError, match="ep=3 must divide n_experts=4"):
         draw_dispatch([[1, 2, 3, 4]] * 3)
 
 

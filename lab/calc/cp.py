@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from lab.calc.hardware import get_accelerator
 from lab.calc.network import LINKS
 from lab.config import ModelConfig
+from lab.layout import heads_per_rank, kv_heads_per_rank, tokens_per_rank
 
 LAYOUTS = ("contiguous", "zigzag")
 FULL, DIAGONAL, SKIP = "full", "diagonal", "skip"  # kind of a (query chunk, key chunk) block under a causal mask
@@ -119,9 +120,7 @@ def _link(link: str):
 
 
 def _heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
-    if cfg.n_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={cfg.n_heads}")
-    return cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)
+    return heads_per_rank(cfg.n_heads, tp), kv_heads_per_rank(cfg.n_kv_heads, tp)
 
 
 def kv_block_bytes(mbs: int, tokens: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
@@ -135,12 +134,10 @@ def ring_step(cfg: ModelConfig, seq: int, cp: int, mbs: int = 1, *, tp: int = 1,
     `efficiency` scales the GPU's peak (e.g. 0.5 for a kernel at 50% of peak)."""
     for name, value in (("seq", seq), ("cp", cp), ("mbs", mbs), ("tp", tp), ("dtype_bytes", dtype_bytes)):
         _check(name, value)
-    if seq % cp:
-        raise ValueError(f"cp={cp} must divide seq={seq}")
+    c, d = tokens_per_rank(seq, cp), cfg.head_dim
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
     heads, kv_heads = _heads(cfg, tp)
-    c, d = seq // cp, cfg.head_dim
     flops = 4 * mbs * c * c * heads * d * (0.5 if causal else 1.0)
     kv_bytes = kv_block_bytes(mbs, c, kv_heads, d, dtype_bytes)
     wire = _link(link)
@@ -168,25 +165,19 @@ def hide_tokens(heads: int, kv_heads: int, dtype_bytes: float, flops: float, ban
 
 def ring_bytes(seq: int, cp: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2, mbs: int = 1) -> int:
     """Bytes one rank sends in one layer's ring attention: cp − 1 K/V blocks of s tokens."""
-    if seq % cp:
-        raise ValueError(f"cp={cp} must divide seq={seq}")
-    return (cp - 1) * kv_block_bytes(mbs, seq // cp, kv_heads, head_dim, dtype_bytes)
+    return (cp - 1) * kv_block_bytes(mbs, tokens_per_rank(seq, cp), kv_heads, head_dim, dtype_bytes)
 
 
 def ulysses_bytes(seq: int, cp: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2,
                   mbs: int = 1) -> float:
     """Bytes one rank sends in one layer's Ulysses attention: all-to-alls of q, k, v in and of the output back,
     each rank keeping 1/cp of every tensor it holds: (cp−1)/cp · b·s·(2H + 2G)·d·β."""
-    if seq % cp:
-        raise ValueError(f"cp={cp} must divide seq={seq}")
-    return (cp - 1) / cp * mbs * (seq // cp) * (2 * heads + 2 * kv_heads) * head_dim * dtype_bytes
+    return (cp - 1) / cp * mbs * tokens_per_rank(seq, cp) * (2 * heads + 2 * kv_heads) * head_dim * dtype_bytes
 
 
 def ulysses_max_cp(n_heads: int, tp: int = 1) -> int:
     """Ulysses splits the heads over the cp ranks: cp must divide the tp rank's n_heads/tp heads, at most that."""
-    if n_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={n_heads}")
-    return n_heads // tp
+    return heads_per_rank(n_heads, tp)
 
 
 def allgather_kv_bytes(seq: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2, mbs: int = 1) -> int:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
-from lab.calc.moe import expert_capacity
 from lab.config import MOE_GATINGS, PRESETS
+from lab.layout import expert_capacity, experts_per_rank
 from lab.widgets.base import Explorer, note, show_figure, slider
 
 MAX_EXPERTS, MAX_TOP_K, MIN_TOKENS, MAX_TOKENS = 64, 8, 8, 8192
@@ -232,9 +232,7 @@ def draw_dispatch(rows: list[list[int]], ax=None):
     import matplotlib.pyplot as plt
 
     ep, n_experts = len(rows), len(rows[0])
-    if n_experts % ep:
-        raise ValueError(f"ep={ep} ranks must divide n_experts={n_experts}")
-    local = n_experts // ep
+    local = experts_per_rank(n_experts, ep)
     ax = ax or plt.subplots(figsize=(1.0 + 0.55 * n_experts + 1.6, 0.5 * ep + 1.6))[1]
     ax.imshow(rows, cmap="Blues", aspect="auto", vmin=0, vmax=max(max(r) for r in rows) * 1.4 or 1)
     for s, row in enumerate(rows):

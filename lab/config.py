@@ -180,6 +180,9 @@ class ParallelConfig:
     # 0: the schedule's own, resolved here once (2 for interleaved, else 1), so a file naming only the schedule loads
     pp_virtual_stages: int = field(default=0, metadata={
         "flag": "--pp-chunks", "help": "layer chunks per pipeline rank (interleaved schedule; default 2 there)"})
+    pp_layers: str = field(default="even", metadata={
+        "help": "layers of each virtual stage: 'even' (default), 'llama3' (the first and last stage one layer "
+                "fewer) or the counts, e.g. '3,5'"})
     ep: int = field(default=1, metadata={"help": "expert-parallel degree (carved out of dp x cp)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage 0-3 over the dp x cp ranks (0: plain data "
                                                    "parallelism)"})
@@ -211,6 +214,8 @@ class ParallelConfig:
         _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _one_of("cp_impl", self.cp_impl, CP_IMPLS)
         _one_of("recompute", self.recompute, RECOMPUTE_MODES)
+        if self.pp_layers not in layout.PP_SPLITS:  # counts: their number and form; their sum is the model's
+            layout.split_counts(self.pp_layers, self.pp * self.pp_virtual_stages)
         _require(not self.sp or self.tp > 1, f"sp=True needs tp > 1 (got tp={self.tp})")
         layout.check_ep_ranks(self.ep, self.dp, self.cp)
 
@@ -220,7 +225,7 @@ class ParallelConfig:
                         model.vocab_size)
         if self.cp > 1 and self.cp_impl == "ulysses":
             layout.check_ulysses(model.n_heads, self.tp, self.cp)
-        layout.check_stages(model.n_layers, self.pp, self.pp_virtual_stages)
+        layout.check_stages(model.n_layers, self.pp, self.pp_virtual_stages, self.pp_layers)
         if self.ep > 1:
             _require(model.is_moe, f"ep={self.ep} needs a mixture-of-experts model (n_experts=0)")
             layout.experts_per_rank(model.n_experts, self.ep)

@@ -24,7 +24,8 @@ bug in one of them.
 
 The report ends with a verdict for the layout's fullest rank (calc's fullest pipeline stage, first place of its
 ZeRO group), whichever rank was built: whether its static bytes and activations fit the accelerator the config
-names (`train.hardware`), "fits on h100: 71.2 of 80 GiB" or "does not fit on h100: 11.1 GiB over". It is a
+names (`train.hardware`), "fits on h100: 71.2 of 80 GiB" or "does not fit on h100: 11.1 GiB over", counting the
+loss's working set when the fullest rank is the last stage (`lab.calc.memory.loss_bytes`). It is a
 verdict, not an error: the exit status stays 0 (1 only when the two accounts disagree).
 """
 
@@ -71,9 +72,9 @@ class DryRun:
         """One line: whether the fullest rank fits the config's accelerator, and by how much."""
         hardware, est = self.config.train.hardware, self.fullest
         total, capacity = est.per_gpu["total"], get_accelerator(hardware).memory_bytes
-        static = total - est.per_gpu["activations"]
-        where = (f"the fullest rank, pipeline stage {est.stage}: {static / GiB:.1f} GiB static + "
-                 f"{est.per_gpu['activations'] / GiB:.1f} GiB activations")
+        acts, loss = est.per_gpu["activations"], est.per_gpu["loss"]
+        where = (f"the fullest rank, pipeline stage {est.stage}: {(total - acts - loss) / GiB:.1f} GiB static + "
+                 f"{acts / GiB:.1f} GiB activations" + (f" + {loss / GiB:.1f} GiB for the loss" if loss else ""))
         if self.headroom >= 0:
             return f"fits on {hardware}: {total / GiB:.1f} of {capacity / GiB:.0f} GiB ({where})"
         return f"does not fit on {hardware}: {-self.headroom / GiB:.1f} GiB over ({where})"
@@ -102,6 +103,9 @@ class DryRun:
         acts = self.estimated["activations"]
         lines.append(f"  {'activations':<12}{'-':>20}{acts:>20,}{acts / 2**30:>10,.2f}   calc only (Korthikanti, "
                      f"flash attention), micro-batch {mbs} x {c.train.seq_len} tokens")
+        if loss := self.estimated["loss"]:
+            lines.append(f"  {'loss':<12}{'-':>20}{loss:>20,}{loss / 2**30:>10,.2f}   calc only: what the loss works in"
+                         f" beyond what it keeps (fp32 copies of the logits)")
         lines.append("static bytes agree exactly" if not self.mismatches else
                      f"static bytes differ in {', '.join(self.mismatches)}: a bug in the modules or in calc.memory")
         lines.append(self.verdict())

@@ -4,9 +4,10 @@ A rule such as "tp must divide n_kv_heads or be a multiple of it" used to be wri
 code, two calculators and a widget, and copies drift. Here each rule is one function on plain integers, with the
 one-line message (the bad value, what is allowed) that `lab.config` validation, `lab.parallel`, `lab.calc`, the
 widgets and the JAX track all show. What belongs here: divisibility rules of the five degrees against the model,
-the batch and the sequence; the numbers they fix (KV heads per rank, experts per rank, an expert's capacity,
-micro-batch size); the defaults a layout resolves (interleaved chunks, dp from the world size); the mesh's axis
-order and strides; and `describe`, the one-line summary of a layout. Costs (bytes, seconds) live in `lab.calc`.
+the batch and the sequence; how the layers split over pipeline stages; the numbers they fix (KV heads per rank,
+experts per rank, an expert's capacity, micro-batch size); the defaults a layout resolves (interleaved chunks, dp
+from the world size); the mesh's axis order and strides; and `describe`, the one-line summary of a layout.
+Costs (bytes, seconds) live in `lab.calc`.
 
 Torch-free and free of lab imports, so that `lab.config` can call it without a cycle and a browser kernel can run it.
 """
@@ -90,17 +91,57 @@ def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: fl
     return math.ceil(capacity_factor * (tokens * top_k) / n_experts)
 
 
-# Pipeline parallelism: layers dealt to pp ranks in chunks (virtual stages).
+# Pipeline parallelism: layers dealt to pp ranks in chunks (virtual stages), equally or as a split says.
 
 def pp_chunks(schedule: str, chunks: int = 0) -> int:
     """The chunks per pipeline rank a schedule runs: those given (> 0), else 2 for interleaved, else 1."""
     return chunks if chunks else INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
 
 
-def check_stages(n_layers: int, pp: int, chunks: int) -> None:
-    """Each of the pp·chunks virtual stages runs an equal slice of consecutive layers."""
+PP_SPLITS = ("even", "llama3")  # the named rules of `stage_layers`; counts such as "7,8,8,7" are the third kind
+
+
+def stage_layers(n_layers: int, virtual_stages: int, split: str = "even") -> list[int]:
+    """The layer count of each virtual stage, in pipeline order (stage s runs the next counts[s] layers).
+
+    "even": every stage the same share, n_layers / virtual_stages. "llama3": the first and the last stage one
+    layer fewer than the others, [k-1, k, ..., k, k-1], because they also run the embedding and the output layer
+    and the loss (Llama 3 405B's 126 layers over 16 stages: 7, 8 x 14, 7; "The Llama 3 Herd of Models", §3.3.2).
+    Or the counts themselves, "7,8,8,7": one per virtual stage, each >= 1, adding up to n_layers."""
+    if split == "even":
+        require(n_layers % virtual_stages == 0, f"pp*chunks = {virtual_stages} must divide n_layers={n_layers}")
+        return [n_layers // virtual_stages] * virtual_stages
+    if split == "llama3":
+        if virtual_stages == 1:
+            return [n_layers]
+        k, rest = divmod(n_layers + 2, virtual_stages)  # S·k - 2 layers: two stages lighter by one
+        require(rest == 0 and k >= 2, f"pp_layers='llama3' cannot split n_layers={n_layers} over {virtual_stages} "
+                                      f"virtual stages: it needs n_layers + 2 = {n_layers + 2} to be a multiple of "
+                                      f"{virtual_stages} (k layers a stage, k - 1 on the first and the last, k >= 2)")
+        return [k - 1] + [k] * (virtual_stages - 2) + [k - 1]
+    counts = split_counts(split, virtual_stages)
+    require(sum(counts) == n_layers, f"pp_layers={split!r} adds up to {sum(counts)} layers; n_layers={n_layers}")
+    return counts
+
+
+def split_counts(split: str, virtual_stages: int) -> list[int]:
+    """The counts of an explicit split "7,8,8,7", checked for what needs no model: one integer >= 1 per stage."""
+    require(isinstance(split, str), f"pp_layers={split!r} must be a string: 'even', 'llama3' or counts like '3,5'")
+    words = split.split(",")
+    require(all(w.strip().isdigit() and int(w) >= 1 for w in words),
+            f"pp_layers={split!r} must be 'even', 'llama3' or comma-separated layer counts >= 1, one per virtual "
+            f"stage (e.g. '3,5')")
+    require(len(words) == virtual_stages, f"pp_layers={split!r} gives {len(words)} stage(s); the layout has "
+                                          f"pp*pp_virtual_stages = {virtual_stages} virtual stages")
+    return [int(w) for w in words]
+
+
+def check_stages(n_layers: int, pp: int, chunks: int, split: str = "even") -> None:
+    """The pp·chunks virtual stages share the layers as `split` says (`stage_layers`): by default equally."""
     stages = pp * chunks
-    require(n_layers % stages == 0, f"pp*pp_virtual_stages = {pp}*{chunks} = {stages} must divide n_layers={n_layers}")
+    require(split != "even" or n_layers % stages == 0,
+            f"pp*pp_virtual_stages = {pp}*{chunks} = {stages} must divide n_layers={n_layers}")
+    stage_layers(n_layers, stages, split)
 
 
 def check_schedule(pp: int, chunks: int, schedule: str, micro_batches: int) -> None:
@@ -193,4 +234,5 @@ def describe(parallel: ParallelConfig, grad_accum: bool = False) -> str:
     return ", ".join(degrees + ([f"zero={p.zero}"] if p.zero else []) + (["sp"] if p.sp else [])
                      + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
                      + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])
-                     + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])) or "one rank"
+                     + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])
+                     + ([f"pp_layers={p.pp_layers}"] if p.pp > 1 and p.pp_layers != "even" else [])) or "one rank"

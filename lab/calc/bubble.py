@@ -9,16 +9,21 @@ forward), a W its own B — plus `p2p` seconds whenever that input comes from an
     t_b  its whole backward (input and weight gradients); usually about 2·t_f
     t_w  the weight-gradient part of t_b: split schedules run B in t_b - t_w and W in t_w
 
-With v chunks per rank each chunk op takes 1/v of these. Two ways to state the bubble, both reported:
-`bubble_ratio` = idle / useful time per rank (the playbook's r_bubble: (p-1)/(v·m) for AFAB, 1F1B and
-interleaved 1F1B, whatever t_f and t_b, without latency) and `idle_fraction` = idle / makespan
-((p-1)/(m+p-1) for AFAB and 1F1B). Idle time counts from the step's start to the makespan on every rank.
+With v chunks per rank each chunk op takes 1/v of these. When the virtual stages hold different numbers of layers
+(`lab.layout.stage_layers`: Llama 3's lighter first and last stage), `simulate(..., layers=counts)` makes these an
+average stage's times and scales each stage's ops by its layers over the average.
+
+Two ways to state the bubble, both reported: `bubble_ratio` = idle / useful time per rank (the playbook's
+r_bubble: (p-1)/(v·m) for AFAB, 1F1B and interleaved 1F1B, whatever t_f and t_b, without latency) and
+`idle_fraction` = idle / makespan ((p-1)/(m+p-1) for AFAB and 1F1B). Idle time counts from the step's start to the
+makespan on every rank. The closed forms assume equal stages.
 Torch-free.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lab.calc.schedules import B, F, Op, Schedule, W, make_schedule
@@ -99,17 +104,25 @@ def _dependency(schedule: Schedule, rank: int, op: Op) -> tuple[Op, int] | None:
     return Op(B, op.microbatch, op.chunk), rank
 
 
-def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1.0, p2p: float = 0.0) -> Simulation:
-    """Play `schedule` with these op costs; raises ValueError if the schedule deadlocks."""
+def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 2.0, tw: float = 1.0, p2p: float = 0.0,
+             layers: Sequence[int] | None = None) -> Simulation:
+    """Play `schedule` with these op costs; raises ValueError if the schedule deadlocks. `layers`: the layer
+    count of each virtual stage, when they differ; an op of stage s then takes layers[s] / their mean of its cost
+    (tf, tb and tw being an average stage's)."""
     if not (isinstance(p2p, int | float) and 0 <= p2p < math.inf):
         raise ValueError(f"p2p={p2p!r} must be a finite number >= 0")
     costs = op_durations(tf, tb, tw, schedule.stage_share)
     deferred = {(r, op.microbatch, op.chunk) for r, ops in enumerate(schedule.ops) for op in ops if op.kind == W}
+    stages = schedule.virtual_stages
+    if layers is not None and (len(layers) != stages or min(layers) < 1):
+        raise ValueError(f"layers={list(layers)} must give {stages} virtual stages >= 1 layer each")
+    weight = [1.0] * stages if layers is None else [n * stages / sum(layers) for n in layers]
 
     def duration(rank: int, op: Op) -> float:
+        scale = weight[schedule.virtual_stage(rank, op.chunk)]
         if op.kind == B and (rank, op.microbatch, op.chunk) in deferred:
-            return costs["Bsplit"]  # its weight gradients come later, in a W
-        return costs[op.kind]
+            return costs["Bsplit"] * scale  # its weight gradients come later, in a W
+        return costs[op.kind] * scale
 
     p = schedule.pp
     finished: dict[tuple[int, Op], float] = {}

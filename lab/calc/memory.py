@@ -27,7 +27,12 @@ With pipeline parallelism a stage keeps the activations of every micro-batch it 
 backward: m for AFAB, min(m, pp - stage) for 1F1B, so the first stage holds pp x (L/pp) layers' worth, as
 much as without pipelining (Korthikanti §4.2.3). The counts are replayed from the schedule that
 `lab.parallel.pp` executes, per chunk too: the last stage keeps the logits of m micro-batches under AFAB and
-of one under 1F1B; interleaving keeps more embeddings on the first stage than min(m, pp).
+of one under 1F1B; interleaving keeps more embeddings on the first stage than min(m, pp). Stages hold the layers
+`lab.layout.stage_layers` gives them (equal, Llama 3's lighter first and last, or counts per stage).
+
+The loss needs more than what it keeps: at its backward the fp32 gradients of the (B, T, vocab) log-probabilities
+sit beside them, two more copies of the fp32 logits (`loss_bytes`). That working set is the `loss` entry, on the
+last stage; with it calc.memory's total is the step's peak on a GPU, not only what lasts from forward to backward.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from functools import lru_cache
 from lab.calc.params import count_params
 from lab.calc.schedules import B, F, W, make_schedule, rank_layers
 from lab.config import ModelConfig, ParallelConfig
-from lab.layout import check_sequence, experts_per_rank, kv_heads_per_rank
+from lab.layout import check_sequence, experts_per_rank, kv_heads_per_rank, stage_layers
 
 # Bytes per parameter: (weights, gradients, optimizer states).
 PRECISIONS = {
@@ -72,7 +77,7 @@ class MemoryEstimate:
     """Bytes on one GPU (the pipeline stage `stage`, by default the fullest one)."""
 
     num_params: int  # the whole model
-    per_gpu: dict[str, int]  # params, grads, optimizer, activations, total
+    per_gpu: dict[str, int]  # params, grads, optimizer, activations, loss (its working set, `loss_bytes`), total
     activations_breakdown: dict[str, int]  # layers, embedding, logits
     stage: int
     params_on_gpu: int  # parameters this rank holds before ZeRO sharding
@@ -164,7 +169,7 @@ def zero_units(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> list[t
     if stage == parallel.pp - 1:
         root += d + (0 if cfg.tie_embeddings and parallel.pp == 1 else vocab_shard)
     units = [(root, 0)]
-    for layer in rank_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage]:
+    for layer in rank_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages, parallel.pp_layers)[stage]:
         dense, expert = _attention_on_rank(cfg, tp) + 2 * d, 0
         if cfg.is_moe_layer(layer):
             dense += d * cfg.n_experts + cfg.n_shared_experts * 3 * d * cfg.d_ff_expert
@@ -229,36 +234,63 @@ def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool, 
 
 
 @lru_cache(maxsize=64)
-def _held(schedule: str, pp: int, m: int, v: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Per rank: the most (micro-batch, chunk) activations it holds at once, and the most micro-batches each
-    of its chunks holds. Replayed from the schedule `lab.parallel.pp` executes: a forward stores a micro-batch's
-    activations, its backward frees them — or its W, when the schedule defers weight gradients (ZB-H1): until
-    then lab's executor keeps what W needs, each weighted module's input and output and the gradient at that
-    output, the output layer's logits included. (Counted here as the whole micro-batch's activations.)"""
+def _held(schedule: str, pp: int, m: int, v: int, n_layers: int, split: str
+          ) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """Per rank, at the moment it holds the most layers' activations: those layers (a held (micro-batch, chunk)
+    counts its chunk's layers, `lab.layout.stage_layers` of `split`) and the (micro-batch, chunk) pairs; then the
+    most micro-batches each of its chunks holds. Replayed from the schedule `lab.parallel.pp` executes: a forward
+    stores a micro-batch's activations, its backward frees them — or its W, when the schedule defers weight
+    gradients (ZB-H1): until then lab's executor keeps what W needs, each weighted module's input and output and
+    the gradient at that output, the output layer's logits included. (Counted here as the whole micro-batch's
+    activations.)"""
     plan = make_schedule(schedule, pp, m, v)
+    counts = stage_layers(n_layers, plan.virtual_stages, split)
     frees = W if plan.split_backward else B
     result = []
-    for ops in plan.ops:
+    for rank, ops in enumerate(plan.ops):
+        layers = [counts[plan.virtual_stage(rank, chunk)] for chunk in range(v)]
         held, peak = [0] * v, [0] * v  # micro-batches each chunk holds now, and at most
-        total = 0
+        most = (0, 0)  # (layers, chunks) held at the fullest moment
         for op in ops:
             if op.kind in (F, frees):
                 held[op.chunk] += 1 if op.kind == F else -1
                 peak[op.chunk] = max(peak[op.chunk], held[op.chunk])
-                total = max(total, sum(held))
-        result.append((total, tuple(peak)))
+                most = max(most, (sum(h * n for h, n in zip(held, layers, strict=True)), sum(held)))
+        result.append((*most, tuple(peak)))
     return tuple(result)
 
 
-def _in_flight(parallel: ParallelConfig, stage: int) -> tuple[float, int, int]:
-    """At a pipeline stage's peak: its layers' worth of one micro-batch held (AFAB m, 1F1B min(m, p - stage),
-    interleaved Megatron's (p - stage - 1)·2 + (v - 1)·p + 1 chunks / v), and the micro-batches whose
-    embedding (chunk 0 of stage 0) and whose logits (the last chunk of the last stage) it holds."""
+def _in_flight(cfg: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int, int, int]:
+    """At a pipeline stage's peak: the layers' activations of one micro-batch it holds (AFAB m x its layers, 1F1B
+    min(m, p - stage) x them, interleaved Megatron's (p - stage - 1)·2 + (v - 1)·p + 1 chunks), the (micro-batch,
+    chunk) pairs behind them, and the micro-batches whose embedding (chunk 0 of stage 0) and whose logits (the
+    last chunk of the last stage) it holds."""
     p, m, v = parallel.pp, parallel.grad_accum, parallel.pp_virtual_stages
     if p == 1:
-        return 1.0, 1, 1  # gradient accumulation runs micro-batches one after the other
-    total, per_chunk = _held(parallel.pp_schedule, p, m, v)[stage]
-    return total / v, per_chunk[0], per_chunk[-1]
+        return cfg.n_layers, 1, 1, 1  # gradient accumulation runs micro-batches one after the other
+    layers, chunks, per_chunk = _held(parallel.pp_schedule, p, m, v, cfg.n_layers, parallel.pp_layers)[stage]
+    return layers, chunks, per_chunk[0], per_chunk[-1]
+
+
+def loss_bytes(tokens: int, vocab: int, tp: int = 1, logits_bytes: int = 4) -> int:
+    """Bytes the loss of one micro-batch holds at its peak beyond what the activations count for it (the fp32
+    log-probabilities or softmax it keeps for backward, the `logits` term), with N = tokens x vocab/tp elements:
+
+    * whole logits, `lab.loss.cross_entropy` (F.cross_entropy: log-softmax then NLL): at the log-softmax's
+      backward, the gradient it receives and the one it returns, both fp32 (B, T, vocab), sit beside its kept
+      output: 2 x 4·N. Its forward holds less (the logits, their fp32 copy under 16-bit precision, the output).
+    * vocabulary-parallel logits (`lab.parallel.tp.vocab_parallel_cross_entropy`, tp > 1): its forward holds the
+      incoming logits (`logits_bytes` each), their fp32 copy when those are 16-bit (`lab.parallel.parallelize`
+      casts them first), the shifted logits and their exponentials beside the softmax it keeps: (c + 4 + 8)·N
+      with c = 2, or (4 + 8)·N in fp32 — more than its backward's 8·N.
+
+    It lives once (only one micro-batch's loss runs at a time), on the stage that computes the loss, the last,
+    while every activation of that micro-batch is still held: a step's peak, what `torch.cuda.max_memory_allocated`
+    reports. tests/test_calc_memory.py measures it on the CPU."""
+    n = tokens * vocab // tp
+    if tp == 1:
+        return 8 * n
+    return (logits_bytes + (4 if logits_bytes < 4 else 0) + 8) * n
 
 
 def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, precision: str,
@@ -293,8 +325,7 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
                  activation_model: str) -> dict[str, int]:
     tp, sp, cp, recompute = parallel.tp, parallel.sp, parallel.cp, parallel.recompute
     s, b, h = seq // cp, mbs, cfg.d_model
-    layer_multiple, embedding_micro_batches, logits_micro_batches = _in_flight(parallel, stage)
-    n_layers = len(rank_layers(cfg.n_layers, parallel.pp, parallel.pp_virtual_stages)[stage])
+    layers_held, chunks_held, embedding_micro_batches, logits_micro_batches = _in_flight(cfg, parallel, stage)
     first, last = stage == 0, stage == parallel.pp - 1
     if activation_model == "exact":
         rope = 4 * s * cfg.head_dim  # cos and sin, (s, head_dim/2) each, shared by all layers
@@ -302,7 +333,7 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
         # kernel keeps — q, k, v, the output and its log-sum-exp — for this rank's s = seq/cp queries.
         layer = _exact_layer(cfg, s, b, recompute, flash or cp > 1, tp, sp)
         # each chunk's forward computes its own angles: one rope per (micro-batch, chunk) held
-        layers = layer_multiple * n_layers * layer + layer_multiple * parallel.pp_virtual_stages * rope
+        layers = layers_held * layer + chunks_held * rope
         # the int64 token ids the embedding's backward indexes with (TP: and the mask of ids outside its shard)
         embedding = 8 * s * b + (s * b if tp > 1 else 0)
         d, vocab = cfg.d_model, cfg.vocab_size // tp
@@ -315,7 +346,7 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
         split = tp if sp else 1
         per_layer = korthikanti_layer_bytes(s, b, h, cfg.n_heads, tp=tp, sp=sp, recompute=recompute, flash=flash,
                                             s_kv=seq)
-        layers = layer_multiple * n_layers * per_layer
+        layers = layers_held * per_layer
         embedding = s * b * h / split  # dropout mask of the embedding output
         logits = 4 * s * b * h / split + 4 * s * b * cfg.vocab_size / tp
     return {"layers": round(layers), "embedding": round(embedding * embedding_micro_batches) if first else 0,
@@ -357,7 +388,9 @@ def estimate_memory(cfg: ModelConfig, seq: int, mbs: int = 1, parallel: Parallel
             for key, value in static_bytes([e for _, e in units], dp=replicas // parallel.ep, **kw).items():
                 static[key] += value
         acts = _activations(cfg, seq, mbs, parallel, k, flash, activation_model)
-        per_gpu = {**static, "activations": sum(acts.values())}
+        last = k == parallel.pp - 1
+        loss = loss_bytes(seq // parallel.cp * mbs, cfg.vocab_size, parallel.tp, 4 if precision == "fp32" else 2)
+        per_gpu = {**static, "activations": sum(acts.values()), "loss": loss if last else 0}
         per_gpu["total"] = sum(per_gpu.values())
         estimates.append((per_gpu["total"], k, per_gpu, acts, dense + expert))
     _, k, per_gpu, acts, on_gpu = max(estimates, key=lambda e: (e[0], e[1]))

@@ -4,9 +4,10 @@ An operation is a forward (F), a backward (B) or — in zero-bubble schedules, w
 two — an input-gradient backward (B) followed later by a weight-gradient pass (W), for one micro-batch and
 one *chunk* of layers. Without interleaving a rank owns one chunk (its stage); with interleaving it owns v
 chunks, and chunk c of rank r is virtual stage c·p + r (Megatron's round-robin: rank 0 runs stages 0 and p).
-Virtual stage s of S runs the s-th of S equal slices of consecutive layers. `virtual_stage_layers` and
-`rank_layers` state that rule once for the executor (`lab.parallel.pp.build_chunk`) and the memory model
-(`lab.calc.memory`).
+Virtual stage s of S runs the s-th slice of consecutive layers, of the size `lab.layout.stage_layers` gives it
+(equal slices by default; Llama 3's first and last stage one layer lighter; or counts given per stage).
+`virtual_stage_layers` and `rank_layers` state that rule once for the executor (`lab.parallel.pp.build_chunk`) and
+the memory model (`lab.calc.memory`).
 
 The same objects drive the simulator (`lab.calc.bubble`) and the real pipeline (`lab.parallel.pp`), so what
 the bubble calculator draws is what the ranks execute. Torch-free.
@@ -25,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from lab.config import PP_SCHEDULES
+from lab.layout import stage_layers
 
 F, B, W = "F", "B", "W"
 SCHEDULES = (*PP_SCHEDULES, "zb-h2", "dualpipe")  # lab.train runs the first four; the others, the simulator
@@ -35,20 +37,20 @@ def virtual_stage_of(rank: int, chunk: int, pp: int) -> int:
     return chunk * pp + rank
 
 
-def virtual_stage_layers(n_layers: int, virtual_stage: int, virtual_stages: int) -> range:
-    """The layers virtual stage `virtual_stage` of `virtual_stages` runs: its equal slice of consecutive layers."""
-    if n_layers % virtual_stages:
-        raise ValueError(f"pp*chunks = {virtual_stages} must divide n_layers={n_layers}")
+def virtual_stage_layers(n_layers: int, virtual_stage: int, virtual_stages: int, split: str = "even") -> range:
+    """The layers virtual stage `virtual_stage` of `virtual_stages` runs: its slice of consecutive layers, of the
+    size `split` gives it (`lab.layout.stage_layers`: "even", "llama3" or counts such as "3,5")."""
+    counts = stage_layers(n_layers, virtual_stages, split)
     if not 0 <= virtual_stage < virtual_stages:
         raise ValueError(f"virtual_stage={virtual_stage} must be in [0, {virtual_stages})")
-    size = n_layers // virtual_stages
-    return range(virtual_stage * size, (virtual_stage + 1) * size)
+    start = sum(counts[:virtual_stage])
+    return range(start, start + counts[virtual_stage])
 
 
-def rank_layers(n_layers: int, pp: int, chunks: int = 1) -> list[list[int]]:
+def rank_layers(n_layers: int, pp: int, chunks: int = 1, split: str = "even") -> list[list[int]]:
     """Layer indices of each pipeline rank: its `chunks` virtual stages, dealt round-robin, in chunk order."""
     return [[layer for chunk in range(chunks)
-             for layer in virtual_stage_layers(n_layers, virtual_stage_of(rank, chunk, pp), pp * chunks)]
+             for layer in virtual_stage_layers(n_layers, virtual_stage_of(rank, chunk, pp), pp * chunks, split)]
             for rank in range(pp)]
 
 

@@ -239,7 +239,7 @@ def build_stage(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, v
     """Steps 1-5 for one stage, on `meta`: nothing is allocated yet."""
     model = build_model(cfg)
     if virtual_stages > 1:
-        cut_to_stage(model, virtual_stage, virtual_stages)
+        cut_to_stage(model, virtual_stage, virtual_stages, parallel.pp_layers)
     if parallel.tp > 1:
         apply_tensor_parallel(model, mesh.tp_group, sequence_parallel=parallel.sp)
     if parallel.cp > 1:

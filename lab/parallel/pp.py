@@ -1,7 +1,8 @@
 """Pipeline parallelism, executed: each rank holds a slice of the layers and runs a schedule's ops in order.
 
-The model is cut into pp·v equal chunks of consecutive layers (`build_chunk`); virtual stage s runs on rank
-s mod pp (Megatron's round-robin, so v > 1 is the interleaved layout; the rule is `lab.calc.schedules`'s,
+The model is cut into pp·v chunks of consecutive layers (`build_chunk`), equal ones unless a split says otherwise
+(`lab.layout.stage_layers`: Llama 3's lighter first and last stage, or counts per stage); virtual stage s runs on
+rank s mod pp (Megatron's round-robin, so v > 1 is the interleaved layout; the rule is `lab.calc.schedules`'s,
 shared with the memory model). The first stage also owns the token embedding, the last the final norm, the
 output layer and the loss. Every rank then walks its list of ops from a `lab.calc.schedules.Schedule` —
 the very objects the bubble simulator plays:
@@ -45,15 +46,16 @@ from lab.loss import LossFn, cross_entropy
 from lab.model import RMSNorm, Transformer, build_model, materialize
 
 
-def cut_to_stage(model: Transformer, virtual_stage: int, virtual_stages: int) -> Transformer:
-    """Keep (in place) what virtual stage `virtual_stage` of `virtual_stages` runs: its layers (same names as in
-    the whole model, so materialising gives them the very same initial weights), the embedding on the first
-    stage, the final norm and output layer on the last. Works on `meta`: nothing else is ever allocated."""
+def cut_to_stage(model: Transformer, virtual_stage: int, virtual_stages: int, split: str = "even") -> Transformer:
+    """Keep (in place) what virtual stage `virtual_stage` of `virtual_stages` runs: its layers (as many as `split`
+    gives it; same names as in the whole model, so materialising gives them the very same initial weights), the
+    embedding on the first stage, the final norm and output layer on the last. Works on `meta`: nothing else is
+    ever allocated."""
     cfg = model.cfg
     if cfg.tie_embeddings and virtual_stages > 1:
         raise ValueError(f"{cfg.name} ties its embedding and output weights: pipeline parallelism would need the "
                          "first and last stages to share a gradient, which lab does not do yet")
-    layers = virtual_stage_layers(cfg.n_layers, virtual_stage, virtual_stages)
+    layers = virtual_stage_layers(cfg.n_layers, virtual_stage, virtual_stages, split)
     for name in list(model.layers):
         if int(name) not in layers:
             del model.layers[name]
@@ -65,9 +67,10 @@ def cut_to_stage(model: Transformer, virtual_stage: int, virtual_stages: int) ->
 
 
 def build_chunk(cfg: ModelConfig, virtual_stage: int, virtual_stages: int, device: str | torch.device = "cpu",
-                seed: int = 0) -> Transformer:
-    """The materialised part of the model that virtual stage `virtual_stage` of `virtual_stages` runs."""
-    return materialize(cut_to_stage(build_model(cfg), virtual_stage, virtual_stages), device, seed)
+                seed: int = 0, split: str = "even") -> Transformer:
+    """The materialised part of the model that virtual stage `virtual_stage` of `virtual_stages` runs, its layers
+    split over the stages as `split` says (`lab.layout.stage_layers`)."""
+    return materialize(cut_to_stage(build_model(cfg), virtual_stage, virtual_stages, split), device, seed)
 
 
 @dataclass(frozen=True)

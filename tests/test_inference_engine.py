@@ -20,6 +20,7 @@ from lab.data import SyntheticTokens
 from lab.inference.engine import EngineConfig, LLMEngine
 from lab.inference.kv_cache import generate
 from lab.inference.sampling import SamplingParams
+from lab.inference.sequence import SequenceStatus
 from lab.model import build_model, materialize
 from lab.serve import follows_stream, main, serve
 
@@ -108,6 +109,28 @@ def test_continuous_batching_admits_a_request_as_soon_as_one_finishes(models):
     first_finish = next(i for i, r in enumerate(engine.timeline) if 0 in r.finished)
     third_start = next(i for i, r in enumerate(engine.timeline) if any(sid == 2 for sid, _ in r.ran))
     assert third_start == first_finish + 1 and not any(1 in r.finished for r in engine.timeline[:third_start])
+
+
+def test_an_aborted_request_frees_its_blocks_and_changes_no_other(models):
+    """Abort a running request and a waiting one between steps (a server's client went away): both leave the
+    scheduler, every KV block is back in the pool once the rest finish, the others get their tokens alone, and
+    `pop` forgets the aborted ones."""
+    model, prompts = models["gqa"], _prompts(4)
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=2))
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()
+    running, waiting = engine.sequences[ids[1]], engine.sequences[ids[3]]
+    assert running.status is SequenceStatus.RUNNING and waiting.status is SequenceStatus.WAITING
+    engine.abort(ids[1])
+    engine.abort(ids[3])
+    assert running.block_table == [] and running.status is waiting.status is SequenceStatus.ABORTED
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert [engine.sequences[i].generated for i in ids[::2]] == _alone(model, prompts[::2])
+    assert engine.pop(ids[1]) is running and ids[1] not in engine.sequences
+    with pytest.raises(ValueError, match="abort it"):
+        engine.pop(engine.add_request(prompts[0], GREEDY))
 
 
 def test_a_cache_too_small_for_one_request_says_so(models):

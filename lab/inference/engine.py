@@ -8,6 +8,10 @@ joins as soon as a slot and blocks are free, and leaves the step it finishes), t
 over the paged cache, each sequence that reached the end of its known tokens samples one (with its own seeded
 generator, so that its tokens do not depend on its batch-mates), and the scheduler books the result. `timeline`
 records what each step ran, for the chapter's picture of continuous batching.
+
+A server (`lab.inference.server`) adds two calls, made between steps: `abort(seq_id)` when a client goes away,
+and `pop(seq_id)` once a request's tokens are delivered, so that a long-running engine does not keep every
+request it ever served.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from lab.inference.block_manager import BlockManager
 from lab.inference.model_runner import ModelRunner
 from lab.inference.sampling import SamplingParams, sample
 from lab.inference.scheduler import Scheduler
-from lab.inference.sequence import Sequence
+from lab.inference.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,18 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request between steps: it stops being scheduled and its KV blocks go back to the pool."""
+        self.scheduler.abort(self.sequences[seq_id])
+
+    def pop(self, seq_id: int) -> Sequence:
+        """Forget a finished or aborted request (its record and generator) and return it."""
+        seq = self.sequences[seq_id]
+        if seq.status not in (SequenceStatus.FINISHED, SequenceStatus.ABORTED):
+            raise ValueError(f"sequence {seq_id} is {seq.status.name}: abort it before popping it")
+        del self.generators[seq_id]
+        return self.sequences.pop(seq_id)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run every prompt to completion; the generated tokens of each, in the prompts' order."""

@@ -23,7 +23,7 @@ could ever hold. A preempted sequence's recompute is always split: it may by now
 
 `update` is the other half of a step: it advances each sequence by its chunk, appends the sampled token to those
 whose chunk reached their last token, publishes newly full blocks to the prefix cache, and retires finished
-sequences.
+sequences. `abort` takes a sequence out wherever it is (a server's client disconnected), freeing its blocks.
 """
 
 from __future__ import annotations
@@ -79,6 +79,18 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel an unfinished sequence between steps: out of the queue or the running list, its blocks freed (full
+        ones stay in the prefix cache, as after a normal finish). Aborting a finished sequence changes nothing."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        seq.status = SequenceStatus.ABORTED
 
     def _chunk(self, seq: Sequence, remaining: int, budget_left: int) -> int:
         """How many of the sequence's `remaining` tokens run this step (0: it waits for a roomier step)."""

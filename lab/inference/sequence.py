@@ -19,11 +19,13 @@ from lab.inference.sampling import SamplingParams
 
 class SequenceStatus(Enum):
     """WAITING: queued, holds no blocks (new, or preempted). RUNNING: admitted, holds blocks, scheduled every step
-    the budget allows. FINISHED: done; its blocks are released (full ones stay in the prefix cache)."""
+    the budget allows. FINISHED: done; its blocks are released (full ones stay in the prefix cache). ABORTED:
+    cancelled before it finished (its client went away); its blocks are released the same way."""
 
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+    ABORTED = auto()
 
 
 @dataclass

@@ -7,6 +7,7 @@
     python -m lab calc bubble --pp-schedule zb-h1 --pp 8 --grad-accum 32
     python -m lab checkpoint inspect ckpt/step-00000020
     python -m lab launch slurm --config configs/llama3-8b.toml --nodes 2 --gpus-per-node 8 --set parallel.dp=16
+    python -m lab sweep --config configs/tiny.toml --nproc 4 --top 4 --out sweep
     python -m lab site                        the course as web pages in site/ (`make site`)
 """
 
@@ -25,6 +26,7 @@ COMMANDS = {
     "serve": ("lab.serve", "an offline batch of requests through lab.inference's engine: throughput, latency"),
     "checkpoint": ("lab.checkpoint", "inspect a DCP checkpoint, or convert it to one plain state_dict file"),
     "launch": ("lab.distributed.slurm", "write the sbatch script that runs lab.train on N nodes of G GPUs (Slurm)"),
+    "sweep": ("lab.sweep", "run the search's top layouts (or given ones) as short runs: predicted vs measured"),
     "site": ("lab.site", "the course as static web pages (site/) from the chapters the tests executed"),
 }
 

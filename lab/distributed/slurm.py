@@ -29,6 +29,9 @@ The script is the usual shape of a multi-node PyTorch job; each piece is there f
 
 Nothing is left for the cluster to discover: the layout is checked before the script is written (the config's
 dp x tp x cp x pp must equal nodes x GPUs per node), and a bad value is one `error:` line and exit status 2.
+
+`array_script` writes the other shape a cluster needs: a job array of short runs, one per task, with the same
+rendezvous and settings (`python -m lab sweep --launch slurm` measures a layout a task).
 """
 
 from __future__ import annotations
@@ -298,6 +301,49 @@ def _stop_and_requeue(job: SlurmJob) -> list[str]:
             "    exit 0",
             "}",
             "trap stop_and_requeue TERM"]
+
+
+def torchrun_command(job: SlurmJob, train: list[str]) -> str:
+    """The launch of one `lab.train` run over the job's nodes, with `train` as its arguments: one torchrun per
+    node (srun), each starting a rank per GPU, meeting at the rendezvous `_rendezvous` found. The line
+    `sbatch_script` writes, without its restarts: for the short runs of a sweep (`array_script`)."""
+    torchrun = [f"srun --cpus-per-task={job.cpus} --kill-on-bad-exit=1 torchrun", '--nnodes "$SLURM_NNODES"',
+                f"--nproc-per-node {job.gpus_per_node}", "--rdzv-backend c10d",
+                '--rdzv-endpoint "$HEAD_ADDR:$PORT"', '--rdzv-id "$SLURM_JOB_ID"', "-m lab.train " + shlex.join(train)]
+    return " \\\n    ".join(torchrun)
+
+
+def array_script(job: SlurmJob, tasks: list[list[str]], command: str | None = None, at_once: int = 1) -> str:
+    """A Slurm job array whose task i runs `lab.train` with `tasks[i]` as its arguments on `job`'s nodes: a sweep
+    of short runs, a layout a task (`python -m lab sweep --launch slurm`). Each task is a job of its own (its own
+    allocation, rendezvous and job id); `at_once` of them run at a time, one by default, so that the layouts are
+    measured one after another rather than sharing the network. No checkpoints, restarts or requeues: a sweep's
+    runs last minutes. The caller checks each task's layout (`check_layout` with that task's overrides)."""
+    check_values(job)
+    _require(tasks, "a job array needs at least one task")
+    _require(at_once >= 1, f"at_once={at_once} must be >= 1 (array tasks running at a time)")
+    sbatch = [f"--job-name={job.name}", f"--array=0-{len(tasks) - 1}%{at_once}", f"--nodes={job.nodes}",
+              "--ntasks-per-node=1", f"--gpus-per-node={job.gpus_per_node}", f"--cpus-per-task={job.cpus}",
+              f"--time={job.time}"]
+    sbatch += [f"--partition={job.partition}"] if job.partition else []
+    sbatch += [f"--account={job.account}"] if job.account else []
+    sbatch += [f"--output={job.log}"]
+    lines = ["#!/bin/bash", *([f"# Written by: {command}"] if command else []),
+             *_comment(f"Submit it with `sbatch FILE` from the directory the paths below are relative to, in the "
+                       f"environment that has lab. Task i of the array (0-{len(tasks) - 1}) runs run i on "
+                       f"{job.nodes} node(s) of {job.gpus_per_node} GPUs; %A in the log's name is the array's "
+                       f"job id, %a the task."),
+             *(f"#SBATCH {line}" for line in sbatch), "", "set -eu", "",
+             "# NCCL and torch settings: what each does, and when to change it."]
+    for variable, value, what, enabled in KNOBS:
+        lines += [*_comment(what), f"{'' if enabled else '# '}export {variable}={value}"]
+    lines += [f'mkdir -p "{FLIGHT_RECORDER_DIR}/$SLURM_JOB_ID"',
+              f"export OMP_NUM_THREADS={max(1, job.cpus // job.gpus_per_node)}", "", *_rendezvous(job),
+              'case "$SLURM_ARRAY_TASK_ID" in']
+    for i, train in enumerate(tasks):
+        lines += [f"{i})", torchrun_command(job, train), "    ;;"]
+    lines += ['*) echo "lab: no run for array task $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;', "esac"]
+    return "\n".join(lines) + "\n"
 
 
 class _OneLineParser(argparse.ArgumentParser):

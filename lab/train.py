@@ -6,12 +6,17 @@
     python -m lab.train --config configs/llama3-70b.toml --dp 8 --tp 8 --pp 4 --dry-run --rank 37  # lab.dryrun
     python -m lab.train --config configs/tiny.toml --nproc 2 --checkpoint-dir ckpt --checkpoint-every 2 \
         --inject-failure rank=1,step=3,kind=kill --max-restarts 1     # a rank dies; the group resumes (lab.faults)
+    python -m lab.train --config configs/tiny.toml --nproc 2 --inject-failure rank=1,kind=straggler,delay_ms=50
+    python -m lab.train --config configs/tiny.toml --nproc 3 --set train.global_batch=6 --sdc-check 1 \
+        --inject-failure rank=1,step=3,kind=bitflip                 # caught: rank 1 and the parameter named
     python -m lab.train --config configs/tiny.toml --nproc 4 --tp 2 --precision fp8-tilewise  # lab.precision
 
 On a CPU it starts `--nproc` gloo ranks through `lab.distributed.run`; under `torchrun` it joins the launched
 group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,
-peak_bytes) to `--log-json`; the final summary compares the loss with the data's known floor. A group started
-again after a failure (`--max-restarts`, or `torchrun --max-restarts`) resumes from its newest checkpoint.
+peak_bytes, and with two or more ranks each rank's compute and step seconds) to `--log-json`; the final summary
+names a straggler if there is one (`lab.distributed.health`), and compares the loss with the data's known floor.
+A group started again after a failure (`--max-restarts`, or `torchrun --max-restarts`) resumes from its newest
+checkpoint.
 
 Each chapter adds its flag here and a test showing its losses equal the single-process run's.
 
@@ -35,6 +40,7 @@ from lab import distributed as lab_dist
 from lab.checkpoint import CheckpointOptions
 from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
 from lab.data import SyntheticTokens
+from lab.distributed.health import SilentDataCorruption, find_straggler
 from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.dryrun import dry_run
 from lab.faults import USAGE, InjectedFailure
@@ -107,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--max-restarts", type=int, default=0, metavar="K", help="start the whole group again after a "
                         "failure, up to K times, resuming from the newest checkpoint (needs --checkpoint-dir; "
                         "under torchrun, give torchrun --max-restarts instead)")
+    faults.add_argument("--sdc-check", type=int, default=0, metavar="N", help="every N steps, compare a checksum "
+                        "of the data-parallel replicas' parameters and optimizer states (lab.distributed.health) and "
+                        "stop on a mismatch, naming the rank and the tensor (0: never)")
+    faults.add_argument("--sdc-report", action="store_true", help="with --sdc-check: report a mismatch (stderr, "
+                        "and the step's 'sdc' in --log-json) and go on, instead of stopping")
     faults.add_argument("--collective-timeout", type=float, metavar="SECONDS", help="how long a collective waits "
                         "for a missing rank before it fails (default: 30 s for --nproc, 1800 s under torchrun)")
     faults.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="SECONDS",
@@ -209,7 +220,14 @@ def summary(config: Config, logs: list[StepLog], nproc: int, seconds: float) -> 
     return (f"trained {config.model.name} ({num_params(build_model(config.model)):,} parameters){precision} for "
             f"{len(logs)} steps on {nproc} rank(s) [{layout}]{skipped}: loss {logs[0].loss:.4f} -> {logs[-1].loss:.4f} "
             f"(data floor {floor:.4f}); {rate:,.0f} tokens/s over {steady}; start-up {startup:.1f} s "
-            f"(ranks, model, first step), {seconds:.1f} s in all")
+            f"(ranks, model, first step), {seconds:.1f} s in all{_straggler_line(logs)}")
+
+
+def _straggler_line(logs: list[StepLog]) -> str:
+    """A second line naming the straggler and its cost to every step, when the ranks' times show one."""
+    timed = [log for log in logs if log.rank_compute_s is not None]
+    found = find_straggler([log.rank_compute_s for log in timed], [log.rank_step_s for log in timed])
+    return f"\n{found.describe()}" if found else ""
 
 
 def throughput(logs: list[StepLog], tokens_per_step: int, seconds: float) -> tuple[float, float, str]:
@@ -260,9 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         logs = run(config, nproc, args.log_json, verbose=not args.quiet, checkpoint=checkpoint, inject=inject,
                    max_restarts=args.max_restarts, collective_timeout_s=args.collective_timeout,
-                   hang_timeout_s=args.hang_timeout, time_limit_s=args.time_limit)
+                   hang_timeout_s=args.hang_timeout, time_limit_s=args.time_limit, sdc_check=args.sdc_check,
+                   sdc_stop=not args.sdc_report)
     except ValueError as err:
         return _error_once(parser.prog, str(err))
+    except SilentDataCorruption as err:  # every rank found the same mismatch: one line, and a failing exit status
+        _error_once(parser.prog, str(err))
+        return 1
     except StoppedBySignal as err:  # SIGTERM (a Slurm time limit, a preemption): checkpointed, not finished
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"{parser.prog}: {err}", file=sys.stderr)

@@ -27,12 +27,14 @@ from lab.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, che
 from lab.config import Config, check_supported
 from lab.data import SyntheticTokens
 from lab.distributed import flight
+from lab.distributed.comm import all_gather_single
+from lab.distributed.health import Mismatch, SilentDataCorruption, check_replicas
 from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.faults import InjectedFailure
 from lab.loss import cross_entropy
 from lab.outputs import check_output_dir, check_output_file
 from lab.parallel.optim import adamw, clip_grad_norm
-from lab.parallel.parallelize import build_mesh, parallelize
+from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
 from lab.precision.loss_scale import DynamicLossScaler
 from lab.precision.scheme import precision_scheme
 from lab.preemption import StopOnSignal, StoppedBySignal, checkpoint_now
@@ -55,6 +57,11 @@ class StepLog:
     aux_loss: float | None = None
     loss_scale: float | None = None  # fp16 only: the dynamic loss scale this step's backward used
     skipped: bool | None = None  # fp16 only: an inf/nan gradient made the step skip its update
+    # two or more ranks: each rank's seconds from the step's start to the end of its backward (before it waits for
+    # the gradients' reduction), and to the step's end; lab.distributed.health.find_straggler reads them
+    rank_compute_s: list[float] | None = None
+    rank_step_s: list[float] | None = None
+    sdc: list[str] | None = None  # --sdc-check with sdc_stop=False: the replicas that disagreed at this step
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None or k == "peak_bytes"}
@@ -63,7 +70,8 @@ class StepLog:
 def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bool = True,
         checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None, max_restarts: int = 0,
         collective_timeout_s: float | None = None, on_step: Callable[[StepLog], None] | None = None,
-        hang_timeout_s: float | None = HANG_TIMEOUT_S, time_limit_s: float | None = None) -> list[StepLog]:
+        hang_timeout_s: float | None = HANG_TIMEOUT_S, time_limit_s: float | None = None, sdc_check: int = 0,
+        sdc_stop: bool = True) -> list[StepLog]:
     """Train in this process (nproc=1), on `nproc` local ranks, or in the group torchrun launched. A layout
     lab cannot run raises ValueError here, before any rank starts (`lab.config.check_supported`).
 
@@ -73,13 +81,16 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
     `on_step(log)` is called after every step, in every rank (benchmarks/gpu_lane.py steps a profiler with it).
     Local ranks are stopped when one makes no progress (finishes no step, no collective) for `hang_timeout_s`, and
     after `time_limit_s` if given: a run that progresses has no time limit (`lab.distributed.run`).
+    `sdc_check` N > 0 compares the data-parallel replicas' parameters and optimizer states every N steps
+    (`lab.distributed.health`): a mismatch raises `SilentDataCorruption`, or with `sdc_stop=False` is logged.
     Every output path is checked first, and a non-finite loss or gradient norm stops the run (`NonFiniteLoss`)."""
     check_supported(config)
     _check_faults(config, checkpoint, inject, max_restarts, collective_timeout_s)
+    _check_sdc(config, sdc_check)
     _check_limits(hang_timeout_s, time_limit_s)
     _check_outputs(log_path, checkpoint)
     logs = _run(config, nproc, log_path, verbose, checkpoint, inject, max_restarts, collective_timeout_s, on_step,
-                hang_timeout_s, time_limit_s)
+                hang_timeout_s, time_limit_s, (sdc_check, sdc_stop))
     if logs and (reason := non_finite(logs[-1].loss, logs[-1].grad_norm, logs[-1].loss_scale is not None)):
         raise NonFiniteLoss(f"step {logs[-1].step}: {reason}; stopped before its update (lower train.lr="
                             f"{config.train.lr:g}, or look at the data and the model's numerics)")
@@ -88,15 +99,15 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
 
 def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkpoint: CheckpointOptions | None,
          inject: InjectedFailure | None, max_restarts: int, collective_timeout_s: float | None,
-         on_step: Callable[[StepLog], None] | None, hang_timeout_s: float | None, time_limit_s: float | None
-         ) -> list[StepLog]:
+         on_step: Callable[[StepLog], None] | None, hang_timeout_s: float | None, time_limit_s: float | None,
+         sdc: tuple[int, bool]) -> list[StepLog]:
     """`run` once its arguments are checked: train here, on local ranks, or in torchrun's group."""
     if lab_dist.launched_by_torchrun():
         lab_dist.init_from_env(**({} if collective_timeout_s is None else {"timeout_s": collective_timeout_s}))
         if dist.get_world_size() != config.parallel.world_size:
             raise ValueError(f"torchrun started {dist.get_world_size()} ranks but dp*tp*cp*pp = "
                              f"{config.parallel.world_size}")
-        return train_worker(config, log_path, verbose, checkpoint, inject, on_step)
+        return train_worker(config, log_path, verbose, checkpoint, inject, on_step, sdc)
     if nproc != config.parallel.world_size:
         p = config.parallel
         raise ValueError(f"nproc={nproc} must equal dp*tp*cp*pp = {p.dp}*{p.tp}*{p.cp}*{p.pp} = {p.world_size}")
@@ -105,13 +116,15 @@ def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkp
         return train_worker(config, log_path, verbose, checkpoint, on_step=on_step)
     backend = "nccl" if config.train.device != "cpu" and torch.cuda.device_count() >= nproc else "gloo"
     try:
-        return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, on_step,
+        return lab_dist.run(train_worker, nproc, config, log_path, verbose, checkpoint, inject, on_step, sdc,
                             backend=backend, timeout_s=time_limit_s, hang_timeout_s=hang_timeout_s,
                             max_restarts=max_restarts,
                             **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
     except lab_dist.RankError as err:
         if err.summary.startswith("CheckpointError: "):  # a save that failed: its one line, as in one process
             raise CheckpointError(err.summary.removeprefix("CheckpointError: ")) from None
+        if err.summary.startswith("SilentDataCorruption: "):  # every rank found it: one line, not one per rank
+            raise SilentDataCorruption(err.summary.removeprefix("SilentDataCorruption: ")) from None
         raise
 
 
@@ -157,6 +170,35 @@ def _check_faults(config: Config, checkpoint: CheckpointOptions | None, inject: 
         raise ValueError(f"--collective-timeout={collective_timeout_s!r} must be > 0 (seconds)")
 
 
+def _check_sdc(config: Config, every: int) -> None:
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"--sdc-check={every!r} must be an integer >= 0 (steps between checks; 0: none)")
+    p = config.parallel
+    if every and p.dp * p.cp < 2:
+        raise ValueError(f"--sdc-check={every} compares data-parallel replicas: it needs dp x cp >= 2 (dp={p.dp}, "
+                         f"cp={p.cp})")
+    if every and (p.zero == 3 or p.ep > 1):
+        raise ValueError(f"--sdc-check={every} with {'zero=3' if p.zero == 3 else f'ep={p.ep}'}: its replicas are "
+                         f"not whole over the dp x cp group; use zero<=2 and ep=1")
+
+
+def replicated_state(par: Parallelized, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """What must be identical on every rank of the dp x cp group, by name: the model's parameters (whole
+    after the step, ZeRO-1/2 included) and, without ZeRO, their fp32 masters and optimizer states."""
+    updated = {id(tensor) for tensor in par.engine.parameters()}  # ZeRO-1/2: this rank's shards instead
+    named = []
+    for name, param in par.model.named_parameters():
+        named.append((name, param))
+        if id(param) not in updated:
+            continue  # the masters and states of a shard differ from rank to rank
+        master = par.masters.master(param)
+        if master is not param:
+            named.append((f"{name} (fp32 master)", master))
+        named += [(f"{name} (optimizer {key})", value) for key, value in optimizer.state[master].items()
+                  if torch.is_tensor(value) and value.numel() > 1]
+    return named
+
+
 def _device(config: Config) -> torch.device:
     if config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available()):
         index = dist.get_rank() % torch.cuda.device_count() if dist.is_initialized() else 0
@@ -175,13 +217,15 @@ def lr_factor(step: int, config: Config) -> float:
 
 def train_worker(config: Config, log_path: str | None = None, verbose: bool = True,
                  checkpoint: CheckpointOptions | None = None, inject: InjectedFailure | None = None,
-                 on_step: Callable[[StepLog], None] | None = None) -> list[StepLog]:
+                 on_step: Callable[[StepLog], None] | None = None, sdc: tuple[int, bool] = (0, True)
+                 ) -> list[StepLog]:
     """The training loop run by every rank (or by the only process). Returns the per-step log (of the steps
     this run made: after a resume, those after the checkpoint's step). A group started again after a failure
     (`lab.distributed.restarts`, under `lab.distributed.run` or torchrun) resumes as `--resume` does.
 
     It knows nothing of the layout. Which rows and tokens this rank holds, whether a pipeline drives the model,
-    how the loss and gradients are reduced: each is asked of what `parallelize` built, through its methods."""
+    how the loss and gradients are reduced: each is asked of what `parallelize` built, through its methods.
+    `sdc` is (check every N steps, stop on a mismatch): `run`'s `sdc_check` and `sdc_stop`."""
     parallel, train = config.parallel, config.train
     device = _device(config)
     loss = cross_entropy
@@ -199,6 +243,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
                            train.data_branching)
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     restart, max_restarts = lab_dist.restarts()
     if restart > 0 and rank == 0:
         path = newest(checkpoint.dir)[0] if checkpoint is not None else None
@@ -220,9 +265,12 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            if inject is not None:  # a straggler's rank is slow in its compute, before any collective
+                inject.maybe_delay(rank, step + 1)
             inputs, targets = par.batch(*data.next_batch())
             scale = scaler.get_scale()  # fp16: backward starts from loss x scale (1 otherwise)
             loss, moe = par.forward_backward(inputs, targets, scale)  # moe: the router's record (MoE models)
+            compute = time.perf_counter() - start  # data parallelism waits for the gradients next
             par.finish_gradients()  # every rank now holds the averaged gradients of what it updates (fp32 masters)
             loss = par.mean_loss(loss)
             scaler.unscale_(par.parameters())  # fp16: divide by the scale; all ranks agree on any inf/nan
@@ -238,13 +286,17 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             par.after_step()  # the masters rounded into the model's weights; ZeRO-1/2 all-gather
             scheduler.step()
             par.zero_grad()
+            if inject is not None:  # silent data corruption: no error, only replicas that no longer agree
+                inject.maybe_flip(rank, step + 1, par.model)
+            corrupt = _sdc_check(sdc, step + 1, par, optimizer, rank)
             if device.type == "cuda":  # kernels run asynchronously: the step ends when the GPU's work does
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
+            times = _gather_times(compute, elapsed, world, device)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             fp16 = {"loss_scale": scale, "skipped": not stepped} if scaler.enabled else {}
             entry = StepLog(step + 1, loss.item(), lr, norm.item(), train.global_batch * train.seq_len / elapsed,
-                            peak, **(moe or {}), **fp16)
+                            peak, **(moe or {}), **fp16, **times, sdc=corrupt)
             logs.append(entry)
             if log_file:
                 log_file.write(json.dumps(entry.as_dict()) + "\n")
@@ -262,6 +314,35 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         if log_file:
             log_file.close()
     return logs
+
+
+def _gather_times(compute: float, elapsed: float, world: int, device: torch.device) -> dict:
+    """Every rank's (compute, step) seconds, on every rank: one all-gather of two numbers per rank per step."""
+    if world == 1:
+        return {}
+    gathered = torch.empty(world * 2, dtype=torch.float64, device=device)
+    all_gather_single(gathered, torch.tensor([compute, elapsed], dtype=torch.float64, device=device))
+    compute_s, step_s = gathered.view(world, 2).T.tolist()
+    return {"rank_compute_s": compute_s, "rank_step_s": step_s}
+
+
+def _sdc_check(sdc: tuple[int, bool], step: int, par: Parallelized, optimizer: torch.optim.Optimizer, rank: int
+               ) -> list[str] | None:
+    """Every `sdc[0]` steps, compare the replicas (`lab.distributed.health`); raise, or return what differs."""
+    every, stop = sdc
+    if not every or step % every:
+        return None
+    mismatches: list[Mismatch] = check_replicas(replicated_state(par, optimizer), par.mesh.dp_cp_group)
+    if not mismatches:
+        return None
+    lines = [m.describe() for m in mismatches]
+    what = f"{lines[0]}" + (f" (and {len(lines) - 1} more tensor(s))" if len(lines) > 1 else "")
+    if stop:
+        raise SilentDataCorruption(f"step {step}: {what}: silent data corruption, stopped before it spreads; "
+                                   f"resume from the last checkpoint (the check ran every {every} step(s))")
+    if rank == 0:
+        print(f"lab.train: step {step}: silent data corruption: {what}", file=sys.stderr, flush=True)
+    return lines
 
 
 def _open_log(path: str, first: int):

@@ -1,4 +1,5 @@
-"""`python -m lab serve`: a batch of requests through `lab.inference`'s engine, offline, with the serving numbers.
+"""`python -m lab serve`: a batch of requests through `lab.inference`'s engine, offline, with the serving numbers;
+or, with `--port`, an OpenAI-compatible HTTP server over the same engine.
 
     python -m lab serve --config configs/tiny.toml --requests 32
     python -m lab train --config configs/tiny.toml --steps 200 --checkpoint-dir ckpt
@@ -16,6 +17,21 @@ the step time and the device's bandwidth: `lab.calc.hardware` on a GPU, a measur
 The engine sees the model through the cache seam only. Tensor parallelism is applied here, from outside: the
 blocks split by `lab.parallel.tp` exactly as in training, the vocabulary-parallel logits gathered before
 sampling; every rank runs the same engine on the same requests and samples the same tokens.
+
+The HTTP server (`lab.inference.server`, Starlette under uvicorn: `pip install -e ".[serve]"`):
+
+    python -m lab serve --config configs/tiny.toml --port 8000     # 127.0.0.1 only; --host 0.0.0.0 opens it
+    curl -N localhost:8000/v1/completions -H 'Content-Type: application/json' \
+         -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": true}'
+
+It speaks OpenAI's API — `POST /v1/completions`, `POST /v1/chat/completions` (a plain `role: content` template),
+`GET /v1/models` (the model is named by its config: `tiny` here), streaming as server-sent events ending in
+`data: [DONE]` — so the `openai` client works against it (`OpenAI(base_url="http://127.0.0.1:8000/v1",
+api_key="-")`). Text is bytes (UTF-8, one token per byte; a prompt may also be a list of token ids) and each
+choice carries its `token_ids`. Requests from every connection are batched by the one engine (continuous
+batching across clients); a client that disconnects has its sequence aborted and its KV blocks freed; a bad
+request is a 400 with OpenAI's JSON error. The engine flags (--block-size, --num-blocks, ...) and
+--config/--checkpoint apply; sampling comes from each request, and --tp is offline only.
 """
 
 from __future__ import annotations
@@ -235,7 +251,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, metavar="SECONDS",
                    help="with --tp: stop after this long, progressing or not (default: no limit)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--port", type=int, help="serve OpenAI's HTTP API on this port instead of an offline batch")
+    p.add_argument("--host", default="127.0.0.1", help="with --port: the address to listen on (default: loopback)")
     return p
+
+
+def serve_http(config: Config, engine_config: EngineConfig, checkpoint: str | None, host: str, port: int) -> None:
+    """Serve the model over HTTP until interrupted: one engine, the OpenAI routes of `lab.inference.server`."""
+    import uvicorn
+
+    from lab.inference.server import Served, build_app
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and config.train.device != "cpu" else \
+        torch.device("cpu")
+    model, config = load_model(config, checkpoint, device)
+    served = Served(config.model.name, config.model.vocab_size, config.model.max_seq_len)
+    uvicorn.run(build_app(LLMEngine(model, engine_config), served), host=host, port=port)
 
 
 def served_config(config: Config, checkpoint: str | None) -> Config:
@@ -283,6 +314,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag}={value!r} must be a number of seconds > 0 (inf: no limit)")
         engine_config = EngineConfig(args.num_blocks, args.block_size, args.max_num_seqs, args.max_batched_tokens,
                                      not args.no_chunked_prefill, not args.no_prefix_caching, args.attention)
+        if args.port is not None:
+            if args.tp != 1:
+                raise ValueError(f"--tp={args.tp} with --port: the HTTP server runs one rank (--tp is offline only)")
+            if not 0 <= args.port <= 65535:
+                raise ValueError(f"--port={args.port} must be in [0, 65535]")
+            served_config(config, args.checkpoint)  # a bad --checkpoint is one line, before the model loads
+            serve_http(config, engine_config, args.checkpoint, args.host, args.port)
+            return 0
         params = SamplingParams(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
         check_request(served_config(config, args.checkpoint), args.tp, (lo, hi), args.max_tokens)
         if args.json:

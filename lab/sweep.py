@@ -394,7 +394,7 @@ def plot(result: dict, path: Path) -> bool:
     ax.set_xticks([0, 1], ["predicted tokens/s", "measured tokens/s"], fontsize=8)
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.set_title(f"{result['model']}, {result['ranks']} ranks on {result['hardware']}: Spearman's rho "
-                 f"{_rho(result['spearman'])} (measured/predicted step time in brackets)", fontsize=8)
+                 f"{_rho(result['spearman'])}\n(#: rank; in brackets: measured / predicted step time)", fontsize=8)
     fig.savefig(path, dpi=120)
     return True
 

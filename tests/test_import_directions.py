@@ -22,7 +22,7 @@ IMPLEMENTATION = ("lab.parallel", "lab.distributed", "lab.model", "lab.loss", "l
                   "lab.config", "lab.layout", "lab.data", "lab.kernels", "lab.precision", "lab.inference")
 TORCH_FREE = ("lab.calc", "lab.config", "lab.layout")  # they run in a browser kernel and make widgets instant
 WIDGET_MODULE_LEVEL = ("lab.calc", "lab.config", "lab.layout", "lab.widgets")  # widgets ─► calc: instant to import
-PROGRAMS = ("lab.train", "lab.trainer")  # the CLI and the loop it runs
+PROGRAMS = ("lab.train", "lab.trainer", "lab.sweep")  # the CLI, the loop it runs, the sweep that runs it
 # The exception, each entry for a demonstration that runs the real code: ranks started through lab.distributed
 # (welcome, collectives, ring, sharding), the ring all-reduce those ranks execute (ring), the MoE router (moe).
 WIDGET_DEFERRED = ("lab.distributed", "lab.collectives", "lab.model")

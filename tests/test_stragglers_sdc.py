@@ -57,12 +57,13 @@ def test_the_bit_checksum_catches_a_low_mantissa_flip_that_a_float_sum_misses():
     assert not torch.equal(clean, corrupt)
     assert clean.sum().item() == corrupt.sum().item()  # the plausible wrong checksum: blind to this flip
     assert checksum(clean) != checksum(corrupt)
-    assert checksum(corrupt) - checksum(clean) in (1, -1)  # exactly ±2^bit
-    for bit in (0, 9, 22, 23, 30, 31):  # mantissa, exponent and sign bits, and a bf16 tensor
-        for tensor in (clean, clean.bfloat16()):
+    change = abs(checksum(corrupt) - checksum(clean))
+    assert change & (change - 1) == 0  # exactly ±2^k: element 17's bit 0 is bit 32 of its 64-bit word
+    for bit in (0, 9, 22, 23, 30, 31):  # mantissa, exponent and sign bits; bf16, and a tail shorter than a word
+        for tensor in (clean, clean.bfloat16(), clean[1:8], clean.bfloat16()[3:6]):
             if bit < tensor.element_size() * 8:
                 flipped = tensor.clone()
-                flip_bit(flipped, 5, bit)
+                flip_bit(flipped, 2, bit)
                 assert checksum(flipped) != checksum(tensor), (bit, tensor.dtype)
 
 

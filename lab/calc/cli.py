@@ -452,8 +452,9 @@ def _search(args: argparse.Namespace) -> int:
     print(f"{result.model.name} on {args.gpus} x {args.hardware} ({nodes} node{'s' if nodes > 1 else ''} of "
           f"{min(args.gpus, args.gpus_per_node)}); seq {args.seq}; global batch {result.global_batch} sequences = "
           f"{result.tokens_per_step:,} tokens (asked {args.gbs_tokens:,}, rounded to whole sequences)")
-    print(f"{len(result.candidates):,} layouts fit; compute at {result.efficiency:.0%} of the bf16 peak; "
-          f"searched in {result.elapsed_s:.2f} s. Times per step, in ms; memory of the fullest GPU.")
+    print(f"{len(result.candidates):,} layouts fit; large matmuls at {result.efficiency:.1%} of the bf16 peak, "
+          f"{result.stack} kernels (lab.calc.calibration); searched in {result.elapsed_s:.2f} s. Times per step, "
+          f"in ms; memory of the fullest GPU.")
     print(f"{'#':>3}  {'layout':<52} {'mbs':>4} {'accum':>5} {'GiB':>6} {'compute':>9} {'comms':>8} {'bubble':>8} "
           f"{'MFU':>6} {'tokens/s':>11} {'tok/s/GPU':>9}")
     for i, c in enumerate(result.top(args.top), 1):
@@ -463,6 +464,10 @@ def _search(args: argparse.Namespace) -> int:
               f"{c.tokens_per_s:>11,.0f} {c.tokens_per_s_per_gpu:>9,.0f}")
     if not result.candidates:
         print("  no layout fits" + (" with the pinned settings" if any(v is not None for v in pins.values()) else ""))
+    else:
+        low, high = result.candidates[0].tokens_per_s_range
+        print(f"ties: the first {result.ties} layout{'s' if result.ties > 1 else ''} reach the best one's range, "
+              f"{low:,.0f}-{high:,.0f} tokens/s (the calibration's spread): the model cannot order them")
     rejected = result.rejected_families()
     if rejected:
         print(f"rejected families ({len(rejected)}; degrees dp·tp·pp·cp·ep, each over its ZeRO stages, schedules "

@@ -19,37 +19,44 @@ Torch-free.
    ties going to the simpler layout (fewer dimensions besides dp, lower ZeRO stage, lighter recomputation),
    then to the smaller memory footprint, then to the layout's name, so that the order is deterministic.
 
-The time model of one step (all ranks do the same work; the slowest pipeline stage sets the pace):
+The time model of one step (all ranks do the same work; the slowest pipeline stage sets the pace). Every constant
+it uses is in `lab.calc.calibration`, with its source; `stack` names the software that runs the step ("eager",
+"compiled", "compiled-fp8" or "lab"), `hardware` the chip (its bf16 peak and HBM bandwidth):
 
-* **Compute.** The FLOPs lab.model really runs (`training_flops(counting="exact")`, recomputation
-  included) at `efficiency` x the accelerator's dense bf16 peak; 0.6 by default: large bf16 GEMMs reach
-  60-75 % of an H100's dense peak, and the best end-to-end MFUs published (the playbook's 44 %, TorchTitan's
-  40-50 %) sit below that once communication and bubbles are added. Tensor and context parallelism divide
-  a micro-batch's work by tp·cp. Layers are spread evenly over the pipeline stages; the last stage also runs
-  the output layer, so it is the slowest one (the first stage's embedding is a lookup, no FLOPs). MFU counts
-  the model's FLOPs as lab.model runs them, without recomputation (`counting="exact"`: the embedding lookup
-  is no matmul, so an untied model's MFU is not inflated by 6 FLOPs per embedding weight as "6N" would).
+* **Matmuls.** The FLOPs lab.model really runs (`training_flops(counting="exact")`, recomputation included),
+  GEMM by GEMM (seven a layer and pass, three for the output layer), each costing FLOPs / (`efficiency` x peak)
+  plus a fixed `gemm_overhead_s`: an efficiency that saturates with the GEMM's size, so that TP, which makes
+  every GEMM tp times smaller, pays for it when the GEMMs get small. `efficiency` is the plateau large bf16
+  GEMMs reach on an H100 (74.5 %). With fp8 linears (stack "compiled-fp8") the layers' GEMMs run
+  `fp8_gemm_speedup` faster and their inputs and output gradients are cast (`fp8_cast_bytes` per element).
+* **Attention core** (flash, causal: half of the s x s products flops.py counts) at the forward and backward
+  rates of torch's SDPA kernels, recorded on lab's H100 (scaled by the chip's peak).
+* **Element-wise work.** Norms, residual adds, RoPE and SwiGLU move 10·d + 2·(q + kv) + 3·d_ff bf16 values a
+  token and layer when fused (one read, one write), at `hbm_efficiency` of the chip's HBM bandwidth; an eager
+  stack moves `eager_traffic` times that. Backward moves twice the forward's, full recomputation the forward's
+  again; SP splits the d-wide part by tp, TP the rest. The loss costs `loss_s_per_logit` per logit on the last
+  stage, AdamW `adam_bytes` per local parameter once a step. Kernel time is `compute` in `StepTime`.
 * **Where a group lives.** Ranks are numbered TP fastest, then CP, PP, DP (Llama 3's order), in nodes of
   `gpus_per_node`: a group whose members share a node talks over NVLink, one that spans nodes over the
-  NICs, multi-rail (`lab.calc.comms.collective_time` with the group's members per node). TP's degree
-  divides the node size, so its group never leaves the node (the playbook's rule, "Tensor Parallelism": TP's collectives
-  sit on the critical path after every matmul).
-* **Tensor parallelism** (exposed: its collectives sit between the matmuls that need them). Per layer and
-  micro-batch, forward: an all-gather and a reduce-scatter around attention and around the MLP (SP; an
-  all-reduce each without SP, same bytes), of mbs·seq/cp·d bf16 values; backward the same again; full
-  recomputation repeats the forward's. Async TP, which overlaps them with the matmuls, is left out by default;
-  `tp_overlap` is the share of that time it hides (0 to 1).
-* **Context parallelism** (ring attention, zig-zag). Per layer, the K/V blocks travel cp-1 hops forward and
-  again with their gradients backward; each hop hides behind one block of attention: exposed =
-  max(0, ring time - attention time), or at least `cp_exposed` x the ring time (0 by default: a perfect
-  overlap; real ring attention loses some to the hops' launch and to the load it shares with the kernel).
+  NICs, multi-rail (`lab.calc.comms.collective_time` with the group's members per node), at the bus bandwidth
+  the playbook measured for that op and node count (`calibration.collective_efficiency`: 55 % of NVLink for an
+  all-gather in a node, a seventh of the NICs' at 64 nodes).
+* **Tensor parallelism.** Per layer and micro-batch, forward: an all-gather and a reduce-scatter around
+  attention and around the MLP (SP; an all-reduce each without SP, same bytes), of mbs·seq/cp·d bf16 values;
+  backward the same again; full recomputation repeats the forward's. Exposed, but for `tp_overlap`, the share
+  async TP hides (0 by default: lab.train runs none; TorchTitan's async TP hides `async_tp_overlap`).
+* **Context parallelism** (ring attention, zig-zag). Each pass sends K/V cp-1 hops (backward also their
+  gradients), hop i hidden behind block i of attention: exposed = (cp-1)·max(0, hop - block), plus the hop the
+  backward's dK/dV make back to their owner (`cp_exposed_hops`), and at least `cp_exposed` x the ring.
 * **Expert parallelism.** Four all-to-alls per MoE layer and micro-batch (`lab.calc.moe.all_to_all_seconds`:
   dispatch, combine and their gradients; six with full recomputation), exposed.
-* **Pipeline.** The bubble is the closed form of `lab.calc.bubble.closed_form` for the schedule with
-  t_f : t_b : t_w = 1 : 2 : 1 of the slowest stage's micro-batch time ((p-1)/v stage times for 1F1B and
-  interleaved, a third of 1F1B's for ZB-H1). The activations' point-to-point sends overlap compute in the
-  steady state (their time over a stage's compute is far below 1); the fill and the drain cross 2(p·v - 1)
-  boundaries on the critical path, and those sends are exposed.
+* **Pipeline.** Layers are split by `ParallelConfig.pp_layers` (`lab.layout.stage_layers`: "even", or "llama3",
+  the first and the last stage one layer lighter, which the search tries where "even" does not divide), and
+  each stage's micro-batch time is its own layers' (the last stage adds the output layer and the loss). The
+  steady state runs m micro-batches at the slowest stage's pace; the bubble is `lab.calc.bubble.closed_form`
+  for the schedule (t_f : t_b : t_w = 1 : 2 : 1) of the other stages' mean time, which the fill and the drain
+  pass through ((p-1)/v stage times for 1F1B and interleaved, a third of 1F1B's for ZB-H1). The activations'
+  sends overlap compute in the steady state; the fill and the drain cross 2(p·v - 1) boundaries, exposed.
 * **Data parallelism and ZeRO** (the overlap rules of the playbook's appendix "Math for Compute/Communication
   Overlap"). The gradients of the slowest stage's parameters (bf16) are reduced over the dp·cp ranks that share
   them (experts over dp·cp/ep) in buckets of `bucket_mb` (25 MiB, DDP's default; each bucket pays the latency of a
@@ -58,13 +65,18 @@ The time model of one step (all ranks do the same work; the slowest pipeline sta
   reduce-scatter them the same way, then all-gather the updated parameters after the optimizer step, exposed (so
   ZeRO-2 costs what ZeRO-1 costs and saves memory: the playbook's "prefer ZeRO-2"). ZeRO-3 gathers each layer's
   parameters before its forward and again before its backward and reduce-scatters its gradients after it, for
-  every micro-batch; layer i+1's gather hides behind layer i's compute (`comms.zero3_overlap_ratio` is the
-  bandwidth-only form of the ratio), so the exposed time is the first layer's gather plus, per layer, max(0,
-  gather - forward) and max(0, gather + reduce-scatter - backward).
+  every micro-batch, prefetching `zero3_prefetch_layers` (FSDP2's one): layer i+1's gather hides behind layer
+  i's compute (`comms.zero3_overlap_ratio` is the bandwidth-only form of the ratio), so the exposed time is the
+  first layer's gather of each pass plus, per layer, max(0, gather - forward) and max(0, gather +
+  reduce-scatter - backward).
 
-Left out: kernel-level overheads (launches, memory-bound norms and element-wise ops) and the kernels' different
-efficiencies (one `efficiency` for every matmul, whatever its shape after TP or CP splits it), the
-vocabulary-parallel loss's small collectives, stragglers and switch congestion. The ranking is a model to
+Uncertainty: each layout's tokens/s comes with a range, its step's parts widened by `calibration.SPREAD`
+(compute +-10 %, exposed communication +-30 %, bubble +-5 %) and added in quadrature; the layouts whose range
+reaches the best one's are its ties (`SearchResult.ties`). The validation table (`calibration.RUNS`,
+`predict_run`) and chapter 08 show how close the model comes to what clusters measured, and where it does not.
+
+Left out: the vocabulary-parallel loss's small collectives, NCCL's kernels slowing the compute they overlap,
+stragglers and switch congestion, and the power limits that lower a chip's clock. The ranking is a model to
 shortlist layouts that are then measured, as the playbook's step 4 says, not a measurement.
 """
 
@@ -77,13 +89,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from lab.calc import calibration
 from lab.calc.bubble import closed_form
+from lab.calc.calibration import CONSTANTS, SPREAD, STACKS, Run, Stack
 from lab.calc.comms import collective_time
 from lab.calc.flops import FlopsEstimate, mfu, training_flops
 from lab.calc.hardware import Accelerator, get_accelerator
 from lab.calc.memory import MemoryEstimate, estimate_memory, stage_params
 from lab.calc.moe import all_to_all_seconds
-from lab.calc.network import SYSTEMS, Link
+from lab.calc.network import PLAYBOOK_BUSBW, SYSTEMS, Link
+from lab.calc.schedules import rank_layers
 from lab.config import (
     PP_SCHEDULES,
     RECOMPUTE_MODES,
@@ -93,9 +108,9 @@ from lab.config import (
     TrainConfig,
     check_supported,
 )
-from lab.layout import INTERLEAVED_CHUNKS, pp_chunks, strides
+from lab.layout import INTERLEAVED_CHUNKS, pp_chunks, stage_layers, strides
 
-COMPUTE_EFFICIENCY = 0.6  # achievable fraction of the dense bf16 peak for the model's matmuls (see above)
+COMPUTE_EFFICIENCY = CONSTANTS["matmul_efficiency"].value  # the plateau of large bf16 GEMMs (calibration)
 PRECISION = "mixed"  # bf16 weights and gradients, fp32 master weights and Adam states: 16 bytes per parameter
 WIRE_BYTES = 2  # bf16 activations, gradients and parameters on the wire
 SCHEDULES = (("1f1b", 1), ("interleaved", INTERLEAVED_CHUNKS), ("zb-h1", 1))  # AFAB: 1F1B's bubble, more memory
@@ -136,6 +151,12 @@ class StepTime:
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "comms": self.comms, "total": self.total}
 
+    @property
+    def spread(self) -> float:
+        """Relative uncertainty of `total`: each part widened by `calibration.SPREAD`, in quadrature."""
+        parts = (SPREAD["compute"] * self.compute, SPREAD["comms"] * self.comms, SPREAD["bubble"] * self.bubble)
+        return math.hypot(*parts) / self.total
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -162,6 +183,12 @@ class Candidate:
         return self.tokens_per_s / self.gpus
 
     @property
+    def tokens_per_s_range(self) -> tuple[float, float]:
+        """(low, high) tokens/s from the calibration's spread of the step time (`StepTime.spread`)."""
+        u = self.time.spread
+        return self.tokens_per_s / (1 + u), self.tokens_per_s / max(1 - u, 1e-9)
+
+    @property
     def family(self) -> str:
         return family_name(self.parallel)
 
@@ -173,7 +200,8 @@ class Candidate:
         if p.tp > 1:
             parts.append(f"tp{p.tp}" + (" sp" if p.sp else ""))
         if p.pp > 1:
-            parts.append(f"pp{p.pp} {p.pp_schedule}" + (f" x{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else ""))
+            parts.append(f"pp{p.pp} {p.pp_schedule}" + (f" x{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else "")
+                         + (f" {p.pp_layers}" if p.pp_layers != "even" else ""))
         parts += [f"{name}{getattr(p, name)}" for name in ("cp", "ep") if getattr(p, name) > 1]
         if p.recompute != "none":
             parts.append(f"recompute {p.recompute}")
@@ -187,7 +215,8 @@ class Candidate:
         return {"layout": self.layout, "family": self.family, "parallel": dataclasses.asdict(self.parallel),
                 "mbs": self.mbs, "grad_accum": self.grad_accum, "memory_bytes": self.memory.per_gpu["total"],
                 "memory": self.memory.as_dict(), "time_s": self.time.as_dict(), "mfu": self.mfu,
-                "tokens_per_s": self.tokens_per_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu}
+                "tokens_per_s": self.tokens_per_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "tokens_per_s_range": list(self.tokens_per_s_range)}
 
 
 @dataclass
@@ -226,10 +255,20 @@ class SearchResult:
     families: set[str]  # every family enumerated
     elapsed_s: float
     efficiency: float
+    stack: str = "eager"
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq
+
+    @property
+    def ties(self) -> int:
+        """How many layouts, best first, the model cannot tell from the best: those whose tokens/s range
+        (`Candidate.tokens_per_s_range`) reaches the best one's low end. 0 when nothing fits."""
+        if not self.candidates:
+            return 0
+        low = self.candidates[0].tokens_per_s_range[0]
+        return sum(c.tokens_per_s_range[1] >= low for c in self.candidates)
 
     def top(self, k: int = 10) -> list[Candidate]:
         return self.candidates[:k]
@@ -248,7 +287,8 @@ class SearchResult:
     def as_dict(self, top: int | None = None) -> dict:
         return {"model": self.model.name, "gpus": self.gpus, "gpus_per_node": self.gpus_per_node,
                 "hardware": self.hardware, "seq": self.seq, "global_batch": self.global_batch,
-                "tokens_per_step": self.tokens_per_step, "efficiency": self.efficiency,
+                "tokens_per_step": self.tokens_per_step, "efficiency": self.efficiency, "stack": self.stack,
+                "ties": self.ties,
                 "elapsed_s": self.elapsed_s, "layouts_kept": len(self.candidates),
                 "candidates": [c.as_dict() for c in self.candidates[:top]],
                 "rejected_families": {f: {"count": r.total, "reason": r.main_reason()[0],
@@ -289,8 +329,23 @@ class _Network:
             return 0.0
         g = ranks if per_node == ranks else per_node
         algorithms = ("ring", "hierarchical") if op == "all_reduce" and per_node < ranks else ("ring",)
-        return min(collective_time(op, nbytes, ranks, system=self.system, algorithm=a, gpus_per_node=g).time_s
-                   for a in algorithms)
+        modelled = min(collective_time(op, nbytes, ranks, system=self.system, algorithm=a, gpus_per_node=g).time_s
+                       for a in algorithms)
+        return modelled / self.efficiency(op, math.ceil(ranks / g))
+
+    @lru_cache(maxsize=64)  # noqa: B019 - one per op and node count
+    def efficiency(self, op: str, nodes: int) -> float:
+        """The share of the modelled bus bandwidth NCCL delivers (`calibration.collective_efficiency`), the
+        model's own busbw computed here at the playbook's message size and node counts, 8 GPUs a node."""
+        if op not in ("all_reduce", "all_gather", "reduce_scatter") or self.system not in ("h100", "h200", "a100",
+                                                                                           "b200"):
+            return 1.0
+        size = PLAYBOOK_BUSBW["message_bytes"]
+        factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+        model = {o: tuple(size * factor[o] * (8 * n - 1) / (8 * n) / 1e9
+                          / collective_time(o, size, 8 * n, system=self.system, gpus_per_node=8).time_s
+                          for n in PLAYBOOK_BUSBW["nodes"]) for o in factor}
+        return calibration.collective_efficiency(op, nodes, model)
 
     def bucketed(self, op: str, nbytes: float, ranks: int, per_node: int, bucket: float) -> float:
         """`nbytes` of gradients in equal buckets of at most `bucket` bytes, one collective each: every bucket
@@ -309,42 +364,101 @@ class _Network:
 
 @dataclass(frozen=True)
 class _Work:
-    """Per-token FLOPs of the model at this sequence length, split as the time model needs them."""
+    """Per-token work of one layer and of the output layer, split as the time model prices it."""
 
-    layer: dict[str, float]  # one layer, forward + backward (+ recomputation), by recompute mode
-    layer_forward: float
-    head: float  # the output layer, forward + backward
-    attention: float  # the attention core of one layer, forward + backward
+    matmul: dict[str, float]  # FLOPs of one layer's GEMMs, forward + backward (+ recomputation), by recompute mode
+    matmul_forward: float
+    gemms: int  # GEMMs of one layer's forward
+    attention: float  # the attention core's forward FLOPs as flops.py counts them (the full s x s)
+    elementwise: tuple[float, float]  # values a token and layer's forward reads and writes: d-wide, tp-split
+    cast: float  # values of one layer's linear inputs and output gradients (fp8 casts)
+    head: float  # the output layer's forward FLOPs
     moe_layers: int
 
     @classmethod
     def of(cls, cfg: ModelConfig, seq: int) -> _Work:
-        L = cfg.n_layers
-        head_forward = 2 * cfg.vocab_size * cfg.d_model
+        L, d = cfg.n_layers, cfg.d_model
+        head_forward = 2 * cfg.vocab_size * d
         exact = {r: training_flops(cfg, seq, recompute=r, counting="exact") for r in RECOMPUTE_MODES}
         layer = {r: (e.hardware_flops_per_token - 3 * head_forward) / L for r, e in exact.items()}
         # the attention core is the part that grows with seq: f(s) = a + b·s, so b·s = 2·(f(s) - f(s/2))
         half = training_flops(cfg, max(seq // 2, 1), counting="exact").model_flops_per_token
-        attention = 2 * (exact["none"].model_flops_per_token - half) / L if seq > 1 else 0.0
-        return cls(layer, layer["none"] / 3, 3 * head_forward, attention,
-                   sum(cfg.is_moe_layer(i) for i in range(L)))
+        attention = 2 * (exact["none"].model_flops_per_token - half) / L / 3 if seq > 1 else 0.0
+        redone = {"none": 0.0, "selective": attention / 2, "full": attention}  # selective: q·k again
+        matmul = {r: layer[r] - 3 * attention - redone[r] for r in RECOMPUTE_MODES}
+        q = cfg.n_heads * cfg.head_dim if cfg.attention == "gqa" else d
+        kv = cfg.n_kv_heads * cfg.head_dim if cfg.attention == "gqa" else d
+        ff = cfg.d_ff_expert * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.d_ff
+        gemms = 4 + 3 * (cfg.top_k + cfg.n_shared_experts if cfg.is_moe else 1)
+        return cls(matmul, matmul["none"] / 3, gemms, attention, (10 * d, 2 * (q + kv) + 3 * ff),
+                   6 * d + 2 * kv + 3 * ff, head_forward, sum(cfg.is_moe_layer(i) for i in range(L)))
+
+
+@dataclass(frozen=True)
+class _Chip:
+    """What a step's kernels achieve on one accelerator, for one software stack."""
+
+    matmul_flops: float  # the GEMM plateau, FLOP/s
+    peak: float  # dense bf16 FLOP/s
+    hbm: float  # bytes/s the element-wise kernels achieve
+    stack: Stack
+
+    def gemms(self, flops: float, count: float, fp8: bool = False) -> float:
+        """Seconds of `count` GEMMs doing `flops` in all: FLOPs at the plateau plus a fixed cost each."""
+        speedup = CONSTANTS["fp8_gemm_speedup"].value if fp8 else 1.0
+        return flops / (self.matmul_flops * speedup) + count * CONSTANTS["gemm_overhead_s"].value
+
+    def attention(self, forward_flops: float) -> tuple[float, float]:
+        """(forward, backward) seconds of flash attention, causal: half the products flops.py counts (the
+        backward counted as twice the forward, as flops.py and the recording count it)."""
+        scale = self.peak / calibration.H100_PEAK
+        forward = 0.5 * forward_flops / (CONSTANTS["attention_forward_flops"].value * scale)
+        return forward, 0.5 * 2 * forward_flops / (CONSTANTS["attention_backward_flops"].value * scale)
+
+    def moved(self, nbytes: float) -> float:
+        return nbytes / self.hbm
+
+
+def _stage_compute(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _Work, chip: _Chip,
+                   layers: int, last: bool) -> tuple[float, float]:
+    """(forward + backward, forward) kernel seconds of one micro-batch through `layers` layers on one rank,
+    plus the output layer and the loss on the last stage."""
+    tokens = mbs * seq / p.cp  # on this rank, before TP
+    fp8 = chip.stack.fp8_linears
+    passes = 2 if p.recompute == "full" else 1  # forwards of each layer
+    matmul = chip.gemms(layers * work.matmul[p.recompute] * tokens / p.tp, layers * work.gemms * (2 + passes), fp8)
+    matmul_fwd = chip.gemms(layers * work.matmul_forward * tokens / p.tp, layers * work.gemms, fp8)
+    attention_fwd, attention_bwd = (layers * t for t in chip.attention(work.attention * tokens / p.tp))
+    attention = passes * attention_fwd + attention_bwd
+    wide, split = work.elementwise
+    values = tokens * (wide / (p.tp if p.sp else 1) + split / p.tp)  # one layer's forward
+    traffic = 2 * values * chip.stack.elementwise_traffic + (5 * tokens * work.cast / p.tp if fp8 else 0.0)
+    elementwise = layers * chip.moved(traffic * (2 + passes))
+    elementwise_fwd = layers * chip.moved(traffic)
+    compute = matmul + attention + elementwise
+    forward = matmul_fwd + attention_fwd + elementwise_fwd
+    if last:
+        logits = tokens * cfg.vocab_size / p.tp
+        loss = logits * chip.stack.loss_s_per_logit * calibration.H100_HBM / chip.hbm
+        head = chip.gemms(3 * work.head * tokens / p.tp, 3)
+        compute += head + loss
+        forward += head / 3 + loss / 3
+    return compute, forward
 
 
 def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _Work, net: _Network,
-               flops_per_s: float, tp_overlap: float = 0.0, cp_exposed: float = 0.0) -> StepTime:
+               chip: _Chip, tp_overlap: float = 0.0, cp_exposed: float = 0.0) -> StepTime:
     """The model of the module docstring for one layout."""
     g, m = net.gpus_per_node, p.grad_accum
     tokens = mbs * seq // p.cp  # of one micro-batch on one rank
-    layers = cfg.n_layers // p.pp  # on every stage; the last one also runs the output layer
-    moe_layers = work.moe_layers / p.pp
+    counts = [len(layers) for layers in rank_layers(cfg.n_layers, p.pp, p.pp_virtual_stages, p.pp_layers)]
+    slowest = max(range(p.pp), key=lambda s: (counts[s] + (s == p.pp - 1), s))
+    layers = counts[slowest]
+    moe_layers = work.moe_layers * layers / cfg.n_layers
 
-    def seconds(flops: float) -> float:
-        return flops / flops_per_s
-
-    # compute of one micro-batch on the last (slowest) stage
-    compute = seconds((layers * work.layer[p.recompute] + work.head) * mbs * seq / (p.tp * p.cp))
-    forward = seconds((layers * work.layer_forward + work.head / 3) * mbs * seq / (p.tp * p.cp))
+    compute, forward = _stage_compute(cfg, seq, p, mbs, work, chip, layers, slowest == p.pp - 1)
     backward = compute - forward
+    layer_forward = forward / layers
 
     # groups along the mesh's axes (lab.layout: TP innermost); EP inside dp x cp
     stride = strides(p.dp, p.pp, p.cp, p.tp)
@@ -363,27 +477,33 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
         per_forward = 2 * sum(net.collective(op, activation, p.tp, tp_node) for op in ops)
         tp_layer = per_forward * (forward_passes + 1) * (1 - tp_overlap)
     cp_layer = 0.0
-    if p.cp > 1:  # K and V of the local tokens, cp-1 hops; 2x again backward (K, V and their gradients)
+    if p.cp > 1:  # K and V of the local tokens, cp-1 hops a pass; backward also their gradients
         width = (cfg.n_heads // p.tp * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
                  if cfg.attention == "mla" else 2 * max(cfg.n_kv_heads // p.tp, 1) * cfg.head_dim)
-        ring = (p.cp - 1) * net.send(tokens * width * WIRE_BYTES, cp_node, p.cp) * (forward_passes + 2)
-        attention = seconds(work.attention * mbs * seq / (p.tp * p.cp))
-        cp_layer = max(ring - attention, cp_exposed * ring, 0.0)
+        hop = net.send(tokens * width * WIRE_BYTES, cp_node, p.cp)
+        block_forward, block_backward = (t / p.cp for t in chip.attention(work.attention * tokens / p.tp))
+        exposed = (forward_passes * (p.cp - 1) * max(0.0, hop - block_forward)
+                   + (p.cp - 1) * max(0.0, 2 * hop - block_backward) + CONSTANTS["cp_exposed_hops"].value * 2 * hop)
+        ring = (p.cp - 1) * hop * (forward_passes + 2)
+        cp_layer = max(exposed, cp_exposed * ring)
     ep_mb = 0.0
     if p.ep > 1:
         ep_mb = all_to_all_seconds(tokens, cfg.top_k, cfg.d_model, p.ep, net.system,
                                    gpus_per_node=ep_node) * (1 + forward_passes) / 2 * moe_layers
 
-    # ZeRO-3: per micro-batch, gather before forward and backward, reduce-scatter after backward, per layer
-    dense, expert = stage_params(cfg, p, p.pp - 1)
+    # ZeRO-3: per micro-batch, gather before forward and backward, reduce-scatter after backward, per layer;
+    # the first `zero3_prefetch_layers` gathers of each pass wait, the others hide behind the layer before
+    dense, expert = stage_params(cfg, p, slowest)
     z3_mb = 0.0
     if p.zero == 3:
         layer_bytes = (dense + expert) * WIRE_BYTES / layers
         gather = net.collective("all_gather", layer_bytes, p.dp * p.cp, dpcp_node)
         scatter = net.collective("reduce_scatter", layer_bytes, p.dp * p.cp, dpcp_node)
-        z3_mb = gather + max(0.0, layers * gather - forward) + max(0.0, layers * (gather + scatter) - backward)
+        first = 2 * CONSTANTS["zero3_prefetch_layers"].value * gather
+        z3_mb = (first + layers * max(0.0, gather - layer_forward)
+                 + layers * max(0.0, gather + scatter - backward / layers))
 
-    stage = compute + layers * (tp_layer + cp_layer) + ep_mb + z3_mb  # one micro-batch through the last stage
+    stage = compute + layers * (tp_layer + cp_layer) + ep_mb + z3_mb  # one micro-batch through the slowest stage
 
     # data parallelism: once per step, during the last micro-batch's backward
     dp_exposed = 0.0
@@ -399,23 +519,33 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
             dp_exposed = max(0.0, bucketed("all_reduce") - backward)
         else:
             dp_exposed = max(0.0, bucketed("reduce_scatter") - backward) + bucketed("all_gather")
+    sharded = p.zero >= 1  # AdamW over this rank's shard of its stage's parameters, once a step
+    local = dense / (p.dp * p.cp if sharded else 1) + expert / (max(p.dp * p.cp // p.ep, 1) if sharded else 1)
+    optimizer = chip.moved(local * chip.stack.adam_bytes)
 
     bubble = pp_exposed = 0.0
-    if p.pp > 1:
-        t = stage / 3
+    if p.pp > 1:  # the fill and the drain run through the other stages: their mean time
+        others = [s for s in range(p.pp) if s != slowest]
+        t = sum(stage * _stage_share(counts, s, slowest) for s in others) / len(others) / 3
         bubble = closed_form(p.pp_schedule, p.pp, m, p.pp_virtual_stages, tf=t, tb=2 * t, tw=t)["idle"]
         boundary = activation // (p.tp if p.sp else 1)
         pp_exposed = 2 * (p.pp * p.pp_virtual_stages - 1) * net.send(boundary, pp_node, p.pp)
 
-    return StepTime(compute=m * compute, tp=m * layers * tp_layer, cp=m * layers * cp_layer, ep=m * ep_mb,
-                    pp=pp_exposed, dp=dp_exposed + m * z3_mb, bubble=bubble)
+    return StepTime(compute=m * compute + optimizer, tp=m * layers * tp_layer, cp=m * layers * cp_layer,
+                    ep=m * ep_mb, pp=pp_exposed, dp=dp_exposed + m * z3_mb, bubble=bubble)
+
+
+def _stage_share(counts: list[int], stage: int, slowest: int) -> float:
+    """A stage's time over the slowest one's, by layers (the last one counting its output layer as one)."""
+    weight = [c + (s == len(counts) - 1) for s, c in enumerate(counts)]
+    return weight[stage] / weight[slowest]
 
 
 # --- steps 1 and 2: enumerate, validate, fit ---------------------------------------------------------------
 
 def _check_inputs(cfg: ModelConfig, gpus: int, gpus_per_node: int, hardware: str, system: str, seq: int,
                   global_batch_tokens: int, efficiency: float, tp_overlap: float = 0.0,
-                  cp_exposed: float = 0.0) -> None:
+                  cp_exposed: float = 0.0, stack: str = "eager") -> None:
     def require(ok: bool, message: str) -> None:
         if not ok:
             raise ValueError(message)
@@ -435,17 +565,21 @@ def _check_inputs(cfg: ModelConfig, gpus: int, gpus_per_node: int, hardware: str
     for name, value in (("tp_overlap", tp_overlap), ("cp_exposed", cp_exposed)):
         require(isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1,
                 f"{name}={value!r} must be in [0, 1]")
+    require(stack in STACKS, f"stack={stack!r} must be one of {', '.join(STACKS)}")
 
 
-PINNABLE = ("dp", "tp", "pp", "cp", "ep", "zero", "pp_schedule", "pp_virtual_stages", "recompute", "mbs",
-            "grad_accum")
+PINNABLE = ("dp", "tp", "pp", "cp", "ep", "zero", "pp_schedule", "pp_virtual_stages", "pp_layers", "recompute",
+            "mbs", "grad_accum")
 
 
 def _check_fixed(fixed: dict) -> None:
     for key, value in fixed.items():
         if key not in PINNABLE:
             raise ValueError(f"fixed[{key!r}] is not a setting the search can pin; valid: {', '.join(PINNABLE)}")
-        if key in ("pp_schedule", "recompute"):
+        if key == "pp_layers":
+            if not isinstance(value, str):
+                raise ValueError(f"pp_layers={value!r} must be 'even', 'llama3' or counts like '7,8,8,7'")
+        elif key in ("pp_schedule", "recompute"):
             allowed = PP_SCHEDULES if key == "pp_schedule" else RECOMPUTE_MODES
             if value not in allowed:
                 raise ValueError(f"{key}={value!r} must be one of {', '.join(map(repr, allowed))}")
@@ -456,16 +590,32 @@ def _check_fixed(fixed: dict) -> None:
             raise ValueError(f"{key}={value!r} must be an integer >= 1")
 
 
-def _options(cfg: ModelConfig, dp: int, pp: int, fixed: dict) -> list[tuple[int, str, int, str]]:
-    """(zero, schedule, chunks, recompute) settings of one family: schedules from 1F1B (the least memory),
-    ZeRO stages from the most frugal, no recomputation before full; those `fixed` pins, only."""
+def _split(n_layers: int, virtual_stages: int, fixed: dict) -> str | None:
+    """How the layers split over the virtual stages: as pinned, else "even" where it divides, else Llama 3's
+    rule (first and last stage one layer fewer), else None (no split of this depth)."""
+    if "pp_layers" in fixed:
+        return fixed["pp_layers"]
+    for split in ("even", "llama3"):
+        try:
+            stage_layers(n_layers, virtual_stages, split)
+            return split
+        except ValueError:
+            continue
+    return None
+
+
+def _options(cfg: ModelConfig, dp: int, pp: int, fixed: dict) -> list[tuple[int, str, int, str, str]]:
+    """(zero, schedule, chunks, layer split, recompute) settings of one family: schedules from 1F1B (the least
+    memory), ZeRO stages from the most frugal, no recomputation before full; those `fixed` pins, only."""
     zeros = [3, 2, 1, 0] if dp > 1 else [0]
-    schedules = [s for s in SCHEDULES if cfg.n_layers % (pp * s[1]) == 0] if pp > 1 else [("1f1b", 1)]
+    schedules = list(SCHEDULES) if pp > 1 else [("1f1b", 1)]
     if "pp_schedule" in fixed or "pp_virtual_stages" in fixed:
         name = fixed.get("pp_schedule", "interleaved" if fixed.get("pp_virtual_stages", 1) > 1 else "1f1b")
         schedules = [(name, pp_chunks(name, fixed.get("pp_virtual_stages", 0)))]
+    splits = {v: _split(cfg.n_layers, pp * v, fixed) if pp > 1 else "even" for _, v in schedules}
     recomputes = [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE_SEARCHED
-    return [(z, s, v, r) for s, v in schedules for z in zeros if fixed.get("zero", z) == z for r in recomputes]
+    return [(z, s, v, splits[v], r) for s, v in schedules if splits[v] for z in zeros if fixed.get("zero", z) == z
+            for r in recomputes]
 
 
 @dataclass(frozen=True)
@@ -478,7 +628,7 @@ class _Context:
     gpus: int
     capacity: int  # bytes per GPU
     peak: float  # dense bf16 FLOP/s
-    flops_per_s: float  # what the matmuls achieve
+    chip: _Chip
     work: _Work
     net: _Network
     model_flops: FlopsEstimate  # of one step, for MFU
@@ -492,7 +642,7 @@ class _Context:
 def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware: str | Accelerator = "h100",
            seq: int = 4096, global_batch_tokens: int = 2**20, *, system: str | None = None,
            efficiency: float = COMPUTE_EFFICIENCY, fixed: dict | None = None, tp_overlap: float = 0.0,
-           cp_exposed: float = 0.0) -> SearchResult:
+           cp_exposed: float = 0.0, stack: str = "eager") -> SearchResult:
     """Every layout of `model` on `gpus` GPUs (nodes of `gpus_per_node`) that fits and that lab.train runs,
     ranked by modelled tokens/s, for sequences of `seq` tokens and a global batch of about
     `global_batch_tokens` tokens (rounded to whole sequences). `hardware` is an accelerator of
@@ -500,20 +650,24 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
     `lab.calc.network` (default: the one named like the hardware). `fixed` pins settings, e.g. {"cp": 1,
     "tp": 8} (the keys of `PINNABLE`: the fields of ParallelConfig the search varies, mbs and grad_accum),
     to search what a published recipe left free. `tp_overlap` (share of TP's collectives that async TP hides)
-    and `cp_exposed` (share of CP's ring that stays exposed however long the attention) move the two
-    overlaps the default model takes as 0 and perfect. Invalid input raises a one-line ValueError."""
+    and `cp_exposed` (the least share of CP's ring that stays exposed) move the two overlaps; `efficiency` is
+    the plateau of large GEMMs (a share of the bf16 peak); `stack` the software that runs the step
+    (`calibration.STACKS`). Invalid input raises a one-line ValueError."""
     started = time.perf_counter()
     cfg = ModelConfig.from_preset(model) if isinstance(model, str) else model
     accelerator = hardware if isinstance(hardware, Accelerator) else get_accelerator(hardware)
     name = hardware if isinstance(hardware, str) else accelerator.name
     system = system or name
-    _check_inputs(cfg, gpus, gpus_per_node, name, system, seq, global_batch_tokens, efficiency, tp_overlap, cp_exposed)
+    _check_inputs(cfg, gpus, gpus_per_node, name, system, seq, global_batch_tokens, efficiency, tp_overlap, cp_exposed,
+                  stack)
     fixed = dict(fixed or {})
     _check_fixed(fixed)
     peak = accelerator.peak_flops("bf16")
     batch = round(global_batch_tokens / seq)
+    chip = _Chip(efficiency * peak, peak, accelerator.hbm_bandwidth * CONSTANTS["hbm_efficiency"].value,
+                 STACKS[stack])
     ctx = _Context(cfg, seq, batch, gpus, accelerator.memory_bytes, peak,
-                   efficiency * peak, _Work.of(cfg, seq), _Network(system, gpus_per_node),
+                   chip, _Work.of(cfg, seq), _Network(system, gpus_per_node),
                    training_flops(cfg, seq, batch * seq, counting="exact"), tp_overlap, cp_exposed)
     candidates: list[Candidate] = []
     rejected: dict[str, Rejections] = {}
@@ -529,7 +683,8 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
                     if any(fixed.get(n, v) != v for n, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp),
                                                               ("ep", ep))):
                         continue
-                    base = ParallelConfig(dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, sp=tp > 1 and not cfg.is_moe)
+                    base = ParallelConfig(dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, sp=tp > 1 and not cfg.is_moe,
+                                          pp_layers=_split(cfg.n_layers, pp, fixed) or "even" if pp > 1 else "even")
                     family = family_name(base)
                     families.add(family)
                     why = rejected.setdefault(family, Rejections())
@@ -547,17 +702,21 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
     candidates.sort(key=_rank)
     rejected = {f: r for f, r in rejected.items() if r.total}
     return SearchResult(cfg, gpus, gpus_per_node, name, seq, ctx.batch, candidates, rejected, families,
-                        time.perf_counter() - started, efficiency)
+                        time.perf_counter() - started, efficiency, stack)
 
 
 def fullest_stage(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig) -> MemoryEstimate:
-    """`estimate_memory` of the fullest GPU, looking only at the first and the last pipeline stage: stages
-    hold equal layers, the first also the embedding and the most micro-batches in flight (1F1B, interleaved
-    and ZB-H1 hold fewer further down), the last the output layer and the logits. The same answer as
-    `estimate_memory(stage=None)`, which walks every stage (tests/test_calc_search.py checks it), at a cost
-    that does not grow with pp."""
+    """`estimate_memory` of the fullest GPU, looking only at the first and the last pipeline stage when the
+    stages hold equal layers: the first also holds the embedding and the most micro-batches in flight (1F1B,
+    interleaved and ZB-H1 hold fewer further down), the last the output layer and the logits. The same answer
+    as `estimate_memory(stage=None)`, which walks every stage (tests/test_calc_search.py checks it), at a cost
+    that does not grow with pp. Llama 3's split also looks at stage 1, the first with a whole stage of
+    layers; a split given as counts walks every stage."""
+    stages = {0, parallel.pp - 1} | ({1} if parallel.pp_layers == "llama3" and parallel.pp > 2 else set())
+    if parallel.pp_layers not in ("even", "llama3"):
+        stages = set(range(parallel.pp))
     estimates = [estimate_memory(cfg, seq, mbs, parallel, precision=PRECISION, flash=True, stage=k)
-                 for k in sorted({0, parallel.pp - 1})]
+                 for k in sorted(stages)]
     return max(estimates, key=lambda e: (e.per_gpu["total"], e.stage))
 
 
@@ -583,12 +742,12 @@ def _fit(ctx: _Context, base: ParallelConfig, options: list, why: Rejections, fi
     too_big: dict[int, int] = {}  # zero stage -> bytes its most frugal setting needs, when that is too many
     fits_without_recompute: set[tuple] = set()
     gib = f"{ctx.capacity / 2**30:.0f} GiB"
-    for zero, schedule, chunks, recompute in options:
+    for zero, schedule, chunks, split, recompute in options:
         if any(z >= zero for z in too_big):
             why.add("memory", f"needs at least {min(too_big.values()) / 2**30:.1f} GiB per GPU > {gib}")
             continue
         layout = dataclasses.replace(base, zero=zero, pp_schedule=schedule, pp_virtual_stages=chunks,
-                                     recompute=recompute, grad_accum=per_dp)
+                                     pp_layers=split, recompute=recompute, grad_accum=per_dp)
         try:
             check_supported(Config(ctx.cfg, layout, ctx.train()))
         except ValueError as err:
@@ -617,7 +776,7 @@ def _fit(ctx: _Context, base: ParallelConfig, options: list, why: Rejections, fi
                 break
             if recompute == "none":
                 fits_without_recompute.add((zero, schedule, chunks, mbs))
-            step = _step_time(ctx.cfg, ctx.seq, parallel, mbs, ctx.work, ctx.net, ctx.flops_per_s, ctx.tp_overlap,
+            step = _step_time(ctx.cfg, ctx.seq, parallel, mbs, ctx.work, ctx.net, ctx.chip, ctx.tp_overlap,
                               ctx.cp_exposed)
             kept.append(Candidate(parallel, mbs, memory, step, ctx.batch * ctx.seq, ctx.gpus,
                                   mfu(ctx.model_flops, step.total, ctx.gpus, ctx.peak)))
@@ -631,3 +790,45 @@ def _fit(ctx: _Context, base: ParallelConfig, options: list, why: Rejections, fi
         else:
             why.add("batch", invalid or "no micro-batch size splits the batch")
     return kept
+
+
+# --- the model against measurements: calibration.RUNS ------------------------------------------------------
+
+def run_model(run: Run) -> ModelConfig:
+    """The ModelConfig of a measured run: a preset (with its overrides), or one of Megatron's GPT models as
+    lab.model's nearest (SwiGLU of the GELU MLP's weights, multi-head attention, untied for the pipeline)."""
+    if run.model in calibration.MEGATRON:
+        d, layers, heads = calibration.MEGATRON[run.model]
+        return ModelConfig(name=run.model, vocab_size=calibration.MEGATRON_VOCAB, d_model=d, n_layers=layers,
+                           n_heads=heads, n_kv_heads=heads, d_ff=8 * d // 3 // 64 * 64, max_seq_len=run.seq)
+    return ModelConfig.from_preset(run.model, **run.overrides)
+
+
+def predict_run(run: Run) -> Candidate:
+    """The search pinned to a measured run's layout, on its hardware and software stack: the best candidate
+    (what the pins leave free, the search chooses). Raises ValueError when nothing fits."""
+    hardware = calibration.TITAN_H100 if run.hardware == "titan" else run.hardware
+    system = "h100" if run.hardware == "titan" else run.hardware
+    result = search(run_model(run), run.gpus, 8, hardware, run.seq, run.global_batch * run.seq, system=system,
+                    fixed=run.pins, tp_overlap=run.tp_overlap, stack=run.stack)
+    if not result.candidates:
+        reasons = "; ".join(f"{f}: {r.main_reason()[1]}" for f, r in result.rejected_families().items())
+        raise ValueError(f"{run.name}: no layout fits the pins {run.pins}: {reasons}")
+    return result.candidates[0]
+
+
+def predicted_over_measured(run: Run, candidate: Candidate) -> tuple[float, float | None]:
+    """(throughput, memory) predicted / measured: tokens/s per GPU, or MFU where the run published that;
+    memory None where it published none."""
+    throughput = (candidate.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu if run.tokens_per_s_per_gpu
+                  else candidate.mfu / run.mfu)
+    memory = candidate.memory.per_gpu["total"] / 2**30 / run.memory_gib if run.memory_gib else None
+    return throughput, memory
+
+
+def recipe_rank(result: SearchResult, match: dict) -> tuple[int, float, bool]:
+    """(rank from 1, tokens/s over the best's, whether it ties with the best) of the fastest candidate whose
+    ParallelConfig has the fields of `match`, e.g. {"dp": 32, "tp": 8, "zero": 3}."""
+    rank, candidate = next((i, c) for i, c in enumerate(result.candidates)
+                           if all(getattr(c.parallel, k) == v for k, v in match.items()))
+    return rank + 1, candidate.tokens_per_s / result.candidates[0].tokens_per_s, rank < result.ties

@@ -1,0 +1,120 @@
+"""lab.calc.search's step-time model against what clusters measured (lab.calc.calibration.RUNS): TorchTitan's
+Llama 3.1 benchmarks, Llama 3's Table 4, Megatron-LM 2021's Table 1 and lab's own H100 recording, each predicted
+with the search pinned to its layout. Goal: throughput within 15 %, memory within 10 %; a run outside the goal says
+why, and is held to its documented error, not a looser one. Then the ranking: where the recipes the field runs land
+among the layouts the search keeps, and which layouts the calibration's spread cannot tell apart."""
+
+import pytest
+
+from lab.calc.calibration import ASYNC_TP, CONSTANTS, RUNS, SPREAD, STACKS
+from lab.calc.search import predict_run, predicted_over_measured, recipe_rank, search
+
+THROUGHPUT_GOAL, MEMORY_GOAL = 0.15, 0.10
+_PREDICTED: dict = {}
+
+
+def _predicted(run):
+    if run.name not in _PREDICTED:
+        candidate = predict_run(run)
+        _PREDICTED[run.name] = candidate, predicted_over_measured(run, candidate)
+    return _PREDICTED[run.name]
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_throughput_within_the_goal_or_its_documented_error(run):
+    """Each run inside the goal, or outside it by no more than the error its `why` explains (and by more than the
+    goal: a row that came back inside must lose its excuse)."""
+    candidate, (throughput, _) = _predicted(run)
+    for key, value in run.pins.items():
+        assert getattr(candidate.parallel, key, candidate.mbs if key == "mbs" else None) == value, (key, run.name)
+    error = abs(throughput - 1)
+    if run.goal_error is None:
+        assert error <= THROUGHPUT_GOAL, (run.name, throughput)
+    else:
+        assert run.why and THROUGHPUT_GOAL < error <= run.goal_error, (run.name, throughput, run.goal_error)
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.memory_gib], ids=[r.name for r in RUNS if r.memory_gib])
+def test_memory_within_the_goal_or_its_documented_error(run):
+    _, (_, memory) = _predicted(run)
+    error = abs(memory - 1)
+    if run.memory_error is None:
+        assert error <= MEMORY_GOAL, (run.name, memory)
+    else:
+        assert run.why and MEMORY_GOAL < error <= run.memory_error, (run.name, memory, run.memory_error)
+
+
+def test_every_constant_has_a_source_and_fits_name_their_rows():
+    """One table: a source for every constant, a spread, and the fitted ones name validation rows that exist; the
+    stacks the runs use are the table's."""
+    names = {r.name for r in RUNS}
+    for name, constant in CONSTANTS.items():
+        assert len(constant.source) > 20 and constant.spread >= 0, name
+        assert all(row in names for row in filter(None, constant.fitted_on.split(","))), name
+    fitted = [n for n, c in CONSTANTS.items() if c.fitted_on]
+    assert fitted == ["async_tp_overlap", "titan_clock"], fitted  # and the lab stack's traffic (STACKS["lab"])
+    assert "fitted" in STACKS["lab"].source and {r.stack for r in RUNS} <= set(STACKS)
+    assert set(SPREAD) == {"compute", "comms", "bubble"}
+
+
+def test_llama3_405b_layout_on_126_layers_over_16_uneven_stages():
+    """Llama 3's own layout (TP8 · PP16 · DP128, 126 layers: 7, 8 x 14, 7) is priced, not refused."""
+    run = next(r for r in RUNS if r.name == "llama3-405b-16k-gpus")
+    candidate, _ = _predicted(run)
+    assert candidate.parallel.pp_layers == "llama3" and run_layers(candidate) == 126
+
+
+def run_layers(candidate) -> int:
+    from lab.layout import stage_layers
+
+    p = candidate.parallel
+    return sum(stage_layers(126, p.pp * p.pp_virtual_stages, p.pp_layers))
+
+
+# --- the ranking: where the field's recipes land ---------------------------------------------------------------
+
+# Searched on the recipes' own stack (torch.compile, Float8, async TP), cp pinned to 1 for TorchTitan's 2D and 3D
+# recipes, which predate its context parallelism. The 8B recipe makes the goal (top 5); the 70B and 405B recipes do
+# not, and chapter 08 (section 5d) shows why: TP8's collectives, priced as Table 4 measured them, cost a third of the
+# compute or more, which FSDP over 256 GPUs (70B) or a deeper pipeline with TP4 (405B) do not pay. The test holds
+# the model to the documented rank and share, not looser ones.
+RECIPES = [  # model, GPUs, sequences of 8192 a step, the recipe's layout, pins, rank at most, share at least
+    ("llama3-8b", 128, 256, {"dp": 128, "zero": 3}, {}, 5, 0.99),
+    ("llama3-70b", 256, 512, {"dp": 32, "tp": 8, "pp": 1, "cp": 1, "zero": 3}, {"cp": 1}, 70, 0.63),
+    ("llama3-405b", 512, 256, {"dp": 8, "tp": 8, "pp": 8, "cp": 1}, {"cp": 1}, 20, 0.8),
+]
+
+
+def _ranked(model, gpus, batch, fixed):
+    return search(model, gpus, 8, "h100", 8192, batch * 8192, fixed=fixed, stack="compiled-fp8", tp_overlap=ASYNC_TP)
+
+
+@pytest.mark.parametrize("model, gpus, batch, match, fixed, most, least", RECIPES,
+                         ids=["8b-fsdp", "70b-fsdp-tp8", "405b-fsdp-tp8-pp8"])
+def test_recipes_rank_where_the_chapter_says(model, gpus, batch, match, fixed, most, least):
+    result = _ranked(model, gpus, batch, fixed)
+    rank, share, tie = recipe_rank(result, match)
+    assert rank <= most and share >= least, (model, rank, share, result.candidates[0].layout)
+    if most > 5:  # outside the goal: the best layout pays less for TP than the recipe does
+        recipe = result.candidates[rank - 1]
+        best = result.candidates[0]
+        assert best.parallel.tp < 8 and recipe.time.tp > 0.25 * recipe.time.compute > best.time.tp
+    else:
+        assert tie
+
+
+def test_ties_are_the_layouts_the_spread_cannot_order():
+    result = _ranked("llama3-70b", 256, 512, {"cp": 1})
+    best_low = result.candidates[0].tokens_per_s_range[0]
+    tied = [c for c in result.candidates if c.tokens_per_s_range[1] >= best_low]
+    assert result.ties == len(tied) >= 1 and result.candidates[0] in tied
+    assert all(low < c.tokens_per_s < high for c in result.candidates for low, high in [c.tokens_per_s_range])
+    assert result.as_dict(3)["ties"] == result.ties
+
+
+def test_the_cli_reports_the_ties(capsys):
+    from lab.calc.cli import main
+
+    assert main(["search", "--model", "llama3-8b", "--gpus", "16", "--seq", "4096", "--gbs-tokens", "1M"]) == 0
+    out = capsys.readouterr().out
+    assert "ties: " in out and "the calibration's spread" in out

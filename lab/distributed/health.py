@@ -50,7 +50,7 @@ def checksum(tensor: torch.Tensor) -> int:
     data = tensor.detach().contiguous().view(-1).view(torch.uint8)
     whole = data.numel() // 8 * 8
     words = data[:whole]
-    if words.data_ptr() % 8:  # a view at an odd offset into its storage: copy it to an aligned one
+    if words.storage_offset() % 8:  # a view at an odd offset into its storage: copy it to an aligned one
         words = words.clone()
     total = int(words.view(torch.int64).sum()) + sum(int(b) << (8 * i) for i, b in enumerate(data[whole:].tolist()))
     return (total + 2**63) % 2**64 - 2**63  # back into int64's range, to be gathered as one

@@ -20,7 +20,7 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch08b
 
-EXERCISES = ("08b.reshard_reads", "08b.checkpoint_interval", "08b.diverging_rank")
+EXERCISES = ("08b.reshard_reads", "08b.checkpoint_interval", "08b.diverging_rank", "08b.find_straggler")
 
 SAME_DIM = "the same dimension cut at another degree: the saved slices a rank's slice overlaps, none it only touches"
 ROWS_COLS = "saved cut along rows, loaded cut along columns (and back): the rectangles where the slices cross"
@@ -33,6 +33,9 @@ LLAMA = "Llama 3 405B's log (419 interruptions in 54 days on 16,384 H100s): the 
 STOPPED = "one group: the rank that never joined the collective the others wait in"
 MISMATCH = "a mismatch: the rank whose op differs from the rest of its group at the same sequence number"
 GROUPS = "dp x tp: sequence numbers per group, and waits that spread from group to group"
+CLEAR = "a clear straggler among 2 to 8 ranks: its rank, its excess per step, and the fraction of a step it costs"
+NOISE = "one slow step is noise: ranks descheduled once in a run are no straggler, and do not hide the real one"
+COMPUTE = "compute time, not step time: the ranks leave the all-reduce together, rank 0 a little later"
 
 EVERY_LINE = "    options = {max(1, math.floor(steps)), max(1, math.ceil(steps))}"
 LAST_LINE = "    return answer(next(r for r in sorted(waited_for) if not waits[r]))"
@@ -79,6 +82,17 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "mismatch_not_looked_for": (
         "08b.diverging_rank", [("            return answer(rank)  # the whole", "            pass  # the whole")],
         {MISMATCH}),
+    "mean_over_steps": (
+        "08b.find_straggler", [("excess.append(statistics.median(behind))", "excess.append(statistics.mean(behind))")],
+        {NOISE}),
+    "median_includes_the_rank_itself": (
+        "08b.find_straggler", [("statistics.median(row[:r] + row[r + 1:])", "statistics.median(row)")], {CLEAR}),
+    "step_time_read_for_compute": (
+        "08b.find_straggler", [("for row in compute_s]", "for row in step_s]")], {CLEAR, COMPUTE}),
+    "cost_over_the_compute_time": (
+        "08b.find_straggler", [("max(row) for row in step_s)", "max(row) for row in compute_s)")], {CLEAR}),
+    "no_threshold": (
+        "08b.find_straggler", [("if excess[slowest] <= threshold_s:", "if excess[slowest] <= 0:")], {NOISE}),
 }
 CHAPTER = Chapter("08b_checkpoints_and_failures.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 
@@ -98,3 +112,20 @@ def test_simulated_hangs_break_the_rank_they_say(seed):
         assert last[expected["rank"]]["state"] == ("completed" if kind == "hang" else "started")
         assert all(len(log) <= 8 for log in logs) and any(log[0]["seq"] > 0 for log in logs)  # newest entries only
         assert ch08b.reference_diagnose(logs) == expected
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_straggler_reference_is_lab_distributed_health(seed):
+    """ch08b keeps its own copy of the rule so that grading imports no torch: it must stay find_straggler's."""
+    from lab.distributed.health import find_straggler
+
+    rng = random.Random(seed)
+    for ranks, slow, delay, spikes in ((2, 1, 0.03, 0), (5, 3, 0.02, 2), (4, None, 0.0, 2)):
+        compute, step = ch08b.timed_run(rng, ranks, 8, slow, delay, spikes)
+        expected = ch08b.reference_straggler(compute, step, 0.01)
+        # lab's skips the first step and takes a floor: give it a first step to skip and the same threshold
+        found = find_straggler([compute[0], *compute], [step[0], *step], fraction=0.0, floor_s=0.01)
+        assert (found is None) == (expected is None)
+        if found is not None:
+            assert (found.rank, found.excess_s, found.step_s) == pytest.approx(
+                (expected["rank"], expected["excess_s"], expected["excess_s"] / expected["cost"]))

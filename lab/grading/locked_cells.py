@@ -287,6 +287,10 @@ CHECKSUMS = {
         "ddf96ceaab881bca73fe980f238e2c918f73dde20cade3ea266e8359ebc71ca7",
         "60ff41aca6e799e4171a3c9625ff571ccf74084eca4509dcd0626051c0575cce"
     ],
+    "08b.find_straggler": [
+        "655dd0b96be11eb7482e674c840afe566fab3891331fc965b2a527c4316dfcb2",
+        "d05693af73a223ad493d5b38d906914500dd45c33a5b21c9795078266ac8e532"
+    ],
     "08b.reshard_reads": [
         "d7a399dd5106d25ebc53fff58ba0a4f611b1d9b60df044771b886fdd3ff698ea",
         "f5f56f9872c53d5dbc5b4a3596f8838d40652377ac59e578292020b2770cf910"

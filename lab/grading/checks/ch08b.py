@@ -1,6 +1,8 @@
 """Chapter 08b, checkpoints and failures. The shards a rank reads when resharding are checked against
 `lab.calc.reliability.reads_for` (the regions DCP's load planner reads); the checkpoint interval against Young's
-formula and the waste in `lab.calc.reliability`; the diverging rank against a simulated hang.
+formula and the waste in `lab.calc.reliability`; the diverging rank against a simulated hang; the straggler against
+`lab.distributed.health.find_straggler`'s rule on simulated per-rank step times (`reference_straggler`, kept here
+so that grading imports no torch; a test holds the two equal).
 
 Layouts are random (tp degrees that do not divide each other, rows at save and columns at load, dp replicas);
 MTBFs, save times and GPU counts span five orders of magnitude, and the `--checkpoint-every` cases put Young's
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 from lab.calc.reliability import job_mtbf, reads_for, shard_box, waste, young_interval
 from lab.grading.checks import CheckFailed, Mistake, exercise, expect_equal, expect_number, explain
@@ -344,3 +347,89 @@ def several_groups(student, rng):
         logs, expected = hang_case(rng, dp, tp, kind)
         broken = "stopped" if kind == "hang" else "calls another op"
         _expect_diagnosis(student, logs, expected, f"dp{dp} x tp{tp}, one rank {broken}")
+
+
+# --- 08b.find_straggler ---------------------------------------------------------------------------------------------
+
+STRAGGLER = exercise("08b.find_straggler", entry=("find_straggler",))
+
+
+def reference_straggler(compute_s: list[list[float]], step_s: list[list[float]], threshold_s: float) -> dict | None:
+    """`lab.distributed.health.find_straggler`'s rule, on every step given: per rank, the median over steps of its
+    compute time minus the median of the other ranks' that step; the largest, if above `threshold_s`, with the
+    fraction of the median synchronous step (the slowest rank's step time) it costs."""
+    ranks = len(compute_s[0])
+    excess = [statistics.median(row[r] - statistics.median(row[:r] + row[r + 1:]) for row in compute_s)
+              for r in range(ranks)]
+    slowest = max(range(ranks), key=excess.__getitem__)
+    if excess[slowest] <= threshold_s:
+        return None
+    return {"rank": slowest, "excess_s": excess[slowest],
+            "cost": excess[slowest] / statistics.median(max(row) for row in step_s)}
+
+
+def timed_run(rng: random.Random, ranks: int, steps: int, slow: int | None, delay_s: float,
+              spikes: int = 0) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-step, per-rank (compute, step) seconds of a synchronous run: each rank computes for its own base time
+    plus noise (rank `slow` `delay_s` more), `spikes` single steps on random ranks are 0.1-0.3 s slower (the OS took
+    the core away once), and every rank leaves the all-reduce when the slowest arrives, rank 0 a little later (it
+    writes the log)."""
+    base = [rng.uniform(0.02, 0.04) for _ in range(ranks)]
+    compute = [[b + rng.gauss(0, 0.0005) + (delay_s if r == slow else 0.0) for r, b in enumerate(base)]
+               for _ in range(steps)]
+    for _ in range(spikes):
+        compute[rng.randrange(steps)][rng.randrange(ranks)] += rng.uniform(0.1, 0.3)
+    step = []
+    for row in compute:
+        end = max(row) + rng.uniform(0.004, 0.006)  # the gradient all-reduce, once the last rank arrives
+        step.append([end + (0.02 if r == 0 else 0.0) + rng.uniform(0, 0.0005) for r in range(ranks)])
+    return compute, step
+
+
+def _expect_straggler(student, compute: list[list[float]], step: list[list[float]], threshold_s: float,
+                      what: str) -> None:
+    call = f"find_straggler(<{len(compute)} steps x {len(compute[0])} ranks: {what}>, threshold_s={threshold_s:.4f})"
+    expected = reference_straggler(compute, step, threshold_s)
+    got = ask(student.find_straggler, call, str(expected), compute, step, threshold_s)
+    if expected is None:
+        if got is not None:
+            raise CheckFailed(f"{call} returned {got!r:.200}, expected None: no rank is slower step after step")
+        return
+    if not isinstance(got, dict) or got.get("rank") != expected["rank"]:
+        raise CheckFailed(f"{call} returned {got!r:.200}, expected rank {expected['rank']} ({expected})")
+    for key in ("excess_s", "cost"):
+        expect_number(got.get(key), expected[key], f"{call}[{key!r}]", tol=1e-6)
+
+
+@STRAGGLER.check(points=1, hint="compare each rank with the median of the *other* ranks that step (with two ranks, a "
+                                "median that includes the rank itself halves its excess); the cost is the excess over "
+                                "the synchronous step, which lasts as long as its slowest rank")
+def clear_straggler(student, rng):
+    """a clear straggler among 2 to 8 ranks: its rank, its excess per step, and the fraction of a step it costs"""
+    for ranks in (2, rng.randrange(3, 6), rng.randrange(6, 9)):
+        delay = rng.uniform(0.01, 0.08)
+        slow = rng.randrange(ranks)
+        compute, step = timed_run(rng, ranks, rng.randrange(5, 12), slow, delay)
+        _expect_straggler(student, compute, step, delay / 3, f"rank {slow} {delay * 1e3:.0f} ms slower")
+
+
+@STRAGGLER.check(points=1, hint="one slow step is the OS taking a core away, not a straggler: take the median over the "
+                                "steps, not the mean, and name no one when the largest excess is under the threshold")
+def one_slow_step_is_noise(student, rng):
+    """one slow step is noise: ranks descheduled once in a run are no straggler, and do not hide the real one"""
+    ranks = rng.randrange(3, 7)
+    compute, step = timed_run(rng, ranks, rng.randrange(7, 12), None, 0.0, spikes=2)
+    _expect_straggler(student, compute, step, 0.01, "no straggler, two slow steps")
+    slow = rng.randrange(ranks)
+    compute, step = timed_run(rng, ranks, rng.randrange(7, 12), slow, 0.02, spikes=2)
+    _expect_straggler(student, compute, step, 0.01, f"rank {slow} 20 ms slower, two slow steps elsewhere")
+
+
+@STRAGGLER.check(points=1, hint="every rank leaves the all-reduce together, so step times are (nearly) equal and say "
+                                "nothing about who is slow; the compute time before the all-reduce does")
+def compute_not_step_time(student, rng):
+    """compute time, not step time: the ranks leave the all-reduce together, rank 0 a little later"""
+    ranks = rng.randrange(3, 7)
+    slow = rng.randrange(1, ranks)
+    compute, step = timed_run(rng, ranks, rng.randrange(5, 10), slow, 0.015)
+    _expect_straggler(student, compute, step, 0.005, f"rank {slow} 15 ms slower, rank 0 logs after each step")

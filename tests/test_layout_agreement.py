@@ -215,6 +215,38 @@ def test_pipeline_sequence_and_batch_rules_agree():
     assert not disagreements, "\n".join(disagreements)
 
 
+def test_uneven_pipeline_splits_agree():
+    """One split rule (`layout.stage_layers`) behind Config, calc.schedules' layers, calc.memory's stage parameters
+    and the executor's cut: each accepts the same splits, and each stage holds the layers the rule gives it."""
+    from lab.parallel.pp import cut_to_stage
+
+    disagreements = []
+    cfg = ModelConfig(name="grid", d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, n_layers=10,
+                      max_seq_len=64)
+    block = stage_params(cfg, ParallelConfig(pp=10, grad_accum=10), 1)[0]  # one layer, on a middle stage
+    for pp, chunks, split in itertools.product((1, 2, 3, 4), (1, 2), ("even", "llama3", "4,6", "2,3,3,2", "1,9,0")):
+        layout_ = {"pp": pp, "pp_schedule": "interleaved" if chunks > 1 else "1f1b", "pp_virtual_stages": chunks,
+                   "grad_accum": pp, "pp_layers": split}
+        rule = error(layout.stage_layers, cfg.n_layers, pp * chunks, split)
+        said = error(lambda p=layout_: Config(cfg, ParallelConfig(**p), TrainConfig(global_batch=p["pp"])).validate())
+        split_ranks = error(schedules.rank_layers, cfg.n_layers, pp, chunks, split)
+        if (said is None) != (rule is None) or (split_ranks is None) != (rule is None):
+            disagreements.append(f"pp={pp} chunks={chunks} {split}: rule {rule!r}, Config {said!r}, "
+                                 f"calc.schedules {split_ranks!r}")
+        if rule is not None or said is not None:
+            continue
+        counts = layout.stage_layers(cfg.n_layers, pp * chunks, split)
+        for rank, layers in enumerate(schedules.rank_layers(cfg.n_layers, pp, chunks, split)):
+            stages = [schedules.virtual_stage_of(rank, c, pp) for c in range(chunks)]
+            own = sum(counts[s] for s in stages)
+            built = sum(len(cut_to_stage(build_model(cfg), s, pp * chunks, split).layers) for s in stages)
+            costed = stage_params(cfg, ParallelConfig(**layout_), rank)[0]
+            if len(layers) != own or built != own or (0 < rank < pp - 1 and costed != own * block):
+                disagreements.append(f"pp={pp} chunks={chunks} {split} rank {rank}: rule {own}, calc.schedules "
+                                     f"{len(layers)}, built {built}, calc.memory {costed / block}")
+    assert not disagreements, "\n".join(disagreements)
+
+
 def test_the_interleaved_default_is_resolved_once_and_the_cli_and_config_agree():
     """`Config.from_dict` accepts an interleaved layout without chunks, as `lab calc memory` and `lab train` do."""
     config = Config.from_dict({"model": {"preset": "tiny"}, "parallel": {"pp": 2, "pp_schedule": "interleaved",

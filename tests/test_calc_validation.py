@@ -112,9 +112,20 @@ def test_ties_are_the_layouts_the_spread_cannot_order():
     assert result.as_dict(3)["ties"] == result.ties
 
 
-def test_the_cli_reports_the_ties(capsys):
+def test_the_cli_prices_llama3s_own_layout_and_reports_the_ties(capsys):
+    """`python -m lab calc search` pinned to Llama 3's 405B layout (TP8 · PP16 · DP128 on 16,384 GPUs, 126 layers
+    over Llama 3's uneven stages) on the compiled stack: the MFU Table 4 measured (41 %) within the documented error
+    of its row, and the line that says how many layouts tie with the best."""
     from lab.calc.cli import main
 
-    assert main(["search", "--model", "llama3-8b", "--gpus", "16", "--seq", "4096", "--gbs-tokens", "1M"]) == 0
+    argv = ["search", "--model", "llama3-405b", "--gpus", "16384", "--seq", "8192", "--gbs-tokens", "16M", "--tp",
+            "8", "--pp", "16", "--dp", "128", "--cp", "1", "--pp-schedule", "interleaved", "--pp-chunks", "4",
+            "--stack", "compiled", "--top", "1"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "ties: " in out and "the calibration's spread" in out
+    row = next(line for line in out.splitlines() if line.startswith("  1  "))
+    assert "dp128 · tp8 sp · pp16 interleaved x4 llama3" in row
+    run = next(r for r in RUNS if r.name == "llama3-405b-16k-gpus")
+    mfu = float(row.split("%")[0].split()[-1]) / 100
+    assert abs(mfu / run.mfu - 1) <= run.goal_error
+    assert "ties: 1 layout reaches the best one's range" in out and "the calibration's spread" in out

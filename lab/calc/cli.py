@@ -22,6 +22,7 @@ import sys
 
 from lab.calc import inference, roofline
 from lab.calc.bubble import Simulation, closed_form, explore
+from lab.calc.calibration import ASYNC_TP, STACKS
 from lab.calc.comms import ALGORITHMS as COMM_ALGORITHMS
 from lab.calc.comms import OPS as COMM_OPS
 from lab.calc.comms import collective_time
@@ -237,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None, help="pin it (default: searched)")
     search.add_argument("--pp-chunks", type=int, default=None, help="pin it (default: searched)")
     search.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None, help="pin it (default: searched)")
+    search.add_argument("--pp-layers", default=None,
+                        help="pin the layers' split: even, llama3 or counts like 7,8,8,7 (default: even where it "
+                             "divides, else llama3)")
+    search.add_argument("--stack", choices=tuple(STACKS), default="eager",
+                        help="the software that runs the step (lab.calc.calibration.STACKS; default eager)")
+    search.add_argument("--tp-overlap", type=float, default=0.0,
+                        help=f"share of TP's collectives async TP hides (default 0; TorchTitan's: {ASYNC_TP:.2f})")
     search.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     search.add_argument("--json", action="store_true")
 
@@ -442,9 +450,10 @@ def _search(args: argparse.Namespace) -> int:
         raise ValueError(f"top={args.top} must be an integer >= 1")
     pins = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "zero": args.zero,
             "mbs": args.mbs, "grad_accum": args.grad_accum, "pp_schedule": args.pp_schedule,
-            "pp_virtual_stages": args.pp_chunks, "recompute": args.recompute}
+            "pp_virtual_stages": args.pp_chunks, "pp_layers": args.pp_layers, "recompute": args.recompute}
     result = search(args.model, args.gpus, args.gpus_per_node, args.hardware, args.seq, args.gbs_tokens,
-                    fixed={k: v for k, v in pins.items() if v is not None})
+                    fixed={k: v for k, v in pins.items() if v is not None}, stack=args.stack,
+                    tp_overlap=args.tp_overlap)
     if args.json:
         print(json.dumps(result.as_dict(args.top)))
         return 0
@@ -466,7 +475,7 @@ def _search(args: argparse.Namespace) -> int:
         print("  no layout fits" + (" with the pinned settings" if any(v is not None for v in pins.values()) else ""))
     else:
         low, high = result.candidates[0].tokens_per_s_range
-        print(f"ties: the first {result.ties} layout{'s' if result.ties > 1 else ''} reach the best one's range, "
+        print(f"ties: {result.ties} layout{'s reach' if result.ties > 1 else ' reaches'} the best one's range, "
               f"{low:,.0f}-{high:,.0f} tokens/s (the calibration's spread): the model cannot order them")
     rejected = result.rejected_families()
     if rejected:

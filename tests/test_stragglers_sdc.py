@@ -11,7 +11,7 @@ from lab.distributed.health import Mismatch, checksum, compare_checksums, find_s
 from lab.faults import InjectedFailure, flip_bit
 from lab.train import main
 
-DELAY_MS = 150  # large against the tiny model's ~20 ms of compute, so that load on the machine cannot hide it
+DELAY_MS = 300  # large against the tiny model's ~20 ms of compute, so that load on the machine cannot hide it
 TINY = ["--config", "configs/tiny.toml", "--quiet"]
 PARAM = "layers.1.attn.wq.weight"
 

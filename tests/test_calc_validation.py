@@ -129,3 +129,12 @@ def test_the_cli_prices_llama3s_own_layout_and_reports_the_ties(capsys):
     mfu = float(row.split("%")[0].split()[-1]) / 100
     assert abs(mfu / run.mfu - 1) <= run.goal_error
     assert "ties: 1 layout reaches the best one's range" in out and "the calibration's spread" in out
+
+
+def test_the_explorer_widget_reports_the_ties():
+    from lab.widgets.search import config_explorer
+
+    widget = config_explorer()
+    ties = widget.result.ties
+    assert f"{ties} {'layout ties' if ties == 1 else 'layouts tie'} with it" in widget.summary.value
+    assert f"{widget.result.candidates[0].tokens_per_s_range[0]:,.0f}" in widget.summary.value

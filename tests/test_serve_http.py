@@ -4,8 +4,9 @@ One server runs in a thread of this process for the whole module (so the tests c
 batched, what was aborted, which blocks are free), on the tiny model; one test starts the real CLI in a
 subprocess. Each server is stopped in `finally`.
 
-Planted bugs that turned a test red: two streams' queues swapped in `AsyncEngine._route`; `data: [DONE]` left out
-of a stream; the abort of a disconnected client's sequence skipped; unknown fields ignored.
+Planted bugs that turned a test red: neighbouring streams' tokens swapped in `AsyncEngine._route`; `data: [DONE]`
+left out of a stream; the abort of a disconnected client's sequence skipped; the disconnect watcher of a plain
+(unstreamed) request removed; unknown fields ignored; the error body's `message` renamed.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def server() -> Iterator[SimpleNamespace]:
         assert until(lambda: uv.started), "the server did not start"
         port = uv.servers[0].sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}/v1"
-        yield SimpleNamespace(url=url, core=app.state.engine, name=config.model.name,
-                              client=openai.OpenAI(base_url=url, api_key="-", max_retries=0))
+        yield SimpleNamespace(url=url, address=("127.0.0.1", port), core=app.state.engine, name=config.model.name,
+                              client=openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=10))
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
@@ -90,7 +91,7 @@ def test_greedy_completions_equal_the_offline_engine(server):
 def test_four_concurrent_streams_are_batched_and_each_gets_its_own_tokens(server):
     prompts = [server_module.encode(p, 256) for p in PROMPTS]
     want = offline(prompts, max_tokens=12)
-    client = openai.AsyncOpenAI(base_url=server.url, api_key="-", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=10)
 
     async def one(prompt: str) -> tuple[list[int], str, list]:
         stream = await client.completions.create(model=server.name, prompt=prompt, max_tokens=12, temperature=0,
@@ -155,15 +156,24 @@ def test_a_client_that_disconnects_frees_its_sequence(server):
     """A stream closed after its first chunk, and a plain request whose client times out: both aborted, nothing
     left running, every KV block back in the pool."""
     core, blocks = server.core, server.core.engine.block_manager
-    aborted = core.aborted
+    aborted, steps_before = core.aborted, len(core.engine.timeline)
     stream = server.client.completions.create(model=server.name, prompt="abc", max_tokens=250, stream=True)
     next(iter(stream))
     stream.close()
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/completions", json={"prompt": "abc", "max_tokens": 250}, timeout=0.3)
+    assert until(lambda: core.aborted == aborted + 1 and not core.engine.has_unfinished())
+    body = b'{"prompt": "abc", "max_tokens": 250}'
+    with socket.create_connection(server.address) as s:  # a plain request, its client gone once it runs
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert until(core.engine.has_unfinished)
     assert until(lambda: core.aborted == aborted + 2 and not core.engine.has_unfinished())
     assert blocks.num_free_blocks == blocks.num_blocks
     assert core.engine.sequences == {}  # the server forgets what it served
+    computed: dict[int, int] = {}
+    for record in core.engine.timeline[steps_before:]:
+        for seq_id, n in record.ran:
+            computed[seq_id] = computed.get(seq_id, 0) + n
+    assert len(computed) == 2 and max(computed.values()) < 3 + 249, "a request ran to its end after its client left"
 
 
 def _free_port() -> int:

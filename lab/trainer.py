@@ -263,6 +263,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     try:
         for step in range(first, train.steps):
             start = time.perf_counter()
+            began = _gpu_mark(device)  # on a GPU the compute's end is its kernels', not Python's
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             if inject is not None:  # a straggler's rank is slow in its compute, before any collective
@@ -270,7 +271,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             inputs, targets = par.batch(*data.next_batch())
             scale = scaler.get_scale()  # fp16: backward starts from loss x scale (1 otherwise)
             loss, moe = par.forward_backward(inputs, targets, scale)  # moe: the router's record (MoE models)
-            compute = time.perf_counter() - start  # data parallelism waits for the gradients next
+            compute, computed = time.perf_counter() - start, _gpu_mark(device)  # next: wait for the gradients
             par.finish_gradients()  # every rank now holds the averaged gradients of what it updates (fp32 masters)
             loss = par.mean_loss(loss)
             scaler.unscale_(par.parameters())  # fp16: divide by the scale; all ranks agree on any inf/nan
@@ -292,6 +293,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             if device.type == "cuda":  # kernels run asynchronously: the step ends when the GPU's work does
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
+            if began is not None:
+                compute = began.elapsed_time(computed) / 1e3
             times = _gather_times(compute, elapsed, world, device)
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             fp16 = {"loss_scale": scale, "skipped": not stepped} if scaler.enabled else {}
@@ -314,6 +317,17 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         if log_file:
             log_file.close()
     return logs
+
+
+def _gpu_mark(device: torch.device) -> torch.cuda.Event | None:
+    """A timing event recorded on the compute stream (None on a CPU). The backward's kernels run after Python
+    has moved on, and the stream does not wait for the gradients' all-reduce before `finish_gradients`, so the
+    time between two marks is the rank's compute, without the wait a straggler causes."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _gather_times(compute: float, elapsed: float, world: int, device: torch.device) -> dict:

@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "--checkpoint-dir is intact, instead of refusing")
     faults = p.add_argument_group("failures and restarts (lab.faults)")
     faults.add_argument("--inject-failure", metavar=USAGE, help="make rank R fail in step S, before its optimizer "
-                        "step: raise an error (default), SIGKILL itself, or hang (first attempt only)")
+                        "step: raise an error (default), SIGKILL itself, or hang (first attempt only); or fail "
+                        "silently: straggler (sleep D ms per step from step S, default 1) or bitflip (flip bit B of "
+                        "parameter NAME after step S's update; see --sdc-check)")
     faults.add_argument("--max-restarts", type=int, default=0, metavar="K", help="start the whole group again after a "
                         "failure, up to K times, resuming from the newest checkpoint (needs --checkpoint-dir; "
                         "under torchrun, give torchrun --max-restarts instead)")

@@ -43,6 +43,17 @@ def test_a_bad_straggler_or_bitflip_spec_is_one_line(spec, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "1", "--sdc-check", "1"], "--sdc-check=1 compares data-parallel replicas: it needs dp x cp >= 2"),
+    (["--nproc", "2", "--sdc-check", "-2"], "--sdc-check=-2 must be an integer >= 0"),
+    (["--nproc", "2", "--zero", "3", "--sdc-check", "2"], "--sdc-check=2 with zero=3: its replicas are not whole"),
+])
+def test_bad_sdc_flags_are_one_line_before_any_rank_starts(capsys, args, message):
+    assert main([*TINY, "--steps", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
 def test_a_straggler_is_slow_from_its_step_on():
     assert InjectedFailure.parse("rank=1,kind=straggler,delay_ms=50") == InjectedFailure(1, 1, "straggler", 50.0)
     assert InjectedFailure.parse("rank=0,step=3,kind=bitflip,param=w,bit=7") == InjectedFailure(0, 3, "bitflip",

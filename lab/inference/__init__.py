@@ -10,4 +10,6 @@ tested alone:
     scheduler       continuous batching under a token budget, chunked prefill, preemption by recompute
     model_runner    the paged K/V tensors and the step that runs a scheduled batch through the model
     engine          LLMEngine: requests in, tokens out, one scheduled step at a time
+    async_engine    AsyncEngine: one engine stepped for many connections, tokens routed back, aborts on disconnect
+    server          the OpenAI-compatible HTTP routes over it (`python -m lab serve --port N`; needs starlette)
 """

@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP server over `LLMEngine`: what `python -m lab serve --port N` runs.
 
-What belongs here: the HTTP side of serving (routes, request checks, OpenAI's JSON and server-sent events), the
-text <-> token mapping of a model without a tokenizer, and `AsyncEngine`, the one loop that steps the engine
-for every connection. Scheduling, the KV cache and sampling stay in the engine's modules.
+What belongs here: the HTTP side of serving (routes, request checks, OpenAI's JSON and server-sent events) and
+the text <-> token mapping of a model without a tokenizer. Stepping the engine for every connection is
+`lab.inference.async_engine`'s; scheduling, the KV cache and sampling stay in the engine's modules.
 
 Routes (OpenAI's API, the subset a course model can honour):
 
@@ -10,12 +10,10 @@ Routes (OpenAI's API, the subset a course model can honour):
     POST /v1/completions        prompt -> text; `"stream": true` sends server-sent events
     POST /v1/chat/completions   messages -> the assistant's reply, through the plain chat template below
 
-Continuous batching across connections. The engine has one owner, `AsyncEngine`'s loop task: while any request
-is unfinished it runs `engine.step()` in a worker thread (so the event loop keeps answering HTTP meanwhile) and,
-between steps, on the event loop, it admits the requests that arrived, aborts those whose client went away, and
-hands each request the tokens its sequence gained to the asyncio queue its connection reads. Requests from
-different connections therefore share every step, exactly as the offline engine batches a list of prompts;
-no request ever touches the engine while a step runs.
+Continuous batching across connections: every route hands its request to one `AsyncEngine`
+(`lab.inference.async_engine`), whose single loop task steps the engine for all connections and routes each
+request's new tokens back to it. A connection that closes (a streamed one cancelled by Starlette, a plain one
+noticed by a watcher) aborts its sequence, and its KV blocks go back to the pool.
 
 Tokens and text. The course's models have no tokenizer, so text is bytes: a prompt string is UTF-8 encoded and
 each byte is one token id (the tiny model's vocabulary is 256; a byte outside a smaller vocabulary is a 400),
@@ -50,9 +48,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lab.inference.async_engine import AsyncEngine
 from lab.inference.engine import LLMEngine
 from lab.inference.sampling import SamplingParams
-from lab.inference.sequence import SequenceStatus
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -185,105 +183,6 @@ def chat_prompt_ids(body: dict, served: Served) -> list[int]:
     return encode(chat_prompt(messages), served.vocab_size)
 
 
-# -- the engine loop -------------------------------------------------------------------------------------------
-
-
-class AsyncEngine:
-    """The one owner of an `LLMEngine` in an asyncio server: requests come in from any connection, one loop task
-    steps the engine for all of them, and each request's new tokens go to its own queue."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.aborted = 0  # requests cancelled because their client went away
-        self._arrived: list[tuple[list[int], SamplingParams, asyncio.Future[int]]] = []
-        self._cancelled: list[int] = []
-        self._queues: dict[int, asyncio.Queue] = {}  # seq_id -> (new tokens, finished) items, or an exception
-        self._sent: dict[int, int] = {}  # seq_id -> generated tokens already handed to its queue
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def add(self, prompt: list[int], params: SamplingParams) -> int:
-        """Queue a request (admitted by the loop between steps); its seq_id, or the engine's ValueError."""
-        future = asyncio.get_running_loop().create_future()
-        self._arrived.append((prompt, params, future))
-        self._wake.set()
-        return await future
-
-    async def tokens(self, seq_id: int) -> AsyncIterator[tuple[list[int], bool]]:
-        """The request's new tokens after each step that gave it some, with whether it has finished. Leaving
-        early (the connection closed, its task cancelled) aborts it and frees its blocks."""
-        queue, finished = self._queues[seq_id], False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                new, finished = item
-                yield new, finished
-        finally:
-            if not finished:
-                self._cancelled.append(seq_id)
-                self._wake.set()
-
-    async def _run(self) -> None:
-        while True:
-            self._admit_and_cancel()
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                await asyncio.to_thread(self.engine.step)
-            except Exception as err:  # a failed step fails its requests, not the server
-                for seq_id in list(self._queues):
-                    self._queues[seq_id].put_nowait(err)
-                    self._forget(seq_id, abort=True)
-                continue
-            self._route()
-
-    def _admit_and_cancel(self) -> None:
-        arrived, self._arrived = self._arrived, []
-        for prompt, params, future in arrived:
-            try:
-                seq_id = self.engine.add_request(prompt, params)
-            except ValueError as err:
-                future.set_exception(BadRequest(str(err), "prompt"))
-                continue
-            self._queues[seq_id], self._sent[seq_id] = asyncio.Queue(), 0
-            future.set_result(seq_id)
-        cancelled, self._cancelled = self._cancelled, []
-        for seq_id in cancelled:
-            if seq_id in self._queues:
-                self.aborted += 1
-                self._forget(seq_id, abort=True)
-
-    def _route(self) -> None:
-        """After a step: every request's new tokens to its connection; finished requests leave the engine."""
-        for seq_id in list(self._queues):
-            seq = self.engine.sequences[seq_id]
-            new, finished = seq.generated[self._sent[seq_id]:], seq.status is SequenceStatus.FINISHED
-            if new or finished:
-                self._queues[seq_id].put_nowait((new, finished))
-                self._sent[seq_id] += len(new)
-            if finished:
-                self._forget(seq_id, abort=False)
-
-    def _forget(self, seq_id: int, abort: bool) -> None:
-        if abort:
-            self.engine.abort(seq_id)
-        self.engine.pop(seq_id)
-        del self._queues[seq_id], self._sent[seq_id]
-
-
 # -- OpenAI's responses ----------------------------------------------------------------------------------------
 
 
@@ -371,7 +270,10 @@ def build_app(engine: LLMEngine, served: Served) -> Starlette:
             body = check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "messages" if chat else "prompt")
             prompt = chat_prompt_ids(body, served) if chat else completion_prompt(body, served)
             params = sampling_params(body, served, len(prompt))
-            seq_id = await core.add(prompt, params)
+            try:
+                seq_id = await core.add(prompt, params)
+            except ValueError as err:  # the engine refuses a prompt its KV cache can never hold
+                raise BadRequest(str(err), "prompt") from err
         except BadRequest as err:
             return error_response(err)
         reply = Reply(chat, served, len(prompt), params.max_tokens, next(ids))

@@ -74,14 +74,14 @@ def run_layers(candidate) -> int:
 # --- the ranking: where the field's recipes land ---------------------------------------------------------------
 
 # Searched on the recipes' own stack (torch.compile, Float8, async TP), cp pinned to 1 for TorchTitan's 2D and 3D
-# recipes, which predate its context parallelism. The 8B recipe makes the goal (top 5); the 70B and 405B recipes do
-# not, and chapter 08 (section 5d) shows why: TP8's collectives, priced as Table 4 measured them, cost a third of the
-# compute or more, which FSDP over 256 GPUs (70B) or a deeper pipeline with TP4 (405B) do not pay. The test holds
-# the model to the documented rank and share, not looser ones.
-RECIPES = [  # model, GPUs, sequences of 8192 a step, the recipe's layout, pins, rank at most, share at least
-    ("llama3-8b", 128, 256, {"dp": 128, "zero": 3}, {}, 5, 0.99),
-    ("llama3-70b", 256, 512, {"dp": 32, "tp": 8, "pp": 1, "cp": 1, "zero": 3}, {"cp": 1}, 70, 0.63),
-    ("llama3-405b", 512, 256, {"dp": 8, "tp": 8, "pp": 8, "cp": 1}, {"cp": 1}, 20, 0.8),
+# recipes, which predate its context parallelism. The 8B recipe makes the goal (first); the 405B recipe ranks 8th
+# but ties with the best (the calibration's spread); the 70B recipe does neither, and chapter 08 (section 5d) shows
+# why: TP8's collectives, priced as Table 4 measured them, cost half its compute, which FSDP over 256 GPUs does not
+# pay. The test holds the model to the documented rank and share, not looser ones.
+RECIPES = [  # model, GPUs, sequences of 8192 a step, the recipe's layout, pins, rank at most, share at least, tie
+    ("llama3-8b", 128, 256, {"dp": 128, "zero": 3}, {}, 1, 0.99, True),
+    ("llama3-70b", 256, 512, {"dp": 32, "tp": 8, "pp": 1, "cp": 1, "zero": 3}, {"cp": 1}, 70, 0.63, False),
+    ("llama3-405b", 512, 256, {"dp": 8, "tp": 8, "pp": 8, "cp": 1}, {"cp": 1}, 8, 0.87, True),
 ]
 
 
@@ -89,18 +89,16 @@ def _ranked(model, gpus, batch, fixed):
     return search(model, gpus, 8, "h100", 8192, batch * 8192, fixed=fixed, stack="compiled-fp8", tp_overlap=ASYNC_TP)
 
 
-@pytest.mark.parametrize("model, gpus, batch, match, fixed, most, least", RECIPES,
+@pytest.mark.parametrize("model, gpus, batch, match, fixed, most, least, ties", RECIPES,
                          ids=["8b-fsdp", "70b-fsdp-tp8", "405b-fsdp-tp8-pp8"])
-def test_recipes_rank_where_the_chapter_says(model, gpus, batch, match, fixed, most, least):
+def test_recipes_rank_where_the_chapter_says(model, gpus, batch, match, fixed, most, least, ties):
     result = _ranked(model, gpus, batch, fixed)
     rank, share, tie = recipe_rank(result, match)
-    assert rank <= most and share >= least, (model, rank, share, result.candidates[0].layout)
-    if most > 5:  # outside the goal: the best layout pays less for TP than the recipe does
+    assert rank <= most and share >= least and tie == ties, (model, rank, share, result.candidates[0].layout)
+    if rank > 1:  # what separates it from the best: the best layout pays less for TP than the recipe does
         recipe = result.candidates[rank - 1]
         best = result.candidates[0]
         assert best.parallel.tp < 8 and recipe.time.tp > 0.25 * recipe.time.compute > best.time.tp
-    else:
-        assert tie
 
 
 def test_ties_are_the_layouts_the_spread_cannot_order():

@@ -452,11 +452,14 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     g, m = net.gpus_per_node, p.grad_accum
     tokens = mbs * seq // p.cp  # of one micro-batch on one rank
     counts = [len(layers) for layers in rank_layers(cfg.n_layers, p.pp, p.pp_virtual_stages, p.pp_layers)]
-    slowest = max(range(p.pp), key=lambda s: (counts[s] + (s == p.pp - 1), s))
+    kinds = {(n, s == p.pp - 1) for s, n in enumerate(counts)}  # at most three: first, middle, last
+    kernels = {kind: _stage_compute(cfg, seq, p, mbs, work, chip, *kind) for kind in kinds}
+    times = [kernels[n, s == p.pp - 1][0] for s, n in enumerate(counts)]
+    slowest = max(range(p.pp), key=lambda s: (times[s], s))
     layers = counts[slowest]
     moe_layers = work.moe_layers * layers / cfg.n_layers
 
-    compute, forward = _stage_compute(cfg, seq, p, mbs, work, chip, layers, slowest == p.pp - 1)
+    compute, forward = kernels[layers, slowest == p.pp - 1]
     backward = compute - forward
     layer_forward = forward / layers
 
@@ -524,21 +527,15 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     optimizer = chip.moved(local * chip.stack.adam_bytes)
 
     bubble = pp_exposed = 0.0
-    if p.pp > 1:  # the fill and the drain run through the other stages: their mean time
+    if p.pp > 1:  # the fill and the drain run through the other stages: their mean time, scaled by their kernels'
         others = [s for s in range(p.pp) if s != slowest]
-        t = sum(stage * _stage_share(counts, s, slowest) for s in others) / len(others) / 3
+        t = sum(stage * times[s] / compute for s in others) / len(others) / 3
         bubble = closed_form(p.pp_schedule, p.pp, m, p.pp_virtual_stages, tf=t, tb=2 * t, tw=t)["idle"]
         boundary = activation // (p.tp if p.sp else 1)
         pp_exposed = 2 * (p.pp * p.pp_virtual_stages - 1) * net.send(boundary, pp_node, p.pp)
 
     return StepTime(compute=m * compute + optimizer, tp=m * layers * tp_layer, cp=m * layers * cp_layer,
                     ep=m * ep_mb, pp=pp_exposed, dp=dp_exposed + m * z3_mb, bubble=bubble)
-
-
-def _stage_share(counts: list[int], stage: int, slowest: int) -> float:
-    """A stage's time over the slowest one's, by layers (the last one counting its output layer as one)."""
-    weight = [c + (s == len(counts) - 1) for s, c in enumerate(counts)]
-    return weight[stage] / weight[slowest]
 
 
 # --- steps 1 and 2: enumerate, validate, fit ---------------------------------------------------------------

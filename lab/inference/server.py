@@ -64,9 +64,9 @@ class BadRequest(ValueError):
 
 
 def error_response(err: BadRequest) -> JSONResponse:
-    kind = "invalid_request_error" if err.status < 500 else "server_error"
+    """OpenAI's error body, which its clients turn into `BadRequestError` / `NotFoundError` with the message."""
     code = "model_not_found" if err.status == 404 else None
-    body = {"error": {"message": str(err), "type": kind, "param": err.param, "code": code}}
+    body = {"error": {"message": str(err), "type": "invalid_request_error", "param": err.param, "code": code}}
     return JSONResponse(body, status_code=err.status)
 
 
@@ -172,6 +172,7 @@ def completion_prompt(body: dict, served: Served) -> list[int]:
 
 
 def chat_prompt_ids(body: dict, served: Served) -> list[int]:
+    """A chat request's prompt as token ids: its messages checked, through the chat template, as bytes."""
     messages = body["messages"]
     for m in messages:
         if not (isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in CHAT_ROLES
@@ -245,6 +246,7 @@ async def stream_events(core: AsyncEngine, seq_id: int, reply: Reply, include_us
 
 
 async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (its body is already read: only the disconnect is left)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -282,7 +284,9 @@ def build_app(engine: LLMEngine, served: Served) -> Starlette:
             return StreamingResponse(stream_events(core, seq_id, reply, include_usage),
                                      media_type="text/event-stream")
         tokens = await collect(core, seq_id, request)
-        return Response(status_code=499) if tokens is None else JSONResponse(reply.whole(tokens))
+        if tokens is None:  # nobody is left to read it: nginx's 499, "client closed request", for the access log
+            return Response(status_code=499)
+        return JSONResponse(reply.whole(tokens))
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -33,7 +34,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 server_module = pytest.importorskip("lab.inference.server")  # needs starlette: the `serve` extra
 
-CONFIG = "configs/tiny.toml"
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "tiny.toml")
 ENGINE = EngineConfig(num_blocks=96, block_size=8, max_num_seqs=8, max_num_batched_tokens=128)
 PROMPTS = ["Hello", "The cat", "ZeRO-3 shards", "ring all-reduce"]
 
@@ -185,7 +187,7 @@ def _free_port() -> int:
 def test_the_cli_serves_on_the_port_it_is_given():
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "lab", "serve", "--config", CONFIG, "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         def up() -> bool:
             assert process.poll() is None, process.stderr.read().decode()

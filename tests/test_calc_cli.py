@@ -28,7 +28,7 @@ def test_memory_json_matches_the_library(capsys):
     est = estimate_memory(PRESETS["llama3-8b"], 4096, 1, parallel, flash=True)
     assert data == {**est.as_dict(), "stage": est.stage, "hardware": "h100", "hardware_memory_bytes": 80 * 2**30,
                     "fits": True}
-    assert set(data["per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert set(data["per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "loss", "total"}
     assert set(data["activations_breakdown"]) == {"layers", "embedding", "logits"}
     assert isinstance(data["num_params"], int) and data["num_params"] == 8_030_261_248
 
@@ -38,8 +38,11 @@ def test_memory_table_labels_units(capsys):
                        "--activation-model", "exact")
     assert code == 0
     assert "GiB (2^30 B)" in out and "GB (10^9 B)" in out
-    for row in ("params", "grads", "optimizer", "activations", "layers", "embedding", "logits", "total"):
+    for row in ("params", "grads", "optimizer", "activations", "layers", "embedding", "logits", "loss", "total"):
         assert any(line.split()[0] == row for line in out.splitlines() if line.strip())
+    bytes_of = {line.split()[0]: int(line.split()[1].replace(",", "")) for line in out.splitlines()
+                if line.startswith("  ") and not line.startswith("    ") and line.split()[1][0].isdigit()}
+    assert sum(v for k, v in bytes_of.items() if k != "total") == bytes_of["total"], bytes_of  # rows add up
 
 
 def test_flops_json_with_mfu(capsys):

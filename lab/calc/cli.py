@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b")
     memory.add_argument("--pp-chunks", type=int, default=None,
                         help=f"layer chunks per pipeline rank (default: {INTERLEAVED_CHUNKS} for interleaved, else 1)")
+    memory.add_argument("--pp-layers", default="even",
+                        help="layers per virtual stage: even, llama3 (first and last stage one layer fewer) or "
+                             "counts such as 7,8,8,7")
     memory.add_argument("--precision", choices=tuple(PRECISIONS), default="mixed")
     memory.add_argument("--fp32-grad-accum", action="store_true", help="fp32 gradient buffer (mixed only)")
     memory.add_argument("--flash", action="store_true", help="flash attention (no s x s scores kept)")
@@ -361,7 +364,8 @@ def _params(cfg: ModelConfig, args: argparse.Namespace) -> int:
 def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
     parallel = ParallelConfig(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, pp=args.pp, ep=args.ep, zero=args.zero,
                               grad_accum=args.grad_accum, recompute=args.recompute, pp_schedule=args.pp_schedule,
-                              pp_virtual_stages=args.pp_chunks or 0)  # 0: ParallelConfig resolves the default
+                              pp_virtual_stages=args.pp_chunks or 0,  # 0: ParallelConfig resolves the default
+                              pp_layers=args.pp_layers)
     est = estimate_memory(cfg, args.seq, args.mbs, parallel, precision=args.precision,
                           fp32_grad_accum=args.fp32_grad_accum, flash=args.flash,
                           activation_model=args.activation_model, param_convention=args.param_convention,
@@ -380,6 +384,7 @@ def _memory(cfg: ModelConfig, args: argparse.Namespace) -> int:
     print(f"per GPU{'bytes':>35}   GiB (2^30 B)   GB (10^9 B)")
     rows = [(k, est.per_gpu[k]) for k in ("params", "grads", "optimizer", "activations")]
     rows += [(f"  {k}", v) for k, v in est.activations_breakdown.items()]
+    rows += [("loss", est.per_gpu["loss"])]  # the logits' working memory, on the stage that computes the loss
     for name, value in [*rows, ("total", total)]:
         print(f"  {name:<16} {value:>23,} {value / 2**30:>14.3f} {value / 1e9:>13.3f}")
     spare = est.headroom(capacity)

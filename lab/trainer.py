@@ -11,6 +11,7 @@ summary (`lab.train`), and anything about the layout beyond "is there a pipeline
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from lab import distributed as lab_dist
 from lab.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, check_resume, newest
 from lab.config import Config, check_supported
 from lab.data import SyntheticTokens
-from lab.distributed import flight
+from lab.distributed import Mesh, flight
 from lab.distributed.comm import all_gather_single
 from lab.distributed.health import Mismatch, SilentDataCorruption, check_replicas
 from lab.distributed.launch import HANG_TIMEOUT_S
@@ -34,7 +35,7 @@ from lab.faults import InjectedFailure
 from lab.loss import cross_entropy
 from lab.outputs import check_output_dir, check_output_file
 from lab.parallel.optim import adamw, clip_grad_norm
-from lab.parallel.parallelize import Parallelized, build_mesh, parallelize
+from lab.parallel.parallelize import build_mesh, parallelize
 from lab.precision.loss_scale import DynamicLossScaler
 from lab.precision.scheme import precision_scheme
 from lab.preemption import StopOnSignal, StoppedBySignal, checkpoint_now
@@ -182,16 +183,17 @@ def _check_sdc(config: Config, every: int) -> None:
                          f"not whole over the dp x cp group; use zero<=2 and ep=1")
 
 
-def replicated_state(par: Parallelized, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """What must be identical on every rank of the dp x cp group, by name: the model's parameters (whole
-    after the step, ZeRO-1/2 included) and, without ZeRO, their fp32 masters and optimizer states."""
-    updated = {id(tensor) for tensor in par.engine.parameters()}  # ZeRO-1/2: this rank's shards instead
-    named = []
-    for name, param in par.model.named_parameters():
-        named.append((name, param))
-        if id(param) not in updated:
-            continue  # the masters and states of a shard differ from rank to rank
-        master = par.masters.master(param)
+def replicated_state(model: torch.nn.Module, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer
+                     ) -> list[tuple[str, torch.Tensor]]:
+    """What must be identical on every rank of the dp x cp group, by name: the model's parameters (whole after
+    the step, ZeRO-1/2 included) and, when the tensors the optimizer updates (`masters`) are one per trainable
+    parameter, of its shape (the parameter itself or its fp32 master), those and the optimizer's states. Under ZeRO
+    the optimizer updates flat pieces of this rank's shard instead, different on every rank: they are left out."""
+    named = list(model.named_parameters())
+    trainable = [(name, param) for name, param in named if param.requires_grad]
+    if [m.shape for m in masters] != [p.shape for _, p in trainable]:
+        return named
+    for (name, param), master in zip(trainable, masters, strict=True):
         if master is not param:
             named.append((f"{name} (fp32 master)", master))
         named += [(f"{name} (optimizer {key})", value) for key, value in optimizer.state[master].items()
@@ -233,10 +235,12 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         from lab import kernels
         from lab.kernels.cross_entropy import cross_entropy as loss
     scheme = precision_scheme(train.precision, train.reduce_dtype)
-    par = parallelize(config.model, build_mesh(parallel), parallel, device, train.seed, train.seq_len, loss, scheme)
+    mesh = build_mesh(parallel)  # its dp x cp group holds the replicas --sdc-check compares
+    par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len, loss, scheme)
     if train.kernels == "triton":
         kernels.patch(par.model)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16
+    replicas = functools.partial(replicated_state, par.model, par.parameters(), optimizer)
     scaler = DynamicLossScaler(enabled=scheme.policy.needs_loss_scaling)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     data = SyntheticTokens(config.model.vocab_size, train.seq_len, train.global_batch, train.seed,
@@ -289,7 +293,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             par.zero_grad()
             if inject is not None:  # silent data corruption: no error, only replicas that no longer agree
                 inject.maybe_flip(rank, step + 1, par.model)
-            corrupt = _sdc_check(sdc, step + 1, par, optimizer, rank)
+            corrupt = _sdc_check(sdc, step + 1, replicas, mesh, rank)
             if device.type == "cuda":  # kernels run asynchronously: the step ends when the GPU's work does
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
@@ -340,13 +344,13 @@ def _gather_times(compute: float, elapsed: float, world: int, device: torch.devi
     return {"rank_compute_s": compute_s, "rank_step_s": step_s}
 
 
-def _sdc_check(sdc: tuple[int, bool], step: int, par: Parallelized, optimizer: torch.optim.Optimizer, rank: int
-               ) -> list[str] | None:
+def _sdc_check(sdc: tuple[int, bool], step: int, replicas: Callable[[], list[tuple[str, torch.Tensor]]],
+               mesh: Mesh | None, rank: int) -> list[str] | None:
     """Every `sdc[0]` steps, compare the replicas (`lab.distributed.health`); raise, or return what differs."""
     every, stop = sdc
     if not every or step % every:
         return None
-    mismatches: list[Mismatch] = check_replicas(replicated_state(par, optimizer), par.mesh.dp_cp_group)
+    mismatches: list[Mismatch] = check_replicas(replicas(), mesh.dp_cp_group)
     if not mismatches:
         return None
     lines = [m.describe() for m in mismatches]

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from lab import sweep  # noqa: E402
 from lab.calc.search import Candidate, SearchResult  # noqa: E402
 from lab.config import Config, load_config  # noqa: E402
+from lab.measure.cpu import matmul_flops  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny.toml"
 WARMUP = sweep.WARMUP  # steps left out of the median
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps={args.steps} must be > {WARMUP} (the warm-up steps are left out)")
     base = load_config(CONFIG)
     d, ffn = base.model.d_model, base.model.d_ff
-    flops = sweep.matmul_flops(base.train.global_batch * base.train.seq_len, d, ffn)
+    flops = matmul_flops(base.train.global_batch * base.train.seq_len, d, ffn)
     print(f"{base.model.name}: seq {base.train.seq_len}, global batch {base.train.global_batch} sequences; one "
           f"thread's fp32 matmul ({base.train.global_batch * base.train.seq_len} x {d} x {ffn}): "
           f"{flops / 1e9:.2f} GFLOP/s; {os.cpu_count()} cores")

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -58,6 +57,7 @@ from lab.data import SyntheticTokens
 from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.inference.engine import EngineConfig, LLMEngine
 from lab.inference.sampling import SamplingParams
+from lab.measure.cpu import copy_bandwidth
 from lab.model import Transformer, build_model, materialize
 from lab.outputs import check_output_file
 
@@ -97,19 +97,6 @@ class ServeReport:
 def _percentiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {f"p{q}": 1e3 * ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)}
-
-
-@functools.cache
-def copy_bandwidth(nbytes: int = 1 << 27) -> float:
-    """Bytes per second this CPU moves in a large copy (read + write), the best of 5: its memory roofline.
-    Measured once per process."""
-    src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
 
 
 def load_model(config: Config, checkpoint: str | None, device: torch.device) -> tuple[Transformer, Config]:

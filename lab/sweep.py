@@ -46,7 +46,6 @@ import os
 import shlex
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +56,7 @@ from lab.calc.search import Candidate, SearchResult, search
 from lab.config import Config, ParallelConfig, TrainConfig, check_supported, parse_override, read_config
 from lab.distributed import slurm
 from lab.layout import describe, infer_dp
+from lab.measure.cpu import copy_bandwidth, matmul_flops
 from lab.outputs import check_output_dir
 
 PROG = "python -m lab sweep"
@@ -141,33 +141,16 @@ def train_args(plan: dict, layout: dict) -> list[str]:
             "--log-json", os.path.join(plan["out"], layout["log"])]
 
 
-def matmul_flops(m: int, k: int, n: int, repeats: int = 50) -> float:
-    """FLOP/s of an (m x k) @ (k x n) fp32 matmul on one thread (every CPU rank runs one): the median timing."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        for _ in range(5):
-            a @ b
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * m * k * n / statistics.median(times)
-
-
 def cpu_accelerator(flops_one_thread: float, ranks: int) -> Accelerator:
-    """One CPU rank as the search sees it: its share of the cores' measured FLOP/s (n ranks on c cores get c/n
-    of a core each when n > c), its share of the RAM."""
+    """One CPU rank as the search sees it: its share of the cores' measured FLOP/s and copy bandwidth (n ranks on
+    c cores get c/n of a core each when n > c; the search prices element-wise work from the bandwidth), its share
+    of the RAM."""
     cores = os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, cores / ranks)
     return Accelerator(f"CPU rank ({share:.2g} of a core)", flops_one_thread * share, None, None, ram // ranks,
-                       1e10, "measured: one thread's fp32 matmul FLOP/s x the rank's share of the cores "
-                             "(HBM bandwidth unused by the search)")
+                       copy_bandwidth() * share, "measured: one thread's fp32 matmul FLOP/s and copy bandwidth x "
+                                                 "the rank's share of the cores")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@
 attempt a rank runs in, under either launcher. `Mesh` lays ranks out on the dp x pp x cp x tp grid and builds a
 process group per axis; `count_collectives` counts the calls and bytes of every collective (`all_gather_single` and
 `reduce_scatter_single` call torch's current names, or on torch < 2.13 the old ones); `flight` keeps each
-rank's recent collectives, to say where hung ranks diverged; `slurm` writes the sbatch script of a multi-node run.
+rank's recent collectives, to say where hung ranks diverged; `health` finds a straggler among the ranks' step times
+and compares data-parallel replicas by checksum (silent data corruption); `slurm` writes the sbatch script of a
+multi-node run (and a job array for `lab sweep`).
 This package knows nothing of the techniques built on it: it imports torch, and from `lab` only `lab.config`
 (slurm's layout check).
 """

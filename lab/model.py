@@ -68,6 +68,12 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False, device=device)
         self.kernel = linear
 
+    def reset_parameters(self) -> None:
+        """nn.Linear's random init, skipped on the meta device: there it fills nothing, yet took 4.4 of the 10.4 s
+        of a DeepSeek-V3 dry run (45,000 expert matmuls); `materialize` initialises every weight by name."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight)
 

@@ -34,6 +34,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.jax)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in the test process, as every rank has: on 2 busy cores, torch's two threads beside the
+    ranks' made the launcher and fault-injection runs up to 10x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --- Jupyter: an isolated environment for kernels and servers (notebook and browser lanes) -------------
 
 @pytest.fixture(scope="session")

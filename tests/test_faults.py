@@ -7,7 +7,6 @@ import json
 import socket
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from lab.faults import InjectedFailure
@@ -102,15 +101,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as every rank has: on 2 busy cores, torch's two threads made these runs 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_under_torchrun_a_restarted_rank_resumes_from_the_last_checkpoint(tmp_path, monkeypatch, capfd, one_thread):

@@ -16,15 +16,6 @@ TINY = ["--config", "configs/tiny.toml", "--quiet"]
 PARAM = "layers.1.attn.wq.weight"
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as every rank has: on 2 busy cores, torch's two threads make these runs much slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _times(log) -> tuple[list[list[float]], list[list[float]]]:
     entries = [json.loads(line) for line in open(log)]
     return [e["rank_compute_s"] for e in entries], [e["rank_step_s"] for e in entries]

@@ -54,6 +54,8 @@ def checksum(tensor: torch.Tensor) -> int:
         words = words.clone()
     total = int(words.view(torch.int64).sum()) + sum(int(b) << (8 * i) for i, b in enumerate(data[whole:].tolist()))
     return (total + 2**63) % 2**64 - 2**63  # back into int64's range, to be gathered as one
+
+
 @dataclass(frozen=True)
 class Mismatch:
     """A tensor whose replicas disagree: `ranks` differ from the majority (all the group's ranks when there is

@@ -322,7 +322,9 @@ def _bubble(args: argparse.Namespace) -> int:
     out = {**sim.as_dict(), "tf": args.tf, "tb": args.tb, "tw": args.tw, "p2p": args.p2p, "busy": sim.busy,
            "bubble_ratio_closed_form": closed["bubble_ratio"], "idle_closed_form": closed["idle"],
            "closed_form": closed["formula"], "closed_form_exact_when": closed["exact_when"],
-           "closed_form_exact": closed["exact"]}
+           "closed_form_exact": closed["exact"],
+           # every op as [rank, kind, micro-batch, chunk, start, end]: the timeline a page draws (issue 38)
+           "timeline": [[s.rank, s.op.kind, s.op.microbatch, s.op.chunk, s.start, s.end] for s in sim.spans]}
     if args.json:
         print(json.dumps(out))
         return 0

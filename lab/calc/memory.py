@@ -199,6 +199,41 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, tp: int = 1, sp: 
     return linear + square
 
 
+def op_sac_layer_bytes(cfg: ModelConfig, s: int, b: int, *, tp: int = 1, sp: bool = False) -> float:
+    """Activation bytes of one layer and micro-batch under TorchTitan's selective *op* activation checkpointing
+    (torchtitan/models/llama3/parallelize_llama.py, `_save_list` and `_custom_policy`, the `selective_ac_option
+    = 'op'` of its llama3_8b.toml): inside each checkpointed block it keeps the outputs of the ops on its list —
+    SDPA (output and its fp32 log-sum-exp) and every other matmul, counted from the block's start (wq, wv, w1,
+    w2; wk, wo and w3 are recomputed) — plus the block's input, all bf16. What it saves over full checkpointing
+    (the input only) is most of a layer's bytes at a third of the recomputation. `s` is the local sequence
+    (seq/cp); TP splits heads and the FFN, SP the block input; w2's output is the matmul's (s, d) before its
+    reduce-scatter."""
+    q = cfg.n_heads // tp * cfg.head_dim
+    kv = kv_heads_per_rank(cfg.n_kv_heads, tp) * cfg.head_dim
+    local = s // tp if sp else s
+    per_token = 2 * (q + kv + q + cfg.d_ff // tp + cfg.d_model) + 4 * cfg.n_heads // tp
+    return b * (per_token * s + 2 * cfg.d_model * local)
+
+
+def fsdp_unsharded_bytes(cfg: ModelConfig, parallel: ParallelConfig, stage: int, *,
+                         reshard_after_forward: bool = True) -> int:
+    """Bytes FSDP2 (`torch.distributed.fsdp.fully_shard`, bf16 compute, fp32 reduction) holds unsharded on one
+    rank at the step's peak, beyond the sharded fp32 states `static_bytes(zero=3)` counts:
+
+    * resharding after forward (TorchTitan without PP): the root unit (embedding, final norm, output layer),
+      gathered for the loss and the output layer's backward, two blocks' bf16 weights (the one computing and the
+      one prefetched) and one block's gradients cast to fp32 for the reduce-scatter;
+    * without resharding (TorchTitan under PP, `reshard_after_forward=False`, so that micro-batches do not
+      gather again): every weight of the stage in bf16, and its gradients accumulated unsharded in fp32 until
+      the last micro-batch's backward syncs them (torch.distributed.pipelining turns gradient sync off before)."""
+    units = [dense + expert for dense, expert in zero_units(cfg, parallel, stage)]
+    if not reshard_after_forward:
+        return (2 + 4) * sum(units)
+    root, blocks = units[0], units[1:]
+    block = max(blocks, default=0)
+    return 2 * root + 2 * 2 * block + 4 * block
+
+
 def _exact_layer(cfg: ModelConfig, s: int, b: int, recompute: str, flash: bool, tp: int = 1, sp: bool = False) -> int:
     """Bytes lab.model's Block saves in fp32 (elements per token, x4 bytes), as autograd keeps them:
 

@@ -95,7 +95,16 @@ from lab.calc.calibration import CONSTANTS, SPREAD, STACKS, Run, Stack
 from lab.calc.comms import collective_time
 from lab.calc.flops import FlopsEstimate, mfu, training_flops
 from lab.calc.hardware import Accelerator, get_accelerator
-from lab.calc.memory import MemoryEstimate, estimate_memory, stage_params
+from lab.calc.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    fsdp_unsharded_bytes,
+    korthikanti_layer_bytes,
+    op_sac_layer_bytes,
+    stage_params,
+    static_bytes,
+    zero_units,
+)
 from lab.calc.moe import all_to_all_seconds
 from lab.calc.network import PLAYBOOK_BUSBW, SYSTEMS, Link
 from lab.calc.schedules import rank_layers
@@ -814,12 +823,44 @@ def predict_run(run: Run) -> Candidate:
     return result.candidates[0]
 
 
+def reported_memory(run: Run, candidate: Candidate) -> dict[str, int]:
+    """Bytes per GPU of `candidate` (predict_run's) as the run's own measurement reports them, by part: the
+    search counts what lab.train would hold; a run measured elsewhere held what its framework holds.
+
+    * states: TorchTitan shards everything with FSDP2 (fp32 weights, gradients, m, v: 16 bytes a parameter over
+      dp·cp, under PP too) and holds gathered copies beside them (`memory.fsdp_unsharded_bytes`: reshard after
+      forward without PP, not under PP); lab.train --precision bf16 keeps bf16 weights, fp32 gradients and fp32
+      masters, m, v ("mixed-fp32-grads").
+    * activations: the search's full recomputation keeps each layer's input; TorchTitan's "op" policy keeps what
+      `memory.op_sac_layer_bytes` counts, for the same layers in flight.
+    * reserved: TorchTitan logs the allocator's reserved peak, `allocator_reserved_over_allocated` of the
+      allocated one; lab logs the allocated peak."""
+    cfg, p, mem = run_model(run), candidate.parallel, candidate.memory
+    seq, mbs, k = run.seq // p.cp, candidate.mbs, mem.stage
+    units = [dense + expert for dense, expert in zero_units(cfg, p, k)]
+    if run.framework == "torchtitan":
+        states = sum(static_bytes(units, "mixed", zero=3, dp=p.dp * p.cp).values())
+        gathered = fsdp_unsharded_bytes(cfg, p, k, reshard_after_forward=p.pp == 1)
+    else:
+        states, gathered = sum(static_bytes(units, "mixed-fp32-grads", zero=p.zero, dp=p.dp * p.cp).values()), 0
+    layers = mem.activations_breakdown["layers"]
+    if run.ac == "op" and p.recompute == "full":
+        full = korthikanti_layer_bytes(seq, mbs, cfg.d_model, cfg.n_heads, tp=p.tp, sp=p.sp, recompute="full")
+        layers = round(layers * op_sac_layer_bytes(cfg, seq, mbs, tp=p.tp, sp=p.sp) / full)
+    parts = {"states": states, "gathered": gathered,
+             "activations": layers + mem.activations_breakdown["embedding"] + mem.activations_breakdown["logits"],
+             "loss": mem.per_gpu["loss"]}
+    allocated = sum(parts.values())
+    reserved = CONSTANTS["allocator_reserved_over_allocated"].value if run.memory_reported == "reserved" else 1.0
+    return {**parts, "allocator": round(allocated * (reserved - 1)), "total": round(allocated * reserved)}
+
+
 def predicted_over_measured(run: Run, candidate: Candidate) -> tuple[float, float | None]:
     """(throughput, memory) predicted / measured: tokens/s per GPU, or MFU where the run published that;
-    memory None where it published none."""
+    memory (`reported_memory`) None where it published none."""
     throughput = (candidate.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu if run.tokens_per_s_per_gpu
                   else candidate.mfu / run.mfu)
-    memory = candidate.memory.per_gpu["total"] / 2**30 / run.memory_gib if run.memory_gib else None
+    memory = reported_memory(run, candidate)["total"] / 2**30 / run.memory_gib if run.memory_gib else None
     return throughput, memory
 
 

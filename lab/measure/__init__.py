@@ -13,6 +13,8 @@ API's options), never code an implementation imports. The implementations live i
 * `overlap`: one data-parallel step as a timeline of compute, communication and waiting, on real ranks;
 * `fsdp2`: FSDP2's options and HSDP (`fully_shard`) on the course's model, checked against one process.
 * `cpu`: the matmul FLOP/s and copy bandwidth this CPU reaches (the rooflines `lab sweep` and `lab serve` use).
+* `launch`: what an op costs before it does any work (the launch floor, the Python share), the roofline with that
+  floor, a step's profile and a recorded GPU trace's kernels and gaps (chapter 09).
 
 Import the module you need (`from lab.measure.memory import saved_activation_bytes`): this package imports
 nothing, so an exercise's sandbox can carry one of its modules alone.

@@ -33,6 +33,22 @@ torch/distributed/checkpoint/_dedup_save_plans.py), which over the hundreds of t
 writing to within a chunk. The model here takes the balanced limit: a rank writes what ZeRO-3 over dp × cp would
 leave it, whatever the ZeRO stage it trains with.
 
+**Goodput** is the share of wall time spent on training that is kept. Of every M seconds a failure takes its
+restart R and the work since the last save, half an interval on average; the rest trains, slowed by C/τ seconds of
+saving per second of work:
+
+    goodput = (1 − (R + τ/2)/M) / (1 + C/τ)            (1 − waste(τ) to first order)
+
+Three ways to recover set R, C and τ apart. *Restart from a persistent checkpoint* (`restart_goodput`): R is
+rescheduling the job, loading the checkpoint from storage and warming up (`Restart`). *In-memory checkpoints*
+(`in_memory_goodput`; Wang et al. 2023, "Gemini: Fast Failure Recovery in Distributed Training with In-Memory
+Checkpoints", SOSP, sections "Checkpoint placement" and "Failure recovery"): every host keeps its state and a copy of
+a peer's in host memory, so a save costs almost nothing, τ shrinks, and a restart loads from memory; but when all the
+hosts holding one piece fail together (`peer_loss_probability`) the job falls back to the persistent checkpoint.
+*Hot spares* (`hot_spare_goodput`): standby nodes swap in for a failed one, so R loses the rescheduling; the spares'
+GPUs do not train, and goodput is charged for them. A spare is missing when every spare is still out for repair
+(`spares_exhausted_probability`).
+
 **Resharding.** A checkpoint keeps each tensor whole and logical; every saved piece is a box (offsets and sizes in
 the full tensor), as in `lab.checkpoint`. Loading at another layout, a rank reads from each saved box the part
 that overlaps the box it now holds (`reads_for`): what DCP's `create_read_items_for_chunk_list` computes.
@@ -119,6 +135,127 @@ def best_every(step_s: float, save_s: float, mtbf_s: float) -> int:
     steps = young_interval(save_s, mtbf_s) / step_s
     options = {max(1, math.floor(steps)), max(1, math.ceil(steps))}
     return min(sorted(options), key=lambda n: waste(n * step_s, save_s, mtbf_s))
+
+
+# --- goodput: restart, in-memory checkpoints, hot spares ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Restart:
+    """What bringing a failed job back costs, in seconds. `reschedule_s`: noticing the failure, draining the bad
+    host, getting nodes, relaunching every rank and rebuilding its communicators; `load_s`: reading the checkpoint
+    back; `warmup_s`: the first steps, slower while kernels compile, caches fill and data loaders refill. Each
+    strategy shortens a different part: in-memory checkpoints the load, hot spares the rescheduling."""
+
+    reschedule_s: float
+    load_s: float
+    warmup_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("reschedule_s", "load_s", "warmup_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+
+    @property
+    def seconds(self) -> float:
+        return self.reschedule_s + self.load_s + self.warmup_s
+
+
+def lost_per_failure(interval_s: float, restart_s: float) -> float:
+    """Seconds one failure costs: the restart, and the work done since the last save, which a failure striking at a
+    uniformly random moment of the interval makes half an interval on average (Young 1974)."""
+    return restart_s + interval_s / 2
+
+
+def goodput(mtbf_s: float, per_failure_s: float, save_overhead: float) -> float:
+    """The share of wall time that is kept training: of every `mtbf_s` seconds a failure takes `per_failure_s`
+    (`lost_per_failure`), and the rest trains, slowed by `save_overhead` seconds of saving per second of work (C/τ,
+    summed over every kind of save). To first order 1 − waste: `waste`'s three terms. 0 when failures come faster
+    than the job recovers from them."""
+    _positive(mtbf_s=mtbf_s)
+    if per_failure_s < 0 or save_overhead < 0:
+        raise ValueError(f"per_failure_s={per_failure_s!r} and save_overhead={save_overhead!r} must be >= 0")
+    return max(0.0, 1 - per_failure_s / mtbf_s) / (1 + save_overhead)
+
+
+def restart_goodput(gpus: int, gpu_mtbf_s: float, save_s: float, restart: Restart, interval_s: float | None = None
+                    ) -> float:
+    """Goodput restarting from a persistent checkpoint (remote storage) after every failure: saves of `save_s`
+    seconds every `interval_s` of work (Daly's optimum for the job's MTBF when None), half an interval redone and a
+    full `restart` per failure. Llama 3's setting (§3.3.4: automated restarts from the last checkpoint)."""
+    mtbf_s = job_mtbf(gpus, gpu_mtbf_s)
+    tau = daly_interval(save_s, mtbf_s) if interval_s is None else interval_s
+    _positive(interval_s=tau)
+    return goodput(mtbf_s, lost_per_failure(tau, restart.seconds), save_s / tau)
+
+
+def peer_loss_probability(hosts: int, failed: int, copies: int = 2) -> float:
+    """The probability that `failed` hosts failing together, out of `hosts`, include every host of one group of
+    `copies` (Gemini's group placement: a host's state is copied to the other hosts of its group), so that one piece
+    of the in-memory checkpoint is gone everywhere. Exact by inclusion–exclusion over the groups wholly failed; for
+    failed < 2·copies it is Gemini's (hosts/copies)·C(hosts − copies, failed − copies)/C(hosts, failed). One host
+    failing loses nothing while copies ≥ 2."""
+    _positive(hosts=hosts, failed=failed, copies=copies)
+    if hosts % copies or failed > hosts:
+        raise ValueError(f"hosts={hosts} must be a multiple of copies={copies} and >= failed={failed}")
+    groups = hosts // copies
+    lost = sum((-1) ** (j + 1) * math.comb(groups, j) * math.comb(hosts - j * copies, failed - j * copies)
+               for j in range(1, min(groups, failed // copies) + 1))
+    return lost / math.comb(hosts, failed)
+
+
+def in_memory_goodput(gpus: int, gpu_mtbf_s: float, memory_save_s: float, memory_load_s: float, peer_loss: float,
+                      save_s: float, restart: Restart) -> float:
+    """Goodput with in-memory checkpoints (Gemini, SOSP 2023): a save that blocks `memory_save_s` (a copy to host
+    memory; Gemini interleaves the copy to the peer with training traffic) at Daly's interval, a restart that loads
+    in `memory_load_s` instead of from storage. A failure that takes every copy of a piece (probability
+    `peer_loss`, e.g. `peer_loss_probability`) falls back to the persistent checkpoint, still saved — at Daly's
+    interval for the rarer failures that need it, M/peer_loss — and costs a full `restart` and half its interval."""
+    if not 0 <= peer_loss <= 1:
+        raise ValueError(f"peer_loss={peer_loss!r} must be a probability in [0, 1]")
+    mtbf_s = job_mtbf(gpus, gpu_mtbf_s)
+    tau = daly_interval(memory_save_s, mtbf_s)
+    from_memory = dataclasses.replace(restart, load_s=memory_load_s)
+    per_failure = (1 - peer_loss) * lost_per_failure(tau, from_memory.seconds)
+    overhead = memory_save_s / tau
+    if peer_loss > 0:
+        tau_disk = daly_interval(save_s, mtbf_s / peer_loss)
+        per_failure += peer_loss * lost_per_failure(tau_disk, restart.seconds)
+        overhead += save_s / tau_disk
+    return goodput(mtbf_s, per_failure, overhead)
+
+
+def spares_exhausted_probability(spares: int, repair_s: float, mtbf_s: float) -> float:
+    """The probability that a failure finds no spare node free: failed nodes come every `mtbf_s` seconds and stay
+    out `repair_s` each, so the number out for repair at once is Poisson with mean repair_s/mtbf_s (an M/G/∞ queue),
+    and a failure sees that same distribution (Poisson arrivals see time averages): P(out ≥ spares)."""
+    _positive(mtbf_s=mtbf_s)
+    if not (isinstance(spares, int) and spares >= 0) or repair_s < 0:
+        raise ValueError(f"spares={spares!r} must be an integer >= 0 and repair_s={repair_s!r} >= 0")
+    mean = repair_s / mtbf_s
+    term, below = math.exp(-mean), 0.0  # P(out = k), P(out < k), term by term: k! overflows a float past 170
+    for k in range(spares):
+        below += term
+        term *= mean / (k + 1)
+    return max(0.0, 1 - below)
+
+
+def hot_spare_goodput(gpus: int, gpu_mtbf_s: float, save_s: float, restart: Restart, swap_s: float,
+                      spare_nodes: int, repair_s: float, gpus_per_node: int = 8, interval_s: float | None = None
+                      ) -> float:
+    """Goodput with `spare_nodes` standby nodes beside a job of `gpus` training GPUs that restarts from a persistent
+    checkpoint: a failed node is replaced by a spare in `swap_s` seconds instead of `restart.reschedule_s`, unless
+    every spare is out for repair (`spares_exhausted_probability`). The spares' GPUs idle, so the kept share of all
+    the GPUs paid for is goodput × gpus / (gpus + spares' GPUs). Idle spares are taken not to fail."""
+    _positive(gpus_per_node=gpus_per_node)
+    if swap_s < 0:
+        raise ValueError(f"swap_s={swap_s!r} must be >= 0")
+    mtbf_s = job_mtbf(gpus, gpu_mtbf_s)
+    missing = spares_exhausted_probability(spare_nodes, repair_s, mtbf_s)
+    swapped = dataclasses.replace(restart, reschedule_s=missing * restart.reschedule_s + (1 - missing) * swap_s)
+    spare_gpus = spare_nodes * gpus_per_node
+    return restart_goodput(gpus, gpu_mtbf_s, save_s, swapped, interval_s) * gpus / (gpus + spare_gpus)
 
 
 # --- what a checkpoint weighs ------------------------------------------------------------------------------------

@@ -38,6 +38,26 @@ piece, empty where the shard holds none of it — so `torch.optim.AdamW(model.pa
 `param.grad` work as in FSDP2 (whose shards are dim-0 rows of each parameter rather than flat slices);
 `full_parameters()` gathers the full values. Stages 1-2 keep the whole parameters on the module, as DDP does.
 
+FP8 all-gather (`fp8_all_gather=True`, stage 3; torchao's float8 all-gather for FSDP2, `Float8LinearConfig(
+enable_fsdp_float8_all_gather=True)`, torchao/float8/README.md and torchao/float8/fsdp_utils.py): ZeRO-3 moves
+the parameters' bytes three times a step, so gathering them in a 1-byte format halves the traffic of a bf16
+gather (a quarter of fp32's). Each rank casts its shard to E4M3 with one scale per parameter, gathers the uint8
+bytes (gloo and NCCL both gather uint8; neither knows float8) and divides by the scale after the gather: the
+model computes with the dequantized values, while the shard the optimizer updates stays exact (the FP8 copy
+exists only for compute), and the gradients are reduce-scattered in `reduce_dtype` as before. The scale must
+be the same on every rank, or rank 1's bytes would be read back with rank 0's scale: each rank takes the amax
+of its pieces of each parameter, and one all-reduce(MAX) of those (one number per parameter of the unit) gives
+every rank the parameter's amax, hence one tensorwise scale — what torchao does, so that the gathered FP8
+weight can feed a tensorwise FP8 GEMM as it is. The other choice, one scale per shard gathered beside the
+bytes, needs no collective before the cast (the all-reduce is a small, latency-bound call that cannot overlap
+its own gather) and follows outliers more finely, but a parameter cut across two shards then carries two
+scales, which no tensorwise GEMM takes. torchao gathers only the weights of its FP8 linears this way, which the
+GEMM casts to FP8 with that same scale anyway (so the gather adds no error there); lab gathers every parameter
+of the unit in FP8, so here the weights the model computes with are the FP8 values: the price is measured in
+tests/test_zero_fp8_gather.py and chapter 10. torchao also computes the amaxes once per step for all
+parameters (`precompute_float8_dynamic_scale_for_fsdp`); lab computes them at each gather (forward and
+backward), from the same shard, so both gathers give the same values.
+
 Checkpoints: a flat piece cuts matrices mid-row, so it is no box of its parameter; `state_boxes` and `load_boxes`
 gather each unit back into whole parameters (the same boxes on every dp rank, which DCP writes once), and
 `lab.checkpoint` sees only boxes.
@@ -68,9 +88,13 @@ from lab.parallel.dp import (
     storage_bytes,
 )
 from lab.parallel.placement import place, placement_of, set_replicas
+from lab.precision.fp8 import Scaling, amax, dequantize, quantize, scale_from_amax
 
 DP_ENGINES = {"naive": NaiveDP, "overlapped": OverlappedDP, "bucketed": BucketedDP}  # the engine of each --dp-mode
 assert tuple(DP_ENGINES) == DP_MODES, f"lab.config.DP_MODES {DP_MODES} and DP_ENGINES {tuple(DP_ENGINES)} differ"
+
+# How ZeRO-3's FP8 all-gather casts a parameter: E4M3, one current scale per tensor (torchao's float8 all-gather)
+FP8_GATHER = Scaling("e4m3", "tensor")
 
 # Which submodules are sharding units: a module type, a tuple of types, or a function of a submodule
 UnitPolicy = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool]
@@ -118,6 +142,7 @@ class Unit:
         self.handed_out = False  # `grad` holds the sum finish() reduced (ZeRO-1 keeps the buffer between steps)
         self.gathered, self.in_backward = stage < 3, False
         self.gather_handle: dist.Work | None = None
+        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # gathered FP8 bytes and scales, to dequantize
         self.next_forward: Unit | None = None  # the unit to prefetch while this one computes (ZeRO-3)
         self.next_backward: Unit | None = None
 
@@ -139,6 +164,8 @@ class Zero(DataParallel):
     a pipeline rank's chunks), or for stages 1-2 a plain list of parameters. Rank 0's values are broadcast first.
     `prefetch` (stage 3) starts gathering the next unit — in forward order, then in backward order —
     while the current one computes, so that its all-gather overlaps compute instead of waiting.
+    `fp8_all_gather` (stage 3) gathers the parameters in E4M3 (see the module's docstring; also
+    `enable_fp8_all_gather()`, which `lab.train --fp8-all-gather` calls).
     Under `no_sync()` the full gradients of every unit accumulate locally until the last micro-batch (memory
     traded for communication, as FSDP2's `set_requires_gradient_sync(False)` does). Every parameter must get
     a gradient in every backward pass: a unit is complete when all of its parameters have one. Each `finish()`
@@ -146,7 +173,8 @@ class Zero(DataParallel):
     """
 
     def __init__(self, model: nn.Module | Iterable[nn.Parameter], group: dist.ProcessGroup | None, stage: int,
-                 prefetch: bool = True, reduce_dtype: torch.dtype = torch.float32, units: UnitPolicy = Block) -> None:
+                 prefetch: bool = True, reduce_dtype: torch.dtype = torch.float32, units: UnitPolicy = Block,
+                 fp8_all_gather: bool = False) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage!r} must be 1, 2 or 3 (stage 0 is plain data parallelism)")
         if not isinstance(model, nn.Module):
@@ -156,6 +184,9 @@ class Zero(DataParallel):
             model = nn.ParameterList(model)  # the same Parameter objects, named "0", "1", ...
         super().__init__(model, group, reduce_dtype)
         self.stage, self.prefetch = stage, prefetch
+        self.fp8_all_gather = False
+        if fp8_all_gather:
+            self.enable_fp8_all_gather()
         modules = sharding_units(model, units)
         owners, claimed = [], set()
         for module in modules:  # a parameter shared by two units (tied) belongs to the first
@@ -190,6 +221,13 @@ class Zero(DataParallel):
         if stage == 3:
             self._shard_parameters(model, [module for module, _ in owners])
         self.full_of = {piece: param for param, piece in self.local.items()}  # a piece's full parameter
+
+    def enable_fp8_all_gather(self) -> None:
+        """From the next gather on, ZeRO-3 gathers the parameters in E4M3 (the shards stay exact)."""
+        if self.stage != 3:
+            raise ValueError(f"fp8_all_gather needs stage=3 (got stage={self.stage}): only ZeRO-3 all-gathers the "
+                             f"parameters before each forward; stages 1-2 gather the updated weights themselves")
+        self.fp8_all_gather = True
 
     # --- ZeRO-3: gather each unit just in time, free it right after ----------------------------------------
 
@@ -229,11 +267,46 @@ class Zero(DataParallel):
             return
         if not unit.gathered:
             unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-            unit.gather_handle = all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
+            if self.fp8_all_gather:
+                shard_fp8, scales = self._cast_to_fp8(unit)
+                full_fp8 = torch.empty(unit.full.numel(), dtype=torch.uint8, device=unit.full.device)
+                unit.gather_handle = all_gather_single(full_fp8, shard_fp8, group=self.group, async_op=True)
+                unit.fp8 = full_fp8, scales
+            else:
+                unit.gather_handle = all_gather_single(unit.full, unit.shard, group=self.group, async_op=True)
             unit.gathered = True
         if wait and unit.gather_handle is not None:
             unit.gather_handle.wait()
             unit.gather_handle = None
+            if unit.fp8 is not None:
+                self._dequantize(unit, *unit.fp8)
+                unit.fp8 = None
+
+    @torch.no_grad()
+    def _cast_to_fp8(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shard in E4M3, as uint8 bytes, and each parameter's scale (in `unit.offsets` order), the
+        same on every rank: one all-reduce(MAX) of this rank's amax of each parameter (0 where it holds none)."""
+        index = {param: i for i, param in enumerate(unit.offsets)}
+        pieces = unit.ranges()
+        amaxes = torch.zeros(len(index), dtype=torch.float32, device=unit.shard.device)
+        for lo, hi, param in pieces:
+            amaxes[index[param]] = amax(unit.shard[lo:hi], FP8_GATHER)
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
+        scales = scale_from_amax(amaxes, FP8_GATHER.fmt)
+        shard_fp8 = torch.zeros(unit.shard_numel, dtype=FP8_GATHER.dtype, device=unit.shard.device)  # 0: padding
+        for lo, hi, param in pieces:
+            shard_fp8[lo:hi] = quantize(unit.shard[lo:hi], FP8_GATHER, scales[index[param]])[0]
+        return shard_fp8.view(torch.uint8), scales
+
+    @torch.no_grad()
+    def _dequantize(self, unit: Unit, full_fp8: torch.Tensor, scales: torch.Tensor) -> None:
+        """The gathered bytes, each parameter divided by its scale, into the unit's buffer (in its dtype)."""
+        values = full_fp8.view(FP8_GATHER.dtype)
+        full = unit.full.data  # written as a collective writes it: autograd's version counter of the views it
+        for i, (param, offset) in enumerate(unit.offsets.items()):  # saved in forward must not see a change
+            end = offset + param.numel()
+            full[offset:end] = dequantize(values[offset:end], scales[i], FP8_GATHER)
+        full[end:].zero_()  # the padding, as an exact gather leaves it
 
     def _free(self, unit: Unit) -> None:
         unit.full.untyped_storage().resize_(0)
@@ -474,9 +547,10 @@ class TorchFSDP2(NaiveDP):
 
 def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zero: int = 0,
                        dp_mode: str = "bucketed", bucket_mb: float = 25.0,
-                       reduce_dtype: torch.dtype = torch.float32, units: UnitPolicy = Block) -> NaiveDP | Zero:
+                       reduce_dtype: torch.dtype = torch.float32, units: UnitPolicy = Block,
+                       fp8_all_gather: bool = False) -> NaiveDP | Zero:
     """Plain data parallelism (`dp_mode`) for zero=0, else ZeRO-`zero` with sharding `units`, over `group`,
-    summing gradients in `reduce_dtype`.
+    summing gradients in `reduce_dtype` (ZeRO-3: gathering the parameters in FP8 if `fp8_all_gather`).
 
     Works for a single process too (zero=0, no process group): nothing is communicated. ZeRO needs an
     initialised process group.
@@ -484,7 +558,9 @@ def make_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, *, zer
     if zero:
         if not dist.is_initialized():
             raise ValueError(f"zero={zero} needs a process group: start ranks with lab.distributed.run or torchrun")
-        return Zero(model, group, zero, reduce_dtype=reduce_dtype, units=units)
+        return Zero(model, group, zero, reduce_dtype=reduce_dtype, units=units, fp8_all_gather=fp8_all_gather)
+    if fp8_all_gather:
+        raise ValueError("fp8_all_gather=True needs zero=3 (got zero=0): only ZeRO-3 all-gathers the parameters")
     if dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode={dp_mode!r} must be one of {', '.join(map(repr, DP_MODES))}")
     options = {"bucket_mb": bucket_mb} if dp_mode == "bucketed" else {}

@@ -11,11 +11,16 @@ chapter split 8 to 32 bits differently:
     tf32   1/8/10  fp32's range, fp16's mantissa   fp16   1/5/10  IEEE binary16, max 65504
     e4m3fn 1/4/3   OCP FP8, no inf, max 448        e5m2   1/5/2   OCP FP8, IEEE-like, max 57344
     e8m0   0/8/0   OCP MX block scale: only powers of two 2^-127..2^127, no sign, no zero, 0xFF is NaN
+    e2m3   1/2/3   OCP MX FP6, no inf or NaN, max 7.5    e3m2   1/3/2   OCP MX FP6, no inf or NaN, max 28
+    e2m1   1/2/1   OCP MX FP4, no inf or NaN, max 6: the whole grid is ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}
 
 What the top exponent field holds is each format's choice. IEEE formats (fp32, tf32, fp16, bf16, e5m2) give it
 to the infinities (M = 0) and NaNs (M != 0). e4m3fn ("fn": finite, NaN) keeps only S.1111.111 as NaN and uses
 the rest as ordinary values, which lifts its max from 240 to 448 (Micikevicius et al. 2022, "FP8 Formats for
 Deep Learning", Table 1). e8m0's whole top field is its one NaN, and its field 0 is the ordinary value 2^-127.
+The FP6 and FP4 element formats of the OCP Microscaling Formats (MX) v1.0 specification (§5.3, "Element data
+types") have no special values at all: every pattern is a number, and a conversion past ±max saturates (there is
+nothing to overflow to). `lab.precision.microscaling` rounds torch tensors onto these grids.
 
 `encode` rounds a Python float to the nearest representable value, ties to the even significand, in exact
 integer arithmetic (a float is n / 2^t: no float64 operation, so no double rounding). A value past the largest
@@ -38,7 +43,8 @@ VALUES_LIMIT = 100_000  # values_between refuses longer grids (fp32 has 2^23 val
 @dataclass(frozen=True)
 class Format:
     """A binary floating-point format. `nan="ieee"`: the top exponent field is inf (M = 0) or NaN (M != 0);
-    `nan="all_ones"`: only the all-ones pattern (per sign) is NaN, the rest of the top field holds values.
+    `nan="all_ones"`: only the all-ones pattern (per sign) is NaN, the rest of the top field holds values;
+    `nan="none"` (MX's FP6 and FP4): no NaN and no inf, every pattern is a value, overflow saturates.
     Without subnormals (e8m0) exponent field 0 is an ordinary binade, so the format has no zero."""
 
     name: str
@@ -68,6 +74,8 @@ class Format:
     def max_pattern(self) -> int:
         """The largest finite value's bits without the sign: the last pattern before inf or NaN."""
         top = (1 << self.exponent_bits) - 1  # the top exponent field
+        if self.nan == "none":
+            return (top << self.mantissa_bits) | ((1 << self.mantissa_bits) - 1)
         if self.has_inf or self.mantissa_bits == 0:  # the whole top field is special
             return (top << self.mantissa_bits) - 1
         return (top << self.mantissa_bits) | ((1 << self.mantissa_bits) - 2)  # all but S.1..1.1..1
@@ -108,6 +116,8 @@ class Format:
     def nan_encoding(self) -> str:
         e, m = "1" * self.exponent_bits, self.mantissa_bits
         sign = "S." if self.signed else ""
+        if self.nan == "none":
+            return "none (every pattern is a value)"
         if self.nan == "all_ones":
             return f"{sign}{e}" + (f".{'1' * m}" if m else "") + " only"
         return f"{sign}{e}.M with M != 0 ({2**m - 1} patterns per sign)"
@@ -122,6 +132,10 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("e5m2", 5, 2, 15, torch_dtype="float8_e5m2"),
     Format("e8m0", 8, 0, 127, signed=False, has_inf=False, nan="all_ones", has_subnormals=False,
            torch_dtype="float8_e8m0fnu"),
+    # MX elements (OCP MX v1.0 §5.3): torch has no unpacked dtype for them (float4_e2m1fn_x2 packs two per byte)
+    Format("e2m3", 2, 3, 1, has_inf=False, nan="none"),
+    Format("e3m2", 3, 2, 3, has_inf=False, nan="none"),
+    Format("e2m1", 2, 1, 1, has_inf=False, nan="none"),
 )}
 
 
@@ -177,8 +191,13 @@ class Encoding:
 
 def encode(value: float, fmt: str | Format, saturate: bool = False) -> Encoding:
     """`value` rounded to nearest-even in `fmt`; past ±max it overflows to ±inf (NaN where the format has no
-    inf), or is clamped to ±max with `saturate=True`. NaN stays NaN, keeping its sign bit."""
+    inf), or is clamped to ±max with `saturate=True`. NaN stays NaN, keeping its sign bit. A format without
+    special values (nan="none": MX's FP6, FP4) always saturates, and has no encoding for NaN."""
     fmt, x = get_format(fmt), _real(value)
+    if fmt.nan == "none":
+        if math.isnan(x):
+            raise ValueError(f"value={x!r} has no {fmt.name} encoding: {fmt.name} has no NaN (OCP MX v1.0 §5.3)")
+        saturate = True
     if x < 0 and not fmt.signed:
         raise ValueError(f"value={x!r} has no {fmt.name} encoding: {fmt.name} is unsigned (a scale), values "
                          f"must be >= 0")

@@ -186,6 +186,9 @@ class ParallelConfig:
     ep: int = field(default=1, metadata={"help": "expert-parallel degree (carved out of dp x cp)"})
     zero: int = field(default=0, metadata={"help": "ZeRO stage 0-3 over the dp x cp ranks (0: plain data "
                                                    "parallelism)"})
+    fp8_all_gather: bool = field(default=False, metadata={
+        "help": "with --zero 3: all-gather the parameters in FP8 (E4M3, one scale per parameter; torchao's float8 "
+                "all-gather): a quarter of fp32's bytes, the model computing with the FP8 values"})
     dp_mode: str = field(default="bucketed", metadata={
         "choices": DP_MODES, "help": "how plain data parallelism averages gradients (default bucketed)"})
     bucket_mb: float = field(default=25.0, metadata={"help": "MiB per gradient bucket for --dp-mode bucketed"})
@@ -208,6 +211,9 @@ class ParallelConfig:
         _require(self.zero in (0, 1, 2, 3), f"zero={self.zero!r} must be one of 0, 1, 2, 3")
         _require(not self.zero or self.dp > 1, f"zero={self.zero} needs dp > 1: it shards over the data-parallel "
                                                f"ranks (got dp={self.dp})")
+        _require(not self.fp8_all_gather or self.zero == 3,
+                 f"fp8_all_gather=True (--fp8-all-gather) needs zero=3 (got zero={self.zero}): only ZeRO-3 "
+                 f"all-gathers the parameters before each forward")
         _one_of("dp_mode", self.dp_mode, DP_MODES)
         _require(isinstance(self.bucket_mb, int | float) and self.bucket_mb > 0,
                  f"bucket_mb={self.bucket_mb!r} must be a number > 0 (MiB per gradient bucket)")

@@ -5,8 +5,8 @@
     python benchmarks/serving.py --lane gpu --json out.json --presets llama3-1b llama3-8b
 
 CPU lane: the tiny model (configs/tiny.toml, random weights: the targets are about work and time, not about what
-the tokens say), greedy decoding, every request's length fixed by its own `max_tokens`. Four measurements, each a
-table and a verdict against its target:
+the tokens say), greedy decoding, every request's length fixed by its own `max_tokens`. Five measurements, the
+first four each a table and a verdict against its target:
 
 1. Continuous against static batching, tokens/s, at equal max batch (`max_num_seqs`, 16). Static batching is the
    same engine fed in waves: `max_num_seqs` requests run to completion before the next wave is admitted, so a
@@ -35,6 +35,20 @@ table and a verdict against its target:
    tables after every step for the sequences past their prefill (mid-decode), against the contiguous cache's
    rows of max_len slots each (the longest prompt + max_tokens of the batch). Paged: < 1 block per sequence by
    construction (only the last block is partial).
+5. Latency under load (no target: the issue asks for the numbers). Requests arrive as a Poisson process
+   (`lab.inference.latency.poisson_arrivals`, seeded), prompts uniform in 32-256 tokens and outputs in 8-32,
+   and `lab.inference.latency.replay` feeds them to the engine as a virtual clock reaches their arrival, the
+   clock advanced by each step's measured cost and every generated token stamped at the end of its step. Per
+   request TTFT (arrival to first token), TPOT (mean gap after the first) and E2E, their p50/p90/p99 and the
+   share of requests within an SLO (TTFT <= 100 ms, TPOT <= 8 ms); then the throughput-latency curve, one knob
+   at a time around a base point: the request rate, max batch (`max_num_seqs`), and the chunked-prefill budget
+   (`max_num_batched_tokens`). What a CPU can show is the *shape* of the trade-offs, not a GPU's milliseconds:
+   the tiny model's decode step costs ~4 ms of per-op overhead whatever its batch and a 256-token prefill ~11 ms,
+   so a step that carries a whole prompt stalls every running decode ~3x; on a GPU a decode step is bound by
+   reading the weights (chapter 11, section 1) and a prefill chunk by compute, and the ratio is set by the
+   chunk's size against the chip's ridge point (Sarathi-Serve, Agrawal et al., OSDI 2024, section 3).
+   A small budget cuts prompts into many cheap steps: running requests keep their pace (TPOT down) while new
+   ones wait more steps for their first token (TTFT up); a large budget does the reverse.
 
 CPU seconds are this process's CPU time with one intra-op thread (`--clock wall` for wall time): other
 processes sharing the cores stretch wall time, not the work, and every time is the least of interleaved repeats.
@@ -50,7 +64,10 @@ Seen on the shared 2-core CPU machine (torch 2.13): continuous batching 2.2x sta
 steps (one attention call per layer for the whole step; 1.5x when the runner attended one sequence at a time, a
 step's cost then growing with its batch), decode per token
 1.0x (cache) against 2.8x (no cache) from 16 to 240 tokens, 97.0% of prefill skipped warm (84.8% cold), paged
-waste at most 0.94 block (0.45 on average) against the contiguous rows' 2.8 blocks on average. On an H200
+waste at most 0.94 block (0.45 on average) against the contiguous rows' 2.8 blocks on average. Latency (32
+requests, process time): at 40 req/s, 8 sequences, a budget of 16 tokens against 512 gives TTFT p90 555 ms
+against 56 (x9.9) and TPOT p99 6.2 ms against 10.6 (x1.7); from 10 to 160 req/s TTFT p90 goes 15 -> 534 ms while
+tokens/s saturates at ~720, and at 10 req/s every request is within the SLO, at 40 72%, at 160 12%. On an H200
 (torch 2.11), eager decode reaches 2.5-4.3% of HBM bandwidth for llama3-1b (12-20 ms per token) and 14-15% for
 llama3-8b (23-25 ms): it is bound by the host launching about 50 small kernels per layer (807 per token for
 llama3-1b, many of them float32 casts around the norms and RoPE). The graph decoder (one replay per token) takes
@@ -88,6 +105,13 @@ from lab.config import ModelConfig, load_config  # noqa: E402
 from lab.inference.cuda_graph import GraphedDecoder  # noqa: E402
 from lab.inference.engine import EngineConfig, LLMEngine  # noqa: E402
 from lab.inference.kv_cache import generate  # noqa: E402
+from lab.inference.latency import (  # noqa: E402
+    goodput,
+    poisson_arrivals,
+    replay,
+    slo_attainment,
+    summarize,
+)
 from lab.inference.sampling import SamplingParams  # noqa: E402
 from lab.model import build_model, materialize  # noqa: E402
 
@@ -101,6 +125,10 @@ PREFIX_SKIP_MIN = 0.90  # share of prefill tokens the prefix cache skips
 WASTE_MAX_BLOCKS = 1.0  # paged KV waste per sequence, in blocks
 HBM_FRACTION_MIN = 0.70  # batch-1 decode: bytes read per step / step time / HBM bandwidth
 SHORT, LONG, LONG_SHARE = (4, 16), (48, 64), 0.15  # the mixed workload's output lengths (see the docstring)
+# The latency workload (section 5): prompt and output lengths, uniform, and the SLO (TTFT, TPOT in seconds) its
+# attainment is reported against, sized for the tiny model on a CPU (a decode step ~4 ms, a 256-token prefill ~11)
+PROMPTS, OUTPUTS = (32, 256), (8, 32)
+SLO_S = (0.100, 0.008)
 WINDOW = 8  # decode steps whose least time is the time per token at a length
 # CPU lane clocks: this process's CPU time (with one intra-op thread, the work done, whatever else shares the
 # cores: other processes stretch wall time, not this) or wall time
@@ -322,6 +350,60 @@ def kv_waste(model: nn.Module, requests: int = 16, max_num_seqs: int = 8, block_
             "contiguous_mean_blocks": statistics.fmean(contiguous) / block_size}
 
 
+# --- 5. latency under load ----------------------------------------------------------------------------------------
+
+def latency_workload(requests: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The latency workload's requests: prompts of PROMPTS tokens and outputs of OUTPUTS tokens, each drawn
+    uniformly (seeded). Prompts long against the outputs, as in chat with a context, so that a prefill step costs
+    several decode steps even on the tiny model."""
+    prompts = random_prompts(requests, PROMPTS, vocab, seed)
+    lengths = torch.randint(OUTPUTS[0], OUTPUTS[1] + 1, (requests,), generator=torch.Generator().manual_seed(seed + 1))
+    return prompts, [SamplingParams(max_tokens=n) for n in lengths.tolist()]
+
+
+def latency_point(model: nn.Module, rate: float, max_num_seqs: int, budget: int, requests: int, seed: int = 0,
+                  clock: Callable[[], float] = time.perf_counter) -> dict:
+    """One point of the curve: the workload arriving as a Poisson process of `rate` requests/s, served with
+    `max_num_seqs` and a chunked-prefill budget of `budget` tokens a step. Per request TTFT, TPOT and E2E (ms),
+    their mean and percentiles, the SLO attainment, and the throughput (generated tokens over the makespan)."""
+    prompts, params = latency_workload(requests, model.cfg.vocab_size, seed)
+    arrivals = poisson_arrivals(requests, rate, seed)
+    times = replay(_engine(model, max_num_seqs, budget), arrivals, prompts, params, clock)
+    makespan = max(r.tokens[-1] for r in times)
+    summary = {name: {k: 1e3 * v for k, v in stats.items()} for name, stats in summarize(times).items()}
+    return {"rate": rate, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget, "requests": requests,
+            "tokens_per_s": sum(len(r.tokens) for r in times) / makespan, "makespan_s": makespan,
+            **summary, "slo_attainment": slo_attainment(times, *SLO_S),
+            "per_request_ms": [{"arrival": 1e3 * r.arrival, "ttft": 1e3 * r.ttft, "e2e": 1e3 * r.e2e,
+                                "tpot": None if r.tpot is None else 1e3 * r.tpot, "tokens": len(r.tokens)}
+                               for r in times]}
+
+
+def latency_sweep(model: nn.Module, rates: list[float], max_num_seqs: list[int], budgets: list[int],
+                  requests: int, seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """The throughput-latency curve, one knob at a time around a base point (the middle rate, the largest
+    max_num_seqs, the largest budget): the rate, then max batch, then the chunked-prefill budget."""
+    base = {"rate": rates[len(rates) // 2], "max_num_seqs": max(max_num_seqs), "budget": max(budgets)}
+    knobs = {"rate": rates, "max_num_seqs": max_num_seqs, "budget": budgets}
+    done: dict[tuple, dict] = {}
+    sweeps = {}
+    for knob, values in knobs.items():
+        sweeps[knob] = []
+        for value in values:
+            point = {**base, knob: value}
+            key = (point["rate"], point["max_num_seqs"], point["budget"])
+            if key not in done:
+                done[key] = latency_point(model, *key, requests, seed, clock)
+            sweeps[knob].append(done[key])
+    rows = sweeps["budget"]
+    return {"prompt_tokens": PROMPTS, "output_tokens": OUTPUTS, "requests": requests,
+            "slo_ms": {"ttft": 1e3 * SLO_S[0], "tpot": 1e3 * SLO_S[1]}, "base": base,
+            "goodput_rps": goodput(rates, [p["slo_attainment"] for p in sweeps["rate"]]), "sweeps": sweeps,
+            # chunked prefill's trade, smallest budget against largest, at the base rate and batch
+            "budget_trade": {"ttft_p90_ratio": rows[0]["ttft"]["p90"] / rows[-1]["ttft"]["p90"],
+                             "itl_p99_ratio": rows[-1]["itl"]["p99"] / rows[0]["itl"]["p99"]}}
+
+
 # --- GPU lane -----------------------------------------------------------------------------------------------------
 
 def random_model(preset: str, device: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -491,6 +573,27 @@ def print_waste(w: dict) -> None:
           f"{w['contiguous_mean_tokens'] * kib:>10.1f}")
 
 
+def print_latency(lat: dict) -> None:
+    slo = lat["slo_ms"]
+    print(f"\n5. latency under load: {lat['requests']} Poisson requests, prompts {lat['prompt_tokens'][0]}-"
+          f"{lat['prompt_tokens'][1]} tokens, outputs {lat['output_tokens'][0]}-{lat['output_tokens'][1]}; ms, "
+          f"SLO TTFT <= {slo['ttft']:g} and TPOT <= {slo['tpot']:g}")
+    print(f"{'req/s':>6}{'seqs':>5}{'budget':>7}{'tok/s':>7}{'TTFT p50':>9}{'p90':>7}{'p99':>7}{'TPOT p50':>9}"
+          f"{'p90':>6}{'p99':>6}{'ITL p99':>8}{'E2E p50':>8}{'p90':>7}{'p99':>7}{'in SLO':>7}")
+    for knob, rows in lat["sweeps"].items():
+        print(f"-- {knob}")
+        for r in rows:
+            cols = "".join(f"{r[m][p]:>{w}.{d}f}" for m, widths, d in (("ttft", (9, 7, 7), 0), ("tpot", (9, 6, 6), 1),
+                                                                         ("itl", (8,), 1), ("e2e", (8, 7, 7), 0))
+                           for p, w in zip(("p50", "p90", "p99")[-len(widths):], widths, strict=True))
+            print(f"{r['rate']:>6g}{r['max_num_seqs']:>5}{r['max_num_batched_tokens']:>7}{r['tokens_per_s']:>7.0f}"
+                  f"{cols}{100 * r['slo_attainment']:>6.0f}%")
+    t = lat["budget_trade"]
+    print(f"chunked prefill, smallest budget against largest: TTFT p90 x{t['ttft_p90_ratio']:.2f}; the largest's "
+          f"inter-token gap p99 (a decode stalled by a prefill) x{t['itl_p99_ratio']:.2f} the smallest's; goodput "
+          f"(>= 90% in SLO) {lat['goodput_rps']:g} req/s of the rates run")
+
+
 def print_gpu(rows: list[dict], reference: dict) -> None:
     print("\nbatch-1 decode, bf16 (random weights): eager (contiguous cache) and graph (static cache, CUDA graph)")
     print(f"{'model':<12}{'decoder':>8}{'context':>8}{'ms/token':>10}{'tokens/s':>10}{'bound ms':>10}{'GB/s':>8}"
@@ -536,16 +639,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU: the seconds measured, this process's CPU time (steady when other processes share "
                              "the cores) or wall time")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch intra-op threads (0: torch's default)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[10.0, 40.0, 160.0],
+                        help="CPU: request rates (per second of the chosen clock) of the latency curve")
+    parser.add_argument("--latency-seqs", type=int, nargs="+", default=[2, 8],
+                        help="CPU: max_num_seqs values of the latency curve")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 512],
+                        help="CPU: chunked-prefill token budgets (max_num_batched_tokens) of the latency curve")
+    parser.add_argument("--latency-requests", type=int, default=32, help="CPU: requests per latency point")
     parser.add_argument("--presets", nargs="+", default=["llama3-1b", "llama3-8b"],
                         help="GPU: lab.config presets to decode")
     parser.add_argument("--json", type=Path, default=None, help="write the records and verdicts here")
     args = parser.parse_args(argv)
-    for name in ("requests", "max_num_seqs", "prefix_requests", "repeats", "prompt_len", "batching_repeats"):
+    for name in ("requests", "max_num_seqs", "prefix_requests", "repeats", "prompt_len", "batching_repeats",
+                 "latency_requests"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if len(args.lengths) < 2 or sorted(set(args.lengths)) != args.lengths or args.lengths[0] <= WINDOW:
         parser.error(f"--lengths {args.lengths}: at least two, increasing, the first > {WINDOW} (a window of "
                      f"{WINDOW} decode steps after the prefill's token)")
+    if min(args.rates) <= 0 or min(args.budgets) < max(args.latency_seqs) or min(args.latency_seqs) < 1:
+        parser.error(f"--rates {args.rates} must be > 0, --latency-seqs {args.latency_seqs} >= 1 and --budgets "
+                     f"{args.budgets} >= the largest of --latency-seqs (every running sequence decodes each step)")
     lane = ("gpu" if torch.cuda.is_available() else "cpu") if args.lane == "auto" else args.lane
     if lane == "gpu" and not torch.cuda.is_available():
         parser.error("--lane gpu: torch sees no CUDA device")
@@ -566,6 +680,9 @@ def main(argv: list[str] | None = None) -> int:
             print_prefix(record["prefix"])
             record["kv_waste"] = kv_waste(model)
             print_waste(record["kv_waste"])
+            record["latency"] = latency_sweep(model, args.rates, args.latency_seqs, args.budgets,
+                                              args.latency_requests, clock=clock)
+            print_latency(record["latency"])
         else:
             record["gpu"] = [gpu_decode(p, repeats=args.repeats, decoder=d) for p in args.presets for d in DECODERS]
             record["reference"] = reference_engine()

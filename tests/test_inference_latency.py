@@ -1,4 +1,4 @@
-"""lab.inference.latency: per-request TTFT / TPOT / E2E on hand-built timelines, percentiles against numpy, SLO
+"""lab.inference.latency: per-request TTFT / TPOT / ITL / E2E on hand-built timelines, percentiles against numpy, SLO
 attainment and goodput, Poisson arrivals, and the replay's timestamps on a real engine with a cost model of one
 second per step (so every stamp is an exact number worked out by hand below).
 
@@ -31,7 +31,7 @@ def test_latencies_of_one_request():
     """Arrived at 1.0, queued until 1.5, tokens at 2.0, 2.5 and 3.5: TTFT from arrival (1.0, not the 0.5 after
     admission), TPOT over the two gaps after the first token (0.75, not 2.5 / 3 from arrival)."""
     r = RequestTimes(arrival=1.0, admitted=1.5, tokens=[2.0, 2.5, 3.5])
-    assert (r.ttft, r.tpot, r.e2e) == (1.0, 0.75, 2.5)
+    assert (r.ttft, r.tpot, r.e2e, r.gaps) == (1.0, 0.75, 2.5, [0.5, 1.0])
     assert r.e2e == pytest.approx(r.ttft + (len(r.tokens) - 1) * r.tpot)
     one = RequestTimes(arrival=0.0, admitted=0.0, tokens=[0.3])
     assert (one.ttft, one.tpot, one.e2e) == (0.3, None, 0.3)
@@ -58,7 +58,9 @@ def test_summary_leaves_one_token_requests_out_of_tpot():
     assert s["ttft"]["mean"] == pytest.approx((1 + 2 + 4) / 3) and s["ttft"]["p50"] == 2.0
     assert s["tpot"]["mean"] == pytest.approx(2.5) and s["tpot"]["p90"] == pytest.approx(1 + 0.9 * 3)
     assert s["e2e"]["p99"] == pytest.approx(4 + 0.98 * 2)  # e2e [3, 6, 4]: rank 1.98
-    assert set(s["ttft"]) == {"mean", "p50", "p90", "p99"}
+    assert s["itl"]["mean"] == pytest.approx(2.0) and s["itl"]["p50"] == 1.0  # gaps [1, 1, 4]: the 4 is not averaged
+    assert s["itl"]["p99"] == pytest.approx(1 + 0.98 * 3)
+    assert set(s) == {"ttft", "tpot", "itl", "e2e"} and set(s["ttft"]) == {"mean", "p50", "p90", "p99"}
     assert summarize([RequestTimes(0.0, 0.0, [1.0])])["tpot"] == {}
 
 

@@ -6,13 +6,16 @@ clock reaches their arrival and stamps every generated token, the three per-requ
 SLO attainment. The engine itself (`lab.inference.engine`) knows nothing of time but its steps.
 
 The three numbers, as vLLM's serving benchmark (`benchmarks/benchmark_serving.py`) and DistServe (Zhong et al.,
-OSDI 2024, §2.1) define them:
+OSDI 2024, §2) define them:
 
 * TTFT, time to first token: from the request's *arrival* (not its admission into a batch: the time it queued is
   part of what the user waits) to its first generated token. Prefill, and the queue before it, set it.
 * TPOT, time per output token (inter-token latency): the mean gap between consecutive tokens *after* the first,
   (last - first) / (n - 1). Decode steps set it; a request of one token has none.
 * E2E, end-to-end latency: from arrival to the last token, TTFT + (n - 1) · TPOT.
+* ITL, inter-token latency (Sarathi-Serve's TBT, time between tokens): every single gap between consecutive tokens,
+  pooled over the requests. TPOT averages a request's gaps, so one long stall (a decode that waited for another
+  request's prefill) hides in it; the p99 of the gaps shows it.
 
 A service level objective (SLO) bounds TTFT and TPOT; a request *attains* it when both of its own latencies are
 within their bounds, and DistServe's goodput is the highest request rate at which a target share of requests
@@ -56,6 +59,11 @@ class RequestTimes:
         return (self.tokens[-1] - self.tokens[0]) / (n - 1) if n > 1 else None
 
     @property
+    def gaps(self) -> list[float]:
+        """The time between each token and the next, after the first."""
+        return [b - a for a, b in zip(self.tokens, self.tokens[1:], strict=False)]
+
+    @property
     def e2e(self) -> float:
         """Arrival to last token."""
         return self.tokens[-1] - self.arrival
@@ -76,10 +84,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(requests: Sequence[RequestTimes], percentiles: Sequence[float] = PERCENTILES) -> dict:
-    """Mean and percentiles of TTFT, TPOT and E2E over the requests, in seconds ({"ttft": {"mean", "p50", ...},
+    """Mean and percentiles of TTFT, TPOT, ITL and E2E over the requests, in seconds ({"ttft": {"mean", "p50", ...},
     ...}). One-token requests have no TPOT and are left out of its statistics, as vLLM's benchmark leaves them."""
-    columns = {"ttft": [r.ttft for r in requests], "e2e": [r.e2e for r in requests],
-               "tpot": [r.tpot for r in requests if r.tpot is not None]}
+    columns = {"ttft": [r.ttft for r in requests], "tpot": [r.tpot for r in requests if r.tpot is not None],
+               "itl": [gap for r in requests for gap in r.gaps], "e2e": [r.e2e for r in requests]}
     return {name: {"mean": sum(v) / len(v), **{f"p{q:g}": percentile(v, q) for q in percentiles}} if v else {}
             for name, v in columns.items()}
 

@@ -30,7 +30,9 @@ it uses is in `lab.calc.calibration`, with its source; `stack` names the softwar
   GEMMs reach on an H100 (74.5 %). With fp8 linears (stack "compiled-fp8") the layers' GEMMs run
   `fp8_gemm_speedup` faster and their inputs and output gradients are cast (`fp8_cast_bytes` per element).
 * **Attention core** (flash, causal: half of the s x s products flops.py counts) at the forward and backward
-  rates of torch's SDPA kernels, recorded on lab's H100 (scaled by the chip's peak).
+  rates of torch's SDPA kernels, recorded on lab's H100 (scaled by the chip's peak). A stack without a flash
+  kernel (Megatron-LM 2021) multiplies the whole s x s scores at the GEMM rate and moves them through HBM for
+  the softmax and dropout (`unfused_softmax_bytes`).
 * **Element-wise work.** Norms, residual adds, RoPE and SwiGLU move 10·d + 2·(q + kv) + 3·d_ff bf16 values a
   token and layer when fused (one read, one write), at `hbm_efficiency` of the chip's HBM bandwidth; an eager
   stack moves `eager_traffic` times that. Backward moves twice the forward's, full recomputation the forward's
@@ -63,7 +65,8 @@ it uses is in `lab.calc.calibration`, with its source; `stack` names the softwar
   collective over all those ranks again; the faster of NCCL's flat ring and the hierarchical all-reduce). ZeRO-0
   all-reduces them during the last micro-batch's backward: exposed = max(0, all-reduce - backward). ZeRO-1/2
   reduce-scatter them the same way, then all-gather the updated parameters after the optimizer step, exposed (so
-  ZeRO-2 costs what ZeRO-1 costs and saves memory: the playbook's "prefer ZeRO-2"). ZeRO-3 gathers each layer's
+  ZeRO-2 costs what ZeRO-1 costs and saves memory: the playbook's "prefer ZeRO-2"); a stack that reduces
+  after the backward (Megatron-LM 2021, `overlap_grad_reduce` False) hides none of it. ZeRO-3 gathers each layer's
   parameters before its forward and again before its backward and reduce-scatters its gradients after it, for
   every micro-batch, prefetching `zero3_prefetch_layers` (FSDP2's one): layer i+1's gather hides behind layer
   i's compute (`comms.zero3_overlap_ratio` is the bandwidth-only form of the ratio), so the exposed time is the
@@ -417,9 +420,16 @@ class _Chip:
         speedup = CONSTANTS["fp8_gemm_speedup"].value if fp8 else 1.0
         return flops / (self.matmul_flops * speedup) + count * CONSTANTS["gemm_overhead_s"].value
 
-    def attention(self, forward_flops: float) -> tuple[float, float]:
+    def attention(self, forward_flops: float, scores: float = 0.0) -> tuple[float, float]:
         """(forward, backward) seconds of flash attention, causal: half the products flops.py counts (the
-        backward counted as twice the forward, as flops.py and the recording count it)."""
+        backward counted as twice the forward, as flops.py and the recording count it). Without a flash kernel
+        (the stack's `flash_attention`), every product of the s x s `scores` (elements) as two batched GEMMs
+        a pass at the matmul rate, and the scores' softmax and dropout through HBM (`unfused_softmax_bytes`, 9
+        of its 20 bytes an element in the forward)."""
+        if not self.stack.flash_attention:
+            moved = CONSTANTS["unfused_softmax_bytes"].value * scores
+            return (self.gemms(forward_flops, 2) + self.moved(0.45 * moved),
+                    self.gemms(2 * forward_flops, 4) + self.moved(0.55 * moved))
         scale = self.peak / calibration.H100_PEAK
         forward = 0.5 * forward_flops / (CONSTANTS["attention_forward_flops"].value * scale)
         return forward, 0.5 * 2 * forward_flops / (CONSTANTS["attention_backward_flops"].value * scale)
@@ -437,7 +447,8 @@ def _stage_compute(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work
     passes = 2 if p.recompute == "full" else 1  # forwards of each layer
     matmul = chip.gemms(layers * work.matmul[p.recompute] * tokens / p.tp, layers * work.gemms * (2 + passes), fp8)
     matmul_fwd = chip.gemms(layers * work.matmul_forward * tokens / p.tp, layers * work.gemms, fp8)
-    attention_fwd, attention_bwd = (layers * t for t in chip.attention(work.attention * tokens / p.tp))
+    scores = tokens * seq * cfg.n_heads / p.tp  # elements of the s x s scores (only without a flash kernel)
+    attention_fwd, attention_bwd = (layers * t for t in chip.attention(work.attention * tokens / p.tp, scores))
     attention = passes * attention_fwd + attention_bwd
     wide, split = work.elementwise
     values = tokens * (wide / (p.tp if p.sp else 1) + split / p.tp)  # one layer's forward
@@ -493,7 +504,8 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
         width = (cfg.n_heads // p.tp * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
                  if cfg.attention == "mla" else 2 * max(cfg.n_kv_heads // p.tp, 1) * cfg.head_dim)
         hop = net.send(tokens * width * WIRE_BYTES, cp_node, p.cp)
-        block_forward, block_backward = (t / p.cp for t in chip.attention(work.attention * tokens / p.tp))
+        block_forward, block_backward = (t / p.cp for t in chip.attention(work.attention * tokens / p.tp,
+                                                                           tokens * seq * cfg.n_heads / p.tp))
         exposed = (forward_passes * (p.cp - 1) * max(0.0, hop - block_forward)
                    + (p.cp - 1) * max(0.0, 2 * hop - block_backward) + CONSTANTS["cp_exposed_hops"].value * 2 * hop)
         ring = (p.cp - 1) * hop * (forward_passes + 2)
@@ -527,10 +539,11 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
         def bucketed(op: str) -> float:
             return sum(net.bucketed(op, b, n, k, bucket) for b, n, k in grads)
 
+        hidden = backward if chip.stack.overlap_grad_reduce else 0.0
         if p.zero == 0:
-            dp_exposed = max(0.0, bucketed("all_reduce") - backward)
+            dp_exposed = max(0.0, bucketed("all_reduce") - hidden)
         else:
-            dp_exposed = max(0.0, bucketed("reduce_scatter") - backward) + bucketed("all_gather")
+            dp_exposed = max(0.0, bucketed("reduce_scatter") - hidden) + bucketed("all_gather")
     sharded = p.zero >= 1  # AdamW over this rank's shard of its stage's parameters, once a step
     local = dense / (p.dp * p.cp if sharded else 1) + expert / (max(p.dp * p.cp // p.ep, 1) if sharded else 1)
     optimizer = chip.moved(local * chip.stack.adam_bytes)
@@ -834,9 +847,16 @@ def reported_memory(run: Run, candidate: Candidate) -> dict[str, int]:
     * activations: the search's full recomputation keeps each layer's input; TorchTitan's "op" policy keeps what
       `memory.op_sac_layer_bytes` counts, for the same layers in flight.
     * reserved: TorchTitan logs the allocator's reserved peak, `allocator_reserved_over_allocated` of the
-      allocated one; lab logs the allocated peak."""
-    cfg, p, mem = run_model(run), candidate.parallel, candidate.memory
-    seq, mbs, k = run.seq // p.cp, candidate.mbs, mem.stage
+      allocated one; lab logs the allocated peak.
+
+    Of the first and the last pipeline stage, the fuller (TorchTitan reports the most over its GPUs)."""
+    stages = sorted({0, candidate.parallel.pp - 1})
+    return max((_reported_memory(run, candidate, k) for k in stages), key=lambda parts: parts["total"])
+
+
+def _reported_memory(run: Run, candidate: Candidate, k: int) -> dict[str, int]:
+    cfg, p, seq, mbs = run_model(run), candidate.parallel, run.seq // candidate.parallel.cp, candidate.mbs
+    mem = estimate_memory(cfg, run.seq, mbs, p, precision=PRECISION, flash=True, stage=k)
     units = [dense + expert for dense, expert in zero_units(cfg, p, k)]
     if run.framework == "torchtitan":
         states = sum(static_bytes(units, "mixed", zero=3, dp=p.dp * p.cp).values())

@@ -7,7 +7,9 @@ cell with one classic mistake — slices that only touch counted as overlapping,
 from the loading rank's dp replica, the slice index read as if dp varied fastest; the interval without its factor
 2, the job's MTBF not divided by the GPUs, the whole interval redone after a failure, Young's interval rounded down,
 rounded to the nearest step or allowed below one step; the first waiting rank named instead of the one it waits
-for, sequence numbers compared across groups, the majority of a mismatched group named, a mismatch not looked for —
+for, sequence numbers compared across groups, the majority of a mismatched group named, a mismatch not looked for;
+goodput losing a whole interval per failure or subtracting the saves, spares not charged, idle spares failing, a spare
+replacing the whole restart, the break-even number of spares rounded to the nearest or up —
 and only the checks that must catch it are run, to keep this file fast.
 """
 
@@ -20,7 +22,8 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch08b
 
-EXERCISES = ("08b.reshard_reads", "08b.checkpoint_interval", "08b.diverging_rank", "08b.find_straggler")
+EXERCISES = ("08b.reshard_reads", "08b.checkpoint_interval", "08b.diverging_rank", "08b.find_straggler",
+             "08b.goodput")
 
 SAME_DIM = "the same dimension cut at another degree: the saved slices a rank's slice overlaps, none it only touches"
 ROWS_COLS = "saved cut along rows, loaded cut along columns (and back): the rectangles where the slices cross"
@@ -36,8 +39,13 @@ GROUPS = "dp x tp: sequence numbers per group, and waits that spread from group 
 CLEAR = "a clear straggler among 2 to 8 ranks: its rank, its excess per step, and the fraction of a step it costs"
 NOISE = "one slow step is noise: ranks descheduled once in a run are no straggler, and do not hide the real one"
 COMPUTE = "compute time, not step time: the ranks leave the all-reduce together, rank 0 a little later"
+GOODPUT = "goodput restarting from a checkpoint: (1 − (R + τ/2)/M) / (1 + C/τ), with M the job's MTBF"
+SPARES = "hot spares: the restart's rescheduling swapped for swap_s, goodput charged gpus / (gpus + spare_gpus)"
+MOST = "the most spare GPUs still worth having: the whole number at or below gpus·(g_swap/g_restart − 1)"
+NO_FAILURES = "GPUs that never fail: goodput τ/(τ + C), and no spare is worth its GPUs"
 
 EVERY_LINE = "    options = {max(1, math.floor(steps)), max(1, math.ceil(steps))}"
+FLOOR = "max(0, math.floor(gpus * (swapped / plain - 1)))"
 LAST_LINE = "    return answer(next(r for r in sorted(waited_for) if not waits[r]))"
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
@@ -93,6 +101,22 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "08b.find_straggler", [("max(row) for row in step_s)", "max(row) for row in compute_s)")], {CLEAR}),
     "no_threshold": (
         "08b.find_straggler", [("if excess[slowest] <= threshold_s:", "if excess[slowest] <= 0:")], {NOISE}),
+    "whole_interval_lost_per_failure": (
+        "08b.goodput", [("lost = restart_s + interval_s / 2", "lost = restart_s + interval_s")], {GOODPUT, SPARES}),
+    "saves_subtracted_not_divided": (
+        "08b.goodput", [("/ (1 + save_s / interval_s)", "* (1 - save_s / interval_s)")],
+        {GOODPUT, SPARES, NO_FAILURES}),
+    "spares_not_charged": (
+        "08b.goodput", [("* gpus / (gpus + spare_gpus)  # spares", "  # spares")], {SPARES}),
+    "idle_spares_fail_too": (
+        "08b.goodput", [("return goodput(gpus, gpu_mtbf_s, interval_s, save_s, swapped)",
+                         "return goodput(gpus + spare_gpus, gpu_mtbf_s, interval_s, save_s, swapped)")], {SPARES}),
+    "spare_replaces_the_whole_restart": (
+        "08b.goodput", [("swapped = restart_s - reschedule_s + swap_s", "swapped = swap_s")], {SPARES, MOST}),
+    "most_spares_rounded_to_nearest": (
+        "08b.goodput", [(FLOOR, "max(0, round(gpus * (swapped / plain - 1)))")], {MOST}),
+    "most_spares_rounded_up": (
+        "08b.goodput", [(FLOOR, "max(0, math.ceil(gpus * (swapped / plain - 1)))")], {MOST}),
 }
 CHAPTER = Chapter("08b_checkpoints_and_failures.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 

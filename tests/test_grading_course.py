@@ -40,7 +40,7 @@ def test_a_students_chapter_notebooks_are_each_scored_out_of_their_assignment(tm
     notebook(subs / "ada" / "01_memory_and_compute.ipynb", A1)
     notebook(subs / "ada" / "08_5d_parallelism.ipynb", A8, SOLUTIONS / "08_5d_parallelism.ipynb")
     notebook(subs / "ada" / "08b_checkpoints_and_failures.ipynb", ["08b.reshard_reads"],
-             SOLUTIONS / "08b_checkpoints_and_failures.ipynb")  # in no assignment: chapter 08b's 14 points
+             SOLUTIONS / "08b_checkpoints_and_failures.ipynb")  # in no assignment: chapter 08b's 18 points
     notebook(subs / "bob.ipynb", A1, REPO / "exercises" / "01_memory_and_compute.ipynb")  # blank; nothing else
     args = [str(subs), "--assignments", course_file, "--quiet", "--strict", "--seed-secret", "s3cret"]
     out = [tmp_path / name for name in ("a.csv", "a-totals.csv", "b.csv", "b-totals.csv")]
@@ -51,9 +51,9 @@ def test_a_students_chapter_notebooks_are_each_scored_out_of_their_assignment(tm
     rows = [(r["student"], r["assignment"], r["raw"], r["multiplier"], r["total"], r["max"])
             for r in _rows(out[0].read_text())]
     assert rows == [("ada", "A1", "5", "1", "5", "5"), ("ada", "A8", "5", "1", "5", "5"),
-                    ("ada", "ch08b", "4", "1", "4", "14"), ("bob", "A1", "0", "1", "0", "5")]
+                    ("ada", "ch08b", "4", "1", "4", "18"), ("bob", "A1", "0", "1", "0", "5")]
     assert _rows(out[0].read_text())[1]["01.param_count"] == ""  # not part of A8
-    assert out[1].read_text() == "student,A1,A8,ch08b,total,max\nada,5,5,4,14,24\nbob,0,0,0,0,24\n"
+    assert out[1].read_text() == "student,A1,A8,ch08b,total,max\nada,5,5,4,14,28\nbob,0,0,0,0,28\n"
     assert sorted(p.name for p in (tmp_path / "fb").iterdir()) == ["ada-A1.html", "ada-A8.html", "ada-ch08b.html",
                                                                    "bob-A1.html"]
 

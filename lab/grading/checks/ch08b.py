@@ -2,7 +2,8 @@
 `lab.calc.reliability.reads_for` (the regions DCP's load planner reads); the checkpoint interval against Young's
 formula and the waste in `lab.calc.reliability`; the diverging rank against a simulated hang; the straggler against
 `lab.distributed.health.find_straggler`'s rule on simulated per-rank step times (`reference_straggler`, kept here
-so that grading imports no torch; a test holds the two equal).
+so that grading imports no torch; a test holds the two equal); goodput with and without hot spares against
+`lab.calc.reliability.restart_goodput` and `hot_spare_goodput`.
 
 Layouts are random (tp degrees that do not divide each other, rows at save and columns at load, dp replicas);
 MTBFs, save times and GPU counts span five orders of magnitude, and the `--checkpoint-every` cases put Young's
@@ -19,7 +20,16 @@ import math
 import random
 import statistics
 
-from lab.calc.reliability import job_mtbf, reads_for, shard_box, waste, young_interval
+from lab.calc.reliability import (
+    Restart,
+    hot_spare_goodput,
+    job_mtbf,
+    reads_for,
+    restart_goodput,
+    shard_box,
+    waste,
+    young_interval,
+)
 from lab.grading.checks import CheckFailed, Mistake, exercise, expect_equal, expect_number, explain
 from lab.grading.sandbox import CallError
 
@@ -433,3 +443,124 @@ def compute_not_step_time(student, rng):
     slow = rng.randrange(1, ranks)
     compute, step = timed_run(rng, ranks, rng.randrange(5, 10), slow, 0.015)
     _expect_straggler(student, compute, step, 0.005, f"rank {slow} 15 ms slower, rank 0 logs after each step")
+
+
+# --- 08b.goodput ----------------------------------------------------------------------------------------------------
+
+GOODPUT = exercise("08b.goodput", entry=("goodput", "hot_spare_goodput", "most_spares"))
+
+
+def goodput_run(rng: random.Random) -> dict:
+    """A job from 1,024 to 131,072 GPUs at GPU MTBFs of 2 to 10 years, saving at Young's interval (times 0.5 to 2)
+    for 1 to 60 s, restarting in 3 to 20 minutes of which 60 to 90 % is rescheduling, swapping a spare in 20 s to
+    3 minutes; redrawn until plain restarts keep more than 30 % of the time."""
+    while True:
+        gpus = rng.choice([1024, 4096, 16384, 32768, 131072]) * rng.choice([1, 3]) // 2
+        gpu_mtbf_s = rng.uniform(2, 10) * 365 * 86400
+        save_s = rng.uniform(1, 60)
+        interval_s = young_interval(save_s, job_mtbf(gpus, gpu_mtbf_s)) * rng.uniform(0.5, 2)
+        restart_s = rng.uniform(180, 1200)
+        run = {"gpus": gpus, "gpu_mtbf_s": gpu_mtbf_s, "interval_s": interval_s, "save_s": save_s,
+               "restart_s": restart_s, "reschedule_s": restart_s * rng.uniform(0.6, 0.9),
+               "swap_s": rng.uniform(20, 180)}
+        if reference_goodput(run) > 0.3:
+            return run
+
+
+def reference_goodput(run: dict, spare_gpus: int | None = None) -> float:
+    """Without spares (`spare_gpus` None): `restart_goodput`. With them: `hot_spare_goodput`, the spares one node of
+    `spare_gpus` GPUs, never out for repair (repair_s = 0), so that every failure swaps."""
+    load_s = run["restart_s"] - run["reschedule_s"]  # the rest of the restart: load and warm-up alike
+    restart = Restart(run["reschedule_s"], load_s, 0.0)
+    if spare_gpus is None:
+        return restart_goodput(run["gpus"], run["gpu_mtbf_s"], run["save_s"], restart, run["interval_s"])
+    return hot_spare_goodput(run["gpus"], run["gpu_mtbf_s"], run["save_s"], restart, run["swap_s"],
+                             1 if spare_gpus else 0, 0.0, max(spare_gpus, 1), run["interval_s"])
+
+
+def reference_most_spares(run: dict) -> int:
+    """The most spare GPUs for which hot spares keep at least plain restarts' goodput: G·(g_swap/g − 1), floored,
+    where g_swap is the goodput when every restart swaps instead of rescheduling, before the charge G/(G + S)."""
+    return max(0, math.floor(_break_even(run)))
+
+
+def _break_even(run: dict) -> float:
+    """gpus·(g_swap/g_restart − 1): the spare GPUs at which hot spares keep exactly what plain restarts keep."""
+    swapped = {**run, "restart_s": run["restart_s"] - run["reschedule_s"] + run["swap_s"],
+               "reschedule_s": run["swap_s"]}
+    return run["gpus"] * (reference_goodput(swapped) / reference_goodput(run) - 1)
+
+
+def _args(run: dict, *names: str) -> tuple:
+    return tuple(run[name] for name in names)
+
+
+BASE = ("gpus", "gpu_mtbf_s", "interval_s", "save_s", "restart_s")
+SPARE = ("gpu_mtbf_s", "interval_s", "save_s", "restart_s", "reschedule_s", "swap_s")
+MOST = ("gpus", *SPARE)
+
+
+def _call(run: dict, names: tuple[str, ...], function: str, spare_gpus: int | None = None) -> tuple[str, tuple]:
+    args = _args(run, *names) if spare_gpus is None else (run["gpus"], spare_gpus, *_args(run, *names))
+    keys = names if spare_gpus is None else ("gpus", "spare_gpus", *names)
+    return f"{function}({', '.join(f'{k}={v!r}' for k, v in zip(keys, args, strict=True))})", args
+
+
+@GOODPUT.check(points=1, hint="a failure costs the restart and the work since the last save, half an interval on "
+                              "average; the saves slow the rest down: divide by 1 + C/τ")
+def goodput_of_a_restart(student, rng):
+    """goodput restarting from a checkpoint: (1 − (R + τ/2)/M) / (1 + C/τ), with M the job's MTBF"""
+    for _ in range(4):
+        run = goodput_run(rng)
+        expected = reference_goodput(run)
+        call, args = _call(run, BASE, "goodput")
+        expect_number(ask(student.goodput, call, f"{expected:.6g}", *args), expected, call, tol=1e-7)
+
+
+@GOODPUT.check(points=1, hint="a spare replaces only the rescheduling part of the restart; its GPUs do not train, so "
+                              "charge them: the kept share of all the GPUs paid for is × gpus / (gpus + spare_gpus); "
+                              "idle spares do not fail")
+def hot_spares_swap_and_cost(student, rng):
+    """hot spares: the restart's rescheduling swapped for swap_s, goodput charged gpus / (gpus + spare_gpus)"""
+    for _ in range(4):
+        run = goodput_run(rng)
+        spare_gpus = 8 * rng.randrange(1, 65)
+        expected = reference_goodput(run, spare_gpus)
+        call, args = _call(run, SPARE, "hot_spare_goodput", spare_gpus)
+        expect_number(ask(student.hot_spare_goodput, call, f"{expected:.6g}", *args), expected, call, tol=1e-7,
+                      mistakes=(Mistake((run["gpus"] + spare_gpus) / run["gpus"], "(gpus + spare_gpus) / gpus",
+                                        "the spares' GPUs are paid for and do not train"),))
+
+
+def _spares_case(rng: random.Random, fraction: str) -> dict:
+    """A run whose break-even number of spares, gpus·(g_swap/g_restart − 1), has a fractional part above a half, or
+    below it with at least one spare worth having, or anything: rounding to the nearest, or up, misses one of them."""
+    while True:
+        run = goodput_run(rng)
+        x = _break_even(run)
+        part = x - math.floor(x)
+        if fraction == "any" or (fraction == "above a half" and 0.55 < part < 0.95 and x > 0) or (
+                fraction == "below a half" and 0.05 < part < 0.45 and x > 1):
+            return run
+
+
+@GOODPUT.check(points=1, hint="hot spares keep at least plain restarts' goodput while gpus / (gpus + S) ≥ g_restart / "
+                              "g_swap: solve for S and take the whole number at or below it (0 if spares never pay)")
+def most_spares_worth_it(student, rng):
+    """the most spare GPUs still worth having: the whole number at or below gpus·(g_swap/g_restart − 1)"""
+    for kind in ("above a half", "below a half", "any", "any"):
+        run = _spares_case(rng, kind)
+        expected = reference_most_spares(run)
+        call, args = _call(run, MOST, "most_spares")
+        expect_equal(ask(student.most_spares, call, str(expected), *args), expected, call)
+
+
+@GOODPUT.check(points=1, hidden=True, hint="without failures nothing is lost but the saves, and spares only cost")
+def no_failures(student, rng):
+    """GPUs that never fail: goodput τ/(τ + C), and no spare is worth its GPUs"""
+    run = {**goodput_run(rng), "gpu_mtbf_s": 1e30}
+    expected = run["interval_s"] / (run["interval_s"] + run["save_s"])
+    call, args = _call(run, BASE, "goodput")
+    expect_number(ask(student.goodput, call, f"{expected:.6g}", *args), expected, call, tol=1e-7)
+    call, args = _call(run, MOST, "most_spares")
+    expect_equal(ask(student.most_spares, call, "0", *args), 0, call)

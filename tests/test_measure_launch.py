@@ -100,4 +100,4 @@ def test_a_profiled_step_names_its_ops_and_the_time_between_them():
     x = torch.ones(8)
     profile = launch.profile_step(lambda: [x.mul(2.0) for _ in range(30)])
     assert ("aten::mul", 30) in [(name, calls) for name, calls, _ in profile.top]
-    assert 0 < profile.in_ops_s < profile.wall_s and profile.between_ops_s > 0
+    assert 0 < profile.in_ops_s < profile.wall_s and profile.between_ops_s > 0 and profile.unprofiled_s > 0

@@ -165,18 +165,20 @@ class StepProfile:
     wall_s: float
     in_ops_s: float
     top: list[tuple[str, int, float]]
+    unprofiled_s: float  # the same step without the profiler (best of 3): the difference is the profiler's own cost
 
     @property
     def between_ops_s(self) -> float:
-        """Wall time outside every torch op: Python between the calls (and the profiler's own bookkeeping)."""
+        """Wall time outside every torch op: Python between the calls, and the profiler's own bookkeeping."""
         return self.wall_s - self.in_ops_s
 
 
 def profile_step(step: Callable[[], object], top: int = 8) -> StepProfile:
-    """Run `step` once under the profiler after one unprofiled warm-up. The events and `key_averages()` are those
-    of `torch.profiler.profile(activities=[ProfilerActivity.CPU])`; its CPU-only path without Kineto is used because
-    Kineto takes seconds to start in a fresh process (3.5 s on 2 busy cores), and CPU ops need none of it."""
-    step()
+    """Run `step` once under the profiler, after timing it unprofiled (the best of 3, after a warm-up). The events
+    and `key_averages()` are those of `torch.profiler.profile(activities=[ProfilerActivity.CPU])`; its CPU-only path
+    without Kineto is used because Kineto takes seconds to start in a fresh process (3.5 s on 2 busy cores), and CPU
+    ops need none of it."""
+    unprofiled = _best(step, 3)
     with torch.autograd.profiler.profile(use_kineto=False) as prof:
         start = time.perf_counter()
         step()
@@ -184,7 +186,7 @@ def profile_step(step: Callable[[], object], top: int = 8) -> StepProfile:
     events = prof.function_events
     in_ops = sum(e.cpu_time_total for e in events if e.cpu_parent is None) / 1e6  # autograd's nodes in backward
     by_self = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return StepProfile(wall, in_ops, [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in by_self])
+    return StepProfile(wall, in_ops, [(e.key, e.count, e.self_cpu_time_total / 1e6) for e in by_self], unprofiled)
 
 
 @dataclass(frozen=True)

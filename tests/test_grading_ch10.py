@@ -4,7 +4,8 @@ plausible-but-wrong answer (mutant) fails the checks named for it.
 A mutant is the solution cell with one classic mistake — the scale inverted (amax/max), no saturation before the
 cast, no guard for an all-zero tensor, a loss scale that backs off when it should grow or a growth tracker that is
 not reset, delayed scaling from the current amax or from a history that never forgets, tile amaxes over the wrong
-axis or over whole rows, a ragged last tile dropped — and only the checks that must catch it are run, to keep this
+axis or over whole rows, a ragged last tile dropped, ZeRO-3's gathers counted once per micro-batch or
+without their FP8 scales — and only the checks that must catch it are run, to keep this
 file fast. The checks' own references are torch.amp.GradScaler and lab.precision.fp8; the GradScaler driver is
 checked here against the rule GradScaler documents.
 """
@@ -16,7 +17,8 @@ from grading_support import Chapter, chapter_tests
 
 from lab.grading.checks import ch10
 
-EXERCISES = ("10.quantize_tensorwise", "10.loss_scale_update", "10.delayed_scaling", "10.tilewise_scales")
+EXERCISES = ("10.quantize_tensorwise", "10.loss_scale_update", "10.delayed_scaling", "10.tilewise_scales",
+             "10.zero3_gather_bytes")
 
 Q_CURRENT = "a per-tensor scale max/amax: the fp8 values nearest x·scale, and back (e4m3 and e5m2)"
 Q_SATURATES = "a given scale that overflows some values: they saturate at ±max, never inf or NaN"
@@ -28,6 +30,12 @@ D_HISTORY = "the scale of step t comes from the amaxes of the `length` steps bef
 D_SPIKE = "a step whose amax is far above its history's: its largest values saturate at ±max"
 T_WHOLE = "rows of whole 1×128 tiles: one scale per tile, the fp8 values and back"
 T_RAGGED = "a ragged last tile (cols not a multiple of 128), one row, and an all-zero tile (scale 1)"
+
+Z_ONE = "one micro-batch in fp32 and bf16, dp dividing the unit: two gathers of the shard, one reduce-scatter"
+Z_FP8 = "fp8: one byte a parameter gathered, and one fp32 amax per tensor all-reduced before each gather"
+Z_ACCUM = "several micro-batches, and a unit dp does not divide: two gathers per micro-batch, shards rounded up"
+GATHERED = "gathers * (dp - 1) * shard * BYTES_PER_PARAMETER[gather]"
+SCALES = "gathers * 2 * (dp - 1) / dp * 4 * n_tensors if"
 
 GROW = "return scale * growth_factor, 0, False"
 BACK_OFF = "return scale * backoff_factor, 0, True"
@@ -72,6 +80,24 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "dequantize_scales_repeated_as_a_row": (
         "10.tilewise_scales", [("scales.repeat_interleave(tile, dim=1)", "scales.repeat(1, tile)")],
         {T_WHOLE, T_RAGGED}),
+    "one_gather_per_micro_batch": (  # forgets that ZeRO-3 frees the parameters between forward and backward
+        "10.zero3_gather_bytes", [("gathers = 2 * grad_accum", "gathers = grad_accum")], {Z_ONE, Z_FP8, Z_ACCUM}),
+    "gather_counted_as_the_shard": (
+        "10.zero3_gather_bytes", [(GATHERED, "gathers * shard * BYTES_PER_PARAMETER[gather]")],
+        {Z_ONE, Z_FP8, Z_ACCUM}),
+    "fp8_as_two_bytes": (
+        "10.zero3_gather_bytes", [('"fp8": 1}', '"fp8": 2}')], {Z_FP8, Z_ACCUM}),
+    "fp8_scales_forgotten": (
+        "10.zero3_gather_bytes", [(SCALES, "0 if")], {Z_FP8, Z_ACCUM}),
+    "scales_once_a_step": (
+        "10.zero3_gather_bytes", [(SCALES, "2 * (dp - 1) / dp * 4 * n_tensors if")], {Z_FP8, Z_ACCUM}),
+    "grad_accum_ignored": (
+        "10.zero3_gather_bytes", [("gathers = 2 * grad_accum", "gathers = 2")], {Z_ACCUM}),
+    "no_padding": (
+        "10.zero3_gather_bytes", [("shard = -(-n_params // dp)", "shard = n_params // dp")], {Z_ACCUM}),
+    "gradients_in_the_gather_format": (
+        "10.zero3_gather_bytes", [("(dp - 1) * shard * 4,", "(dp - 1) * shard * BYTES_PER_PARAMETER[gather],")],
+        {Z_ONE, Z_FP8, Z_ACCUM}),
 }
 
 CHAPTER = Chapter("10_mixed_precision_fp8.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))

@@ -58,8 +58,10 @@ def _on_ranks(dtype_name: str) -> dict:
     with count_collectives() as exact_counts, torch.no_grad():
         reference_logits = exact.model(x)
     result["fp32_bytes"] = exact_counts.bytes["all_gather_single"]
-    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    engine.finish()
+    with count_collectives() as step:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        engine.finish()
+    result["step_bytes"] = dict(step.bytes)
     grads = {}
     for unit in engine.units:  # the averaged gradient shards, gathered into whole gradients
         full = torch.empty(unit.full.numel())
@@ -108,6 +110,23 @@ def test_fp8_gather_moves_a_quarter_of_fp32_and_half_of_bf16():
     assert fp8["fp32_bytes"] == 4 * padded_shards
     assert fp8["calls"]["all_reduce"] == len(units) and fp8["bytes"]["all_reduce"] == 4 * n_tensors
     assert "all_reduce" not in bf16["calls"]
+
+
+def test_the_chapter_exercise_reference_is_what_the_engine_sends():
+    """ch10's `reference_zero3_bytes` (ring bytes sent per rank) against the engine's counted bytes in one step of
+    one micro-batch: an all-gather hands in its shard and a ring forwards dp − 1 of them; a reduce-scatter hands in
+    the whole unit and sends (dp − 1)/dp of it; the scales' all-reduce sends 2(dp − 1)/dp of its amaxes."""
+    from lab.grading.checks.ch10 import reference_zero3_bytes
+
+    expected = {"all_gather": 0.0, "all_reduce": 0.0, "reduce_scatter": 0.0}
+    for params in _unit_params():
+        for key, value in reference_zero3_bytes(sum(p.numel() for p in params), len(params), WORLD, 1, "fp8").items():
+            expected[key] += value
+    counted = fp8_runs()[0][0]["step_bytes"]
+    sent = {"all_gather": counted["all_gather_single"] * (WORLD - 1),
+            "all_reduce": counted["all_reduce"] * 2 * (WORLD - 1) / WORLD,
+            "reduce_scatter": counted["reduce_scatter_single"] * (WORLD - 1) / WORLD}
+    assert sent == pytest.approx(expected, rel=1e-12)
 
 
 def _unit_params() -> list[list[torch.nn.Parameter]]:

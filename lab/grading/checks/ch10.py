@@ -1,5 +1,6 @@
 """Chapter 10, mixed precision and FP8. A per-tensor FP8 scale, the dynamic loss-scale update, delayed scaling
-from an amax history, DeepSeek-V3's 1×128 tile-wise scales.
+from an amax history, DeepSeek-V3's 1×128 tile-wise scales, the bytes ZeRO-3 sends when it gathers in
+fp32, bf16 or FP8.
 
 The FP8 checks draw float32 tensors here, send them as lists, and read back the fp8 values (as floats), the
 scales and the dequantised tensor. The expected fp8 values are torch's own casts (`Tensor.to(float8_...)`),
@@ -28,6 +29,7 @@ from lab.grading.checks import (
     expect_allclose,
     expect_close,
     expect_equal,
+    expect_number,
     preview,
     shown,
 )
@@ -346,3 +348,65 @@ def tilewise_ragged_tile(student, rng):
     _expect_tilewise(student, rng, rng.randrange(2, 6), TILE * rng.randrange(1, 3) + rng.randrange(1, TILE),
                      zero_tile=True)
     _expect_tilewise(student, rng, 1, TILE * rng.randrange(1, 3) + rng.randrange(1, TILE))
+
+
+# --- 10.zero3_gather_bytes -------------------------------------------------------------------------------------------
+
+GATHER = exercise("10.zero3_gather_bytes", entry=("zero3_bytes_per_step",))
+BYTES_PER_PARAMETER = {"fp32": 4, "bf16": 2, "fp8": 1}  # what each ZeRO-3 all-gather moves per parameter
+
+
+def reference_zero3_bytes(n_params: int, n_tensors: int, dp: int, grad_accum: int, gather: str) -> dict[str, float]:
+    """The bytes one rank sends in one step for one unit under `lab.parallel.zero.Zero`, with ring collectives
+    (`lab.calc.comms.bus_factor`): the unit padded to a multiple of dp; two all-gathers per micro-batch (before its
+    forward and before its backward), each forwarding dp − 1 shards and preceded in FP8 by an all-reduce of one
+    fp32 amax per tensor (2(dp − 1)/dp of it sent); one reduce-scatter of the fp32 gradient per step (dp − 1
+    shards). tests/test_zero_fp8_gather.py holds it equal to what `count_collectives` counts on the engine."""
+    shard = -(-n_params // dp)
+    gathers = 2 * grad_accum
+    return {"all_gather": gathers * (dp - 1) * shard * BYTES_PER_PARAMETER[gather],
+            "all_reduce": gathers * 2 * (dp - 1) / dp * 4 * n_tensors if gather == "fp8" else 0.0,
+            "reduce_scatter": (dp - 1) * shard * 4}
+
+
+def _expect_zero3_bytes(student, n_params: int, n_tensors: int, dp: int, grad_accum: int, gather: str) -> None:
+    call = (f"zero3_bytes_per_step(n_params={n_params}, n_tensors={n_tensors}, dp={dp}, grad_accum={grad_accum}, "
+            f"gather={gather!r})")
+    expected = reference_zero3_bytes(n_params, n_tensors, dp, grad_accum, gather)
+    got = driver(call, f"a dict of {', '.join(expected)}", student.zero3_bytes_per_step, n_params, n_tensors, dp,
+                 grad_accum, gather)
+    for key, value in expected.items():
+        expect_number(got.get(key), value, f"{call}[{key!r}]")
+
+
+def _unit(rng: random.Random, dp: int, divides: bool) -> int:
+    """A unit's parameter count, from a tiny block to a Llama-3-70B block (856M), that dp divides or not."""
+    n = rng.randrange(10**4, 9 * 10**8)
+    return n - n % dp if divides else n - n % dp + rng.randrange(1, dp)
+
+
+@GATHER.check(points=1, hint="ZeRO-3 frees a unit's parameters after its forward, so it gathers them again before "
+                             "its backward; on a ring, each rank passes on every shard but the one it receives last")
+def gather_one_micro_batch(student, rng):
+    """one micro-batch in fp32 and bf16, dp dividing the unit: two gathers of the shard, one reduce-scatter"""
+    for gather in ("fp32", "bf16"):
+        dp = rng.choice((2, 4, 8, 64, 512))
+        _expect_zero3_bytes(student, _unit(rng, dp, True), rng.randrange(2, 12), dp, 1, gather)
+
+
+@GATHER.check(points=1, hint="every rank must dequantise with the same scale: before each gather, one all-reduce of "
+                             "one 4-byte amax per parameter tensor, which a ring runs as a reduce-scatter and an "
+                             "all-gather")
+def gather_fp8(student, rng):
+    """fp8: one byte a parameter gathered, and one fp32 amax per tensor all-reduced before each gather"""
+    for dp in (2, rng.choice((8, 64, 256))):
+        _expect_zero3_bytes(student, _unit(rng, dp, True), rng.randrange(2, 12), dp, 1, "fp8")
+
+
+@GATHER.check(points=1, hint="the first micro-batches' gradients accumulate locally (no_sync) and are reduce-scattered "
+                             "once a step; a unit that dp does not divide is padded up to a multiple of dp")
+def gather_accumulation_and_padding(student, rng):
+    """several micro-batches, and a unit dp does not divide: two gathers per micro-batch, shards rounded up"""
+    for gather in ("fp32", "bf16", "fp8"):
+        dp = rng.choice((3, 4, 6, 8, 48))
+        _expect_zero3_bytes(student, _unit(rng, dp, False), rng.randrange(2, 12), dp, rng.randrange(2, 9), gather)

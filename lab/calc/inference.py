@@ -46,6 +46,14 @@ bandwidth), `compute_s` (the FLOPs at peak), `step_s` (the general step), `bound
 one the weight matmuls sit on), `tokens_per_s`, `tokens_per_s_per_chip` and `critical_batch`.
 `throughput_latency` gives the book's curves as rows (one per batch) and `serving_plan` the ch. 8 reasoning
 ("serve LLaMA-3 70B") in numbers.
+
+**Expert parallelism at decode** (`ep_decode`): a mixture of experts served over ep GPUs, each GPU holding
+n_experts/ep experts and running attention for its own `batch` sequences (DeepSeek-V3's decoding layout: data-parallel
+attention, experts spread over the group; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.4 "Inference and
+Deployment"). Every MoE layer of every decode step sends each token's hidden state to its top-k experts and brings
+the k outputs back: two all-to-alls (dispatch, combine) of batch × top_k × d_model × bytes per GPU, priced by
+`lab.calc.comms`'s α–β model. At small batch the messages are tiny and the α per hop is the whole cost: a floor
+(the same all-to-alls of zero bytes) that no batch size lowers, paid 2 × (MoE layers) times a token.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from lab.calc.comms import collective_time
+from lab.calc.comms import CommCost, collective_time
 from lab.calc.flops import training_flops
 from lab.calc.hardware import Accelerator, get_accelerator
 from lab.calc.network import SYSTEMS
@@ -364,3 +372,69 @@ def serving_plan(model: ModelConfig | str = "llama3-70b", hardware: str | Accele
             "prefill_s": prefill_time(cfg, chip, context, tp, precision, mfu).time_s, "mfu": mfu,
             "critical_batch": critical_batch(chip, weight_bytes, precision, cfg),
             "tokens_per_s": step.tokens_per_s, "tokens_per_s_per_chip": step.tokens_per_s_per_chip}
+
+
+@dataclass(frozen=True)
+class EPDecode:
+    """The all-to-alls of one expert-parallel decode step: a dispatch and a combine per MoE layer (one layer's
+    each), the whole step's, its latency floor, and the tokens/s they allow."""
+
+    ep: int
+    batch: int  # sequences per GPU
+    moe_layers: int
+    dispatch: CommCost
+    combine: CommCost
+    floor_per_layer_s: float  # dispatch and combine of zero bytes: the α of every hop
+
+    @property
+    def step_s(self) -> float:
+        return self.moe_layers * (self.dispatch.time_s + self.combine.time_s)
+
+    @property
+    def latency_floor_s(self) -> float:
+        return self.moe_layers * self.floor_per_layer_s
+
+    @property
+    def latency_share(self) -> float:
+        """How much of the all-to-all time is latency: near 1 at small batch, where batching is free."""
+        return self.latency_floor_s / self.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The group's tokens per second if the all-to-alls were all a step did: a bound, ep × batch per step."""
+        return self.ep * self.batch / self.step_s
+
+    @property
+    def tokens_per_s_per_sequence(self) -> float:
+        return 1 / self.step_s
+
+    def as_dict(self) -> dict:
+        return {"ep": self.ep, "batch": self.batch, "moe_layers": self.moe_layers,
+                "dispatch": self.dispatch.as_dict(), "combine": self.combine.as_dict(),
+                "step_s": self.step_s, "latency_floor_s": self.latency_floor_s, "latency_share": self.latency_share,
+                "tokens_per_s": self.tokens_per_s, "tokens_per_s_per_sequence": self.tokens_per_s_per_sequence}
+
+
+def ep_decode(model: ModelConfig | str, batch: int, ep: int, hardware: str = "h100", dispatch_bytes: float = 2,
+              combine_bytes: float = 2) -> EPDecode:
+    """The two all-to-alls per MoE layer of a decode step on ep GPUs (`hardware`: a system of `lab.calc.network`,
+    nodes of 8 GPUs: NVLink inside, the NICs between), each GPU with `batch` sequences (see the module docstring).
+    `dispatch_bytes` / `combine_bytes`: bytes per hidden value sent (DeepSeek-V3 dispatches in FP8, 1, and combines
+    in BF16, 2: its report's §3.3, on low-precision communication). The all-to-all is `lab.calc.comms`' pairwise
+    schedule, ep − 1 messages one after the other: kernels that post every message at once over RDMA (DeepEP's
+    low-latency mode) pay fewer α."""
+    cfg = _model(model)
+    _count("batch", batch)
+    _count("ep", ep)
+    ParallelConfig(dp=ep, ep=ep).check_model(cfg)  # a mixture of experts, ep dividing n_experts
+    _positive("dispatch_bytes", dispatch_bytes)
+    _positive("combine_bytes", combine_bytes)
+    if hardware not in SYSTEMS:
+        raise ValueError(f"hardware={hardware!r} must be one of {', '.join(SYSTEMS)}")
+    values = batch * cfg.top_k * cfg.d_model  # hidden values each GPU sends out, and gets back, per MoE layer
+
+    def all_to_all(nbytes: float) -> CommCost:
+        return collective_time("all_to_all", nbytes, ep, system=hardware)
+
+    return EPDecode(ep, batch, sum(map(cfg.is_moe_layer, range(cfg.n_layers))), all_to_all(values * dispatch_bytes),
+                    all_to_all(values * combine_bytes), 2 * all_to_all(0).time_s)

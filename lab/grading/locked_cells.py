@@ -331,6 +331,10 @@ CHECKSUMS = {
         "07c0329786b40924f29851ec69f574e5686cda1a43542de941f96aab1d361065",
         "96aae2f0b86376689f9fd838be675b8e0d7505d45af3b7c3635ad9d1a6ca9ca6"
     ],
+    "10.zero3_gather_bytes": [
+        "57ebb3ac8ae7bfe7127f5c0fccfac58b5351fb4e11616dd2dda0240b97cdca58",
+        "74bce8a6382686c364cb8453041200c424ed047e2c445b01d5d2bae1eec39fd8"
+    ],
     "11.batching_step": [
         "37bbdc7b377aba8bfd00f932b84df87fca4ab4a0895570a5666bb26ac09a1d55",
         "39d5349cc3731048c385074028447e140786730ace7cc998064363c64f51d5bd"

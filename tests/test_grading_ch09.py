@@ -18,7 +18,8 @@ from grading_support import Chapter, chapter_tests
 from lab.grading.checks import ch09
 from lab.grading.sandbox import _environment
 
-EXERCISES = ("09.fused_softmax", "09.matmul_tiles", "09.flash_attention_loop", "09.rmsnorm_backward")
+EXERCISES = ("09.fused_softmax", "09.matmul_tiles", "09.flash_attention_loop", "09.rmsnorm_backward",
+             "09.launch_bound")
 
 SOFTMAX_RAGGED = "widths that are not a power of two (a masked tail), one row among them; fp32 and fp16"
 SOFTMAX_LARGE = "logits in the hundreds: no overflow"
@@ -31,6 +32,10 @@ FLASH_SHORT = "one token, and a sequence shorter than one key block"
 FLASH_CAUSAL = "causal mask, sequences of several blocks"
 RMS_DX = "dx: one row, and rows over several programs; widths not a power of two"
 RMS_DW = "dweight: the sum over every row, rows spread over several programs"
+EACH_TERM = "a block's ops on random machines: some launch-, some memory-, some compute-bound"
+TINY = "the elementwise ops of a tiny model (a few KB each): every one on the launch floor"
+FUSION = "fusing a chain into one kernel: launch-bound chains save launches, memory-bound ones bytes"
+ROOFLINE_BOUND = 'return times[bound], "memory" if times["memory"] > times["compute"] else "compute"'
 
 MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that must fail)
     "softmax_tail_padded_with_zero": (  # the issue's mutant: the tail enters the max and the sum
@@ -78,6 +83,22 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         {RMS_DX, RMS_DW}),  # the store raises (its shape does not fit), so dx is lost too: both name the line
     "rmsnorm_programs_share_one_partial": (
         "09.rmsnorm_backward", [("dw_partial_ptr + pid * n_cols + cols", "dw_partial_ptr + cols")], {RMS_DW}),
+    "launch_floor_forgotten": (  # the roofline of §2 without the floor: a tiny op takes its few nanoseconds of bytes
+        "09.launch_bound", [('times = {"launch": launch_s, "memory"', 'times = {"memory"')], {EACH_TERM, TINY, FUSION}),
+    "terms_summed_not_maxed": (
+        "09.launch_bound", [("return times[bound], bound", "return sum(times.values()), bound")],
+        {EACH_TERM, TINY, FUSION}),
+    "launch_floor_summed": (  # the floor added to the roofline's time, as if the host waited for each kernel
+        "09.launch_bound", [("return times[bound], bound",
+                             'return launch_s + max(times["memory"], times["compute"]), bound')],
+        {EACH_TERM, TINY, FUSION}),
+    "bound_named_by_the_roofline_alone": (  # the right time, but "launch" never named
+        "09.launch_bound", [("return times[bound], bound", ROOFLINE_BOUND)], {EACH_TERM, TINY}),
+    "fused_kernel_priced_as_one_launch": (  # its bytes forgotten: a memory-bound chain saves far too much
+        "09.launch_bound", [("fused_s, _ = op_time(*fused, launch_s, bandwidth, peak_flops)", "fused_s = launch_s")],
+        {FUSION}),
+    "fusion_saves_only_launches": (
+        "09.launch_bound", [("return eager - fused_s", "return (len(chain) - 1) * launch_s")], {FUSION}),
 }
 
 CHAPTER = Chapter("09_gpu_kernels.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"), isolated=True)
@@ -138,3 +159,21 @@ def test_error_ratio_rule_fails_a_kernel_far_off_and_says_where():
         ch09.expect_accurate(wrong.flatten().tolist(), baseline, reference, "softmax")
     with pytest.raises(ch09.CheckFailed, match="returned 14 values, expected 15 numbers"):
         ch09.expect_accurate(baseline.flatten().tolist()[:-1], baseline, reference, "softmax")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_launch_reference_is_lab_measure_launch(seed):
+    """ch09 keeps its own copy of the rule so that grading imports no torch: it must stay lab.measure.launch's."""
+    import random
+
+    from lab.measure import launch
+
+    rng = random.Random(seed)
+    for bound in ("launch", "memory", "compute"):
+        machine = ch09._machine(rng)
+        lab_machine = launch.Machine("drawn", *machine)
+        nbytes, flops = ch09._op(rng, bound, machine)
+        assert ch09.reference_op_time(nbytes, flops, *machine) == launch.op_time(nbytes, flops, lab_machine)
+        assert launch.op_time(nbytes, flops, lab_machine)[1] == bound
+        chain, fused = ch09._chain(rng, machine, bound)
+        assert ch09.reference_fusion_saving(chain, fused, *machine) == launch.fusion_saving(chain, fused, lab_machine)

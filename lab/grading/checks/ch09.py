@@ -1,4 +1,5 @@
-"""Chapter 09, GPU kernels. Four Triton kernels written by the student, run in Triton's interpreter on CPU tensors.
+"""Chapter 09, GPU kernels. Four Triton kernels written by the student, run in Triton's interpreter on CPU tensors,
+and the launch floor's arithmetic.
 
 Each exercise cell holds a kernel (`@triton.jit`), its launcher and a driver (`run_softmax`, ...) that draws the
 inputs from a seed in float64, rounds them to the kernel's dtype, launches the kernel and returns flat lists.
@@ -15,6 +16,9 @@ The sandbox runs kernels in the interpreter (`TRITON_INTERPRET=1` wherever trito
 `lab.grading.sandbox`), whose cost is per program instance and per block operation: the shapes are tiny and the
 launchers' blocks large, so that each check takes well under a second or two.
 
+`09.launch_bound` is plain arithmetic, checked against `reference_op_time` (`lab.measure.launch.op_time`'s rule, kept
+here so that grading imports no torch) on random machines whose terms never nearly tie.
+
 torch and `lab.kernels` are imported inside the functions: `lab.check` of other chapters loads this module
 too, and importing `lab.kernels` decides how this process runs Triton.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import random
 
-from lab.grading.checks import CheckFailed, exercise, explain
+from lab.grading.checks import CheckFailed, exercise, expect_close, explain
 from lab.grading.sandbox import CallError
 
 KERNELS = {"modules": ("lab.kernels.runtime",), "packages": ("numpy", "torch", "triton"), "memory_mb": 2048}
@@ -66,13 +70,18 @@ def expect_accurate(got, baseline, reference, what: str, hint: str | None = None
                       f"expected at most {RATIO:g}x", hint)
 
 
-def answer(what: str, fn, *args):
-    """`fn(*args)`, a driver of the exercise cell: a kernel that raised (a shape that does not broadcast, an index
-    out of range) fails the check with the call and what was due."""
+def ask(fn, call: str, expected: str, *args):
+    """`fn(*args)`, a function of the student's cell: a call that raised fails the check, saying what was due."""
     try:
         return fn(*args)
     except CallError as error:
-        raise explain(error, what, "the kernel's result (flat lists)") from None
+        raise explain(error, call, expected) from None
+
+
+def answer(what: str, fn, *args):
+    """`fn(*args)`, a driver of the exercise cell: a kernel that raised (a shape that does not broadcast, an index
+    out of range) fails the check with the call and what was due."""
+    return ask(fn, what, "the kernel's result (flat lists)", *args)
 
 
 def _whole(rng: random.Random, low: int, high: int) -> int:
@@ -301,3 +310,96 @@ def rmsnorm_dweight(student, rng):
     for rows, cols in _rmsnorm_shapes(rng):
         got, (_, dweight), (_, dweight_ref), what = _rmsnorm(student, rows, cols, rng.randrange(10**6))
         expect_accurate(got.get("dweight"), dweight, dweight_ref, f"{what}: dweight")
+
+
+# --- 09.launch_bound ------------------------------------------------------------------------------------------------
+
+LAUNCH = exercise("09.launch_bound", entry=("op_time", "fusion_saving"))
+
+
+def reference_op_time(nbytes: float, flops: float, launch_s: float, bandwidth: float,
+                      peak_flops: float) -> tuple[float, str]:
+    """`lab.measure.launch.op_time`'s rule, kept here so that grading imports no torch (a test holds the two equal):
+    the largest of the launch floor, the memory time and the compute time, and its name."""
+    times = {"launch": launch_s, "memory": nbytes / bandwidth, "compute": flops / peak_flops}
+    bound = max(times, key=times.__getitem__)
+    return times[bound], bound
+
+
+def reference_fusion_saving(chain: list[tuple[float, float]], fused: tuple[float, float], launch_s: float,
+                            bandwidth: float, peak_flops: float) -> float:
+    machine = (launch_s, bandwidth, peak_flops)
+    return (sum(reference_op_time(nbytes, flops, *machine)[0] for nbytes, flops in chain)
+            - reference_op_time(*fused, *machine)[0])
+
+
+def _machine(rng: random.Random) -> tuple[float, float, float]:
+    """(launch floor, bytes/s, FLOP/s) spanning a laptop core to a datacenter GPU: 2-20 µs, 10^10.5-10^12.7 B/s,
+    10^11-10^15.3 FLOP/s, log-uniform."""
+    return 10 ** rng.uniform(-5.7, -4.7), 10 ** rng.uniform(10.5, 12.7), 10 ** rng.uniform(11, 15.3)
+
+
+def _op(rng: random.Random, bound: str, machine: tuple[float, float, float]) -> tuple[float, float]:
+    """(bytes, flops) of an op whose `bound` term is 3-1000x the floor (or, for "launch", whose other two terms are
+    2-100x under it) and whose other terms are 2-100x smaller: no near-tie for an answer to fall on either side of."""
+    launch_s, bandwidth, peak = machine
+    top = launch_s * (10 ** rng.uniform(0.5, 3) if bound != "launch" else 1)
+    memory_s, compute_s = (top / 10 ** rng.uniform(0.3, 2) for _ in range(2))
+    memory_s, compute_s = {"memory": (top, compute_s), "compute": (memory_s, top)}.get(bound, (memory_s, compute_s))
+    return memory_s * bandwidth, compute_s * peak
+
+
+def _expect_op_time(student, nbytes: float, flops: float, machine: tuple[float, float, float]) -> None:
+    call = f"op_time({nbytes:.6g}, {flops:.6g}, {machine[0]:.6g}, {machine[1]:.6g}, {machine[2]:.6g})"
+    seconds, bound = reference_op_time(nbytes, flops, *machine)
+    got = ask(student.op_time, call, f"({seconds:.6g}, {bound!r})", nbytes, flops, *machine)
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise CheckFailed(f"{call} returned {got!r:.200}, expected a pair (seconds, bound): ({seconds:.6g}, {bound!r})")
+    expect_close(got[0], seconds, f"{call}[0] (seconds)", rel=1e-9)
+    if got[1] != bound:
+        raise CheckFailed(f"{call}[1] (bound) returned {got[1]!r:.80}, expected {bound!r}")
+
+
+@LAUNCH.check(points=1, hint="the launch, the memory traffic and the arithmetic overlap (the GPU launches the next "
+                             "kernel while this one runs, and moves bytes while it computes): an op takes the longest "
+                             "of the three, not their sum, and that one names its bound")
+def each_term_can_bound(student, rng):
+    """a block's ops on random machines: some launch-, some memory-, some compute-bound"""
+    for _ in range(3):
+        machine = _machine(rng)
+        bounds = ["launch", "memory", "compute"] * 2
+        rng.shuffle(bounds)
+        for bound in bounds:
+            _expect_op_time(student, *_op(rng, bound, machine), machine)
+
+
+@LAUNCH.check(points=1, hint="an op cannot take less than its launch floor, however few bytes it moves: "
+                             "time = max(launch_s, bytes / bandwidth, flops / peak_flops)")
+def tiny_ops_sit_on_the_floor(student, rng):
+    """the elementwise ops of a tiny model (a few KB each): every one on the launch floor"""
+    machine = _machine(rng)
+    for _ in range(4):
+        elements = rng.randrange(64, 4096)
+        _expect_op_time(student, 8.0 * elements, rng.uniform(1, 5) * elements, machine)
+
+
+def _chain(rng: random.Random, machine: tuple[float, float, float], bound: str) -> tuple[list, tuple]:
+    """An elementwise chain of 3-7 ops, each `bound`, and its fused kernel: the chain's first input read and its
+    last output written once (half to one and a half of one op's bytes), the chain's FLOPs."""
+    chain = [_op(rng, bound, machine) for _ in range(rng.randrange(3, 8))]
+    return chain, (chain[0][0] * rng.uniform(0.5, 1.5), sum(flops for _, flops in chain))
+
+
+@LAUNCH.check(points=1, hint="price both sides with op_time: the eager chain is the sum of its ops' times, each "
+                             "paying its own launch; the fused kernel is one op_time over the fused bytes and FLOPs; "
+                             "the saving is the difference")
+def fusion_saves_launches_and_bytes(student, rng):
+    """fusing a chain into one kernel: launch-bound chains save launches, memory-bound ones bytes"""
+    for bound in ("launch", "memory", "launch", "memory"):
+        machine = _machine(rng)
+        chain, fused = _chain(rng, machine, bound)
+        call = (f"fusion_saving(<{len(chain)} {bound}-bound ops>, ({fused[0]:.6g}, {fused[1]:.6g}), "
+                f"{machine[0]:.6g}, {machine[1]:.6g}, {machine[2]:.6g})")
+        expected = reference_fusion_saving(chain, fused, *machine)
+        got = ask(student.fusion_saving, call, f"{expected:.6g}", chain, fused, *machine)
+        expect_close(got, expected, call, rel=1e-9)

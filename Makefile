@@ -7,6 +7,7 @@
 #   make test-browser      only the real-browser lane (needs /usr/bin/chromium)
 #   make test-jax          only the JAX track (tests/test_jaxtrack_*.py, in processes of their own)
 #   make site              the course as web pages in site/ (open site/index.html), from the chapters `make test` ran
+#   make site-serve        make site, then serve it at http://127.0.0.1:8000/ (SITE_PORT=N): the live calculators
 #   make doctor            what this machine can run
 #   make bench-gpu         on NVIDIA GPUs: parity tests under CUDA/NCCL, MFU, bandwidth, every benchmark's GPU column
 #                          (JSON records under benchmarks/results/); one clear line and exit 2 without a GPU
@@ -24,7 +25,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || e
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 BROWSER_FLAG := $(if $(NO_BROWSER),--no-browser)
 
-.PHONY: venv course test test-fast test-jax test-notebooks test-browser site lint doctor bench-gpu record-gpu clean
+.PHONY: venv course test test-fast test-jax test-notebooks test-browser site site-serve lint doctor bench-gpu record-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -68,22 +69,31 @@ test-browser: venv
 	$(PY) -m pytest -m browser -p no:xdist $(PYTEST_ARGS)
 
 # site/ from build/executed/chapters/ (lab/site.py says in one line what is missing). The widgets' renderer
-# (@jupyter-widgets/html-manager) and MathJax come from the npm registry, unpacked once into build/site-vendor/, so
-# that the pages load nothing from a CDN.
+# (@jupyter-widgets/html-manager), MathJax and the live calculators' Python (Pyodide's core: the WebAssembly
+# interpreter, its standard library and loader; no packages) come from the npm registry, unpacked once into
+# build/site-vendor/, so that the pages load nothing from a CDN.
 HTML_MANAGER := @jupyter-widgets/html-manager@1.0.15
 MATHJAX := mathjax@3.2.2
+PYODIDE := pyodide@314.0.7
 SITE_VENDOR := build/site-vendor
+SITE_PORT ?= 8000
 
 site: venv $(SITE_VENDOR)/.installed
 	$(PY) -m lab site
 
+site-serve: site
+	$(PY) -m lab site --serve --port $(SITE_PORT)
+
 $(SITE_VENDOR)/.installed: Makefile
-	@command -v npm >/dev/null || { echo "make site: npm not found (apt-get install npm): it fetches $(HTML_MANAGER) and $(MATHJAX)"; exit 2; }
-	rm -rf $(SITE_VENDOR) && mkdir -p $(SITE_VENDOR)/html-manager $(SITE_VENDOR)/mathjax
-	cd $(SITE_VENDOR) && npm pack --silent $(HTML_MANAGER) $(MATHJAX) >/dev/null
+	@command -v npm >/dev/null || { echo "make site: npm not found (apt-get install npm): it fetches $(HTML_MANAGER), $(MATHJAX) and $(PYODIDE)"; exit 2; }
+	rm -rf $(SITE_VENDOR) && mkdir -p $(SITE_VENDOR)/html-manager $(SITE_VENDOR)/mathjax $(SITE_VENDOR)/pyodide
+	cd $(SITE_VENDOR) && npm pack --silent $(HTML_MANAGER) $(MATHJAX) $(PYODIDE) >/dev/null
 	tar xzf $(SITE_VENDOR)/jupyter-widgets-html-manager-*.tgz -C $(SITE_VENDOR)/html-manager --strip-components=2 \
 		--exclude='*.map' --exclude='*amd*' package/dist
 	tar xzf $(SITE_VENDOR)/mathjax-*.tgz -C $(SITE_VENDOR)/mathjax --strip-components=2 package/es5/tex-svg-full.js
+	tar xzf $(SITE_VENDOR)/pyodide-*.tgz -C $(SITE_VENDOR)/pyodide --strip-components=1 \
+		package/pyodide.mjs package/pyodide.asm.mjs package/pyodide.asm.wasm \
+		package/python_stdlib.zip package/pyodide-lock.json
 	rm $(SITE_VENDOR)/*.tgz
 	touch $@
 

@@ -1,6 +1,7 @@
 """`python -m lab site`: the course as a static web site, from the chapter notebooks the test suite executed.
 
     python -m lab site                 build/executed/chapters/*.ipynb -> site/   (`make site` runs this)
+    python -m lab site --serve         serve site/ at http://127.0.0.1:8000/      (`make site-serve`)
 
 Nothing is executed here: tests/test_notebooks.py saves every chapter it runs, outputs and widget state included
 (nbclient stores the state), under build/executed/chapters/. A missing or stale copy is one line and exit 2.
@@ -16,6 +17,14 @@ none of them: html-manager's standalone dist/embed.js (no require.js needed) and
 (fonts inside the one file) are copied from `--vendor`, which `make site` unpacks from the npm packages
 @jupyter-widgets/html-manager and mathjax (versions pinned in the Makefile).
 
+Live calculators: the pages named in LIVE_CALCULATORS get a `<div class="live-calc">` after the calculator's cell,
+which static/live.js fills with controls computed by `window.lab.calc` (static/lab-calc.js): `python -m lab calc`
+itself, run by Pyodide (CPython in WebAssembly, the npm package `pyodide`, unpacked by `make site` like the others)
+in a Web Worker, from static/lab-calc.zip, which `build` zips from this checkout's lab.calc, lab.config and
+lab.layout (pure Python: no torch, no numpy, no package from Pyodide's repository). Browsers refuse workers and
+WebAssembly from file://, so the live calculators need the site served over http (`--serve`); opened from disk, a
+page keeps its snapshots and says how to serve it.
+
 The site mirrors the repository, so a link between notebooks keeps working once .ipynb becomes .html:
 site/index.html (course/syllabus.md and the list of pages), site/chapters/*.html, site/exercises/*.html with
 the *.ipynb beside them to download (the released stubs of exercises/, never solutions/), site/static/.
@@ -24,10 +33,13 @@ the *.ipynb beside them to download (the released stubs of exercises/, never sol
 from __future__ import annotations
 
 import argparse
+import http.server
 import re
 import shutil
 import sys
+import zipfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import nbformat
@@ -36,6 +48,22 @@ from nbconvert import HTMLExporter
 REPO = Path(__file__).resolve().parents[1]
 EXECUTED = REPO / "build" / "executed"
 VENDOR = REPO / "build" / "site-vendor"
+STATIC = Path(__file__).parent / "site_static"  # the site's own scripts and styles, copied into site/static/
+VENDORED = ("html-manager/embed.js", "mathjax/tex-svg-full.js", "pyodide/pyodide.mjs", "pyodide/pyodide.asm.wasm",
+            "pyodide/python_stdlib.zip", "pyodide/pyodide-lock.json")
+# What `python -m lab calc` imports, zipped into static/lab-calc.zip for the page's Python
+# (tests/test_site_live_build.py checks the CLI needs nothing else, and that none of it imports torch or numpy).
+CALC_SOURCES = ("lab/__init__.py", "lab/calc/*.py", "lab/config.py", "lab/layout.py")
+SERVE_PORT = 8000
+# Live calculators: a page (its notebook) -> [(marker, name)]: after the first code cell whose source contains
+# `marker`, the page gets <div class="live-calc" data-calc="name">, which static/live.js fills from static/live/name.js.
+LIVE_CALCULATORS: dict[str, list[tuple[str, str]]] = {
+    "chapters/01_memory_and_compute.ipynb": [("memory_calculator()", "memory")],
+    "chapters/02_collectives.ipynb": [("ring_steps(", "comms")],
+    "chapters/06_pipeline_parallel.ipynb": [("pipeline_explorer()", "bubble")],
+    "chapters/08_5d_parallelism.ipynb": [("config_explorer(", "search")],
+    "chapters/11_inference.ipynb": [("inference_explorer(", "inference")],
+}
 # What `make course` serves (its default PORT); each page links its notebook there.
 LAB_URL = "http://localhost:8888/lab/tree/"
 RUN_THE_TESTS = ("run `make test`, or only the chapters: "
@@ -108,19 +136,49 @@ def _index(repo: Path, chapters: list[Page], exercises: list[Page]) -> Page:
     return Page("index.ipynb", nbformat.v4.new_notebook(cells=cells), "Ultra-Scale Lab")
 
 
+def _live_cells(pages: list[Page], live: dict[str, list[tuple[str, str]]]) -> dict[str, dict[int, list[str]]]:
+    """page source -> {index of the cell a live calculator follows: its names}; ValueError (one line) naming a page
+    that is not in the site or a marker that no code cell of its page contains."""
+    by_source = {page.source: page for page in pages}
+    cells: dict[str, dict[int, list[str]]] = {}
+    for source, entries in live.items():
+        if source not in by_source:
+            raise ValueError(f"LIVE_CALCULATORS names {source}, which is not a page of the site")
+        for marker, name in entries:
+            index = next((i for i, cell in enumerate(by_source[source].nb.cells)
+                          if cell.cell_type == "code" and marker in cell.source), None)
+            if index is None:
+                raise ValueError(f"LIVE_CALCULATORS: no code cell of {source} contains {marker!r} (the {name} "
+                                 f"calculator goes after it): fix the marker in lab/site.py")
+            cells.setdefault(source, {}).setdefault(index, []).append(name)
+    return cells
+
+
+def _calc_zip(repo: Path, target: Path) -> None:
+    """static/lab-calc.zip: the sources `python -m lab calc` runs, from `repo`, as the page's Python imports them."""
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
+        for pattern in CALC_SOURCES:
+            for path in sorted(repo.glob(pattern)):
+                archive.write(path, path.relative_to(repo).as_posix())
+
+
 def _exporter() -> HTMLExporter:
     return HTMLExporter(template_name="lab", extra_template_paths=[str(Path(__file__).parent)],
                         template_file="site.html.j2", exclude_input_prompt=True, exclude_output_prompt=True)
 
 
-def _write(exporter: HTMLExporter, page: Page, out: Path, nav: dict[str, dict | None]) -> Path:
+def _write(exporter: HTMLExporter, page: Page, out: Path, nav: dict[str, dict | None],
+           live: dict[int, list[str]] | None = None) -> Path:
     nb = nbformat.from_dict(page.nb)  # a copy: links to notebooks become links to their pages
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = _NOTEBOOK_LINK.sub(r"](\1.html", cell.source)
+    for index, names in (live or {}).items():
+        nb.cells[index].metadata["live_calc"] = names  # site.html.j2 writes the containers after the cell
     depth = page.source.count("/")
     site = {**nav, "root": "../" * depth, "source": page.source, "lab_url": LAB_URL + page.source,
-            "widgets": "widgets" in nb.metadata, "download": page.source.startswith("exercises/")}
+            "widgets": "widgets" in nb.metadata, "download": page.source.startswith("exercises/"),
+            "live": bool(live), "styles": sorted(path.name for path in STATIC.glob("*.css"))}
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": page.title}, "site": site})
     target = out / page.html
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -128,22 +186,27 @@ def _write(exporter: HTMLExporter, page: Page, out: Path, nav: dict[str, dict | 
     return target
 
 
-def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path = VENDOR) -> list[Path]:
+def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path = VENDOR,
+          live: dict[str, list[tuple[str, str]]] = LIVE_CALCULATORS) -> list[Path]:
     """Write the site into `out` (emptied first); return the pages written. ValueError (one line) when an
     input is missing."""
-    for needed in ("html-manager/embed.js", "mathjax/tex-svg-full.js"):
+    for needed in VENDORED:
         if not (vendor / needed).exists():
             raise ValueError(f"{vendor / needed} is missing: `make site` unpacks it from the npm registry")
     chapters, exercises = _executed_chapters(repo, executed), _exercises(repo)
     index = _index(repo, chapters, exercises)
+    live_cells = _live_cells(chapters + exercises, live)
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(vendor, out / "static", ignore=shutil.ignore_patterns("*.map", ".*"))
+    shutil.copytree(STATIC, out / "static", dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))
+    _calc_zip(repo, out / "static" / "lab-calc.zip")
     exporter = _exporter()
     pages = [_write(exporter, index, out, {"next": chapters[0].link})]
     for i, page in enumerate(chapters):
         before, after = chapters[i - 1] if i else None, chapters[i + 1] if i + 1 < len(chapters) else None
-        pages.append(_write(exporter, page, out, {"prev": before and before.link, "next": after and after.link}))
+        pages.append(_write(exporter, page, out, {"prev": before and before.link, "next": after and after.link},
+                            live_cells.get(page.source)))
     for page in exercises:
         chapter = next((c for c in chapters if Path(c.source).name == Path(page.source).name), None)
         pages.append(_write(exporter, page, out, {"up": chapter and chapter.link}))
@@ -151,18 +214,70 @@ def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path 
     return pages
 
 
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    """The stdlib's static file handler, with the types a browser insists on: WebAssembly.instantiateStreaming
+    wants application/wasm, and a module script (Pyodide's .mjs) a JavaScript type."""
+
+    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map,
+                      ".wasm": "application/wasm", ".mjs": "text/javascript", ".js": "text/javascript",
+                      ".json": "application/json", ".zip": "application/zip"}
+
+
+def server(root: Path, port: int = SERVE_PORT) -> http.server.ThreadingHTTPServer:
+    """An HTTP server of the files under `root` on 127.0.0.1:`port` (0: a free one), not yet serving: call
+    serve_forever(); its server_address holds the port. OSError when the port is taken."""
+    return http.server.ThreadingHTTPServer(("127.0.0.1", port), partial(_Handler, directory=str(root)))
+
+
+def serve(root: Path, port: int = SERVE_PORT) -> int:
+    """Serve the site at `root` until Ctrl-C; 2 (and one line) when there is no site or the port is taken."""
+    if not (root / "index.html").is_file():
+        print(f"python -m lab site: error: no site in {root} (no index.html): run `make site` first", file=sys.stderr)
+        return 2
+    try:
+        httpd = server(root, port)
+    except OSError as error:
+        print(f"python -m lab site: error: cannot serve on 127.0.0.1:{port} ({error.strerror}): "
+              f"pass another --port (1-65535)", file=sys.stderr)
+        return 2
+    with httpd:
+        print(f"serving {root} at http://127.0.0.1:{httpd.server_address[1]}/ (Ctrl-C stops)", flush=True)
+        try:
+            httpd.serve_forever()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"port={text!r} must be an integer in 1-65535")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lab site", description=__doc__.split("\n\n")[0])
+    parser = _OneLineParser(prog="python -m lab site", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "site", help="where to write (default site/)")
     parser.add_argument("--executed", type=Path, default=EXECUTED, help="the executed chapters' folder")
-    parser.add_argument("--vendor", type=Path, default=VENDOR, help="html-manager/ and mathjax/ (see `make site`)")
+    parser.add_argument("--vendor", type=Path, default=VENDOR,
+                        help="html-manager/, mathjax/ and pyodide/ (see `make site`)")
+    parser.add_argument("--serve", action="store_true", help="serve the site in --out over http instead of building")
+    parser.add_argument("--port", type=_port, default=SERVE_PORT, help=f"with --serve (default {SERVE_PORT})")
     args = parser.parse_args(argv)
+    if args.serve:
+        return serve(args.out, args.port)
     try:
         pages = build(args.out, executed=args.executed, vendor=args.vendor)
     except ValueError as error:
         print(f"python -m lab site: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {len(pages)} pages: open {args.out / 'index.html'}")
+    print(f"wrote {len(pages)} pages: open {args.out / 'index.html'}, or serve them with live calculators: "
+          f"`make site-serve`")
     return 0
 
 

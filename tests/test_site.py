@@ -23,6 +23,8 @@ from lab.grading.notebook import BEGIN, END
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = ["00_first", "01_memory_and_compute", "02_last"]
 EXERCISE = "exercises/01_memory_and_compute.ipynb"
+# the small course's live calculator: after the slider's cell of chapter 01
+LIVE = {"chapters/01_memory_and_compute.ipynb": [("widgets.IntSlider(", "memory")]}
 TINY = """import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
@@ -110,10 +112,14 @@ def course(tmp_path_factory: pytest.TempPathFactory, jupyter_env: dict[str, str]
         shutil.copy(REPO / folder / Path(EXERCISE).name, repo / folder)
     (repo / "course").mkdir()
     shutil.copy(REPO / "course" / "syllabus.md", repo / "course")
-    for stand_in in ("html-manager/embed.js", "mathjax/tex-svg-full.js"):
+    for stand_in in site.VENDORED:
         (vendor / stand_in).parent.mkdir(parents=True, exist_ok=True)
         (vendor / stand_in).write_text("// a stand-in\n")
-    site.build(root / "site", repo=repo, executed=executed, vendor=vendor)
+    for source in site.CALC_SOURCES:  # what static/lab-calc.zip is made of
+        for path in REPO.glob(source):
+            (repo / path.relative_to(REPO)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, repo / path.relative_to(REPO))
+    site.build(root / "site", repo=repo, executed=executed, vendor=vendor, live=LIVE)
     return root
 
 

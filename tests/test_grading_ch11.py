@@ -5,9 +5,10 @@ A mutant is the solution cell with one classic mistake — the cache written one
 to the top left (is_causal with fewer queries than keys), a shared block freed while another sequence still uses
 it, an off-by-one slot, prompts admitted before the running decodes or beyond the budget, a long prompt overtaken,
 an unnormalised residual, a bonus token drawn from the draft, the acceptance ratio upside down, the KV cache or its
-factor 2 forgotten — and only the checks that must catch it are run, to keep this file fast. The checks' references
-are lab.inference and lab.calc.inference; the two the checks build themselves (the scheduler's queues and the
-distribution test) are checked here against hand-worked cases.
+factor 2 forgotten, TTFT from admission or TPOT counting the first token — and only the checks that must catch it
+are run, to keep this file fast. The checks' references are lab.inference and lab.calc.inference; the two the
+checks build themselves (the scheduler's queues and the distribution test) are checked here against hand-worked
+cases.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from grading_support import Chapter, chapter_tests
 from lab.grading.checks import ch11
 
 EXERCISES = ("11.kv_cache_update", "11.block_allocation", "11.batching_step", "11.speculative_accept",
-             "11.decode_latency")
+             "11.decode_latency", "11.latency_slo")
 
 KV_DECODE = "a prefill, then single-token decodes: k, v written at [length, length + T), positions [0, length + T) back"
 KV_CHUNKS = "chunks of several queries at an offset (GQA): query i sees the keys up to its own absolute position"
@@ -34,6 +35,10 @@ R_DIST = "over many seeded rounds: the first token follows p, the count accepted
 L_KV = "KV bytes per token: a key and a value per KV head and layer (GQA), in bf16 and in int8"
 L_STEP = "the memory-bound decode step: weights plus every sequence's KV cache over HBM bandwidth (random model, chip)"
 L_CRIT = "the critical batch: the chip's ridge × weight bytes / 2, for bf16 and int8 weights"
+SLO_TTFT = "TTFT p90 from arrival to first token, the queue before admission included"
+SLO_TPOT = "TPOT p90: the mean gap between tokens after the first, (last - first) / (n - 1)"
+SLO_PCT = "percentiles interpolated between the closest ranks (numpy's default), on a few values and on many"
+SLO_BOTH = "SLO attainment: the share of requests within both bounds; one-token answers have no TPOT"
 
 RUNNING_LOOP = """    for seq_id, left in running:  # decodes and prefills in progress first, in admission order
         n = chunk(left)
@@ -95,6 +100,20 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         "11.decode_latency", [("model[\"n_kv_heads\"]", "model[\"n_heads\"]")], {L_KV, L_STEP}),
     "critical_batch_without_the_half": (
         "11.decode_latency", [("* weight_bytes / 2", "* weight_bytes")], {L_CRIT}),
+    "ttft_from_admission": (  # issue 39's planted slip: the queue left out of the user's wait
+        "11.latency_slo", [('ttft = [r["tokens"][0] - r["arrival"]', 'ttft = [r["tokens"][0] - r["admitted"]')],
+        {SLO_TTFT}),
+    "first_token_in_tpot": (  # E2E / n: the prefill's wait counted as a decode gap
+        "11.latency_slo", [('(r["tokens"][-1] - r["tokens"][0]) / (len(r["tokens"]) - 1)',
+                            '(r["tokens"][-1] - r["arrival"]) / len(r["tokens"])')], {SLO_TPOT}),
+    "nearest_rank_percentile": (
+        "11.latency_slo", [("return ordered[low] + (rank - low) * (ordered[high] - ordered[low])",
+                            "return ordered[round(rank)]")], {SLO_PCT}),
+    "ttft_bound_only": (
+        "11.latency_slo", [("met = [t <= ttft_slo and (p is None or p <= tpot_slo)", "met = [t <= ttft_slo")],
+        {SLO_BOTH}),
+    "one_token_tpot_zero": (  # a one-token answer given TPOT 0 drags the percentile down
+        "11.latency_slo", [('if len(r["tokens"]) > 1 else None', 'if len(r["tokens"]) > 1 else 0.0')], {SLO_BOTH}),
 }
 
 CHAPTER = Chapter("11_inference.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))

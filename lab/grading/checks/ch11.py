@@ -1,5 +1,5 @@
 """Chapter 11, inference. The KV-cache update, paged blocks with reference counts, one step of continuous batching,
-the speculative acceptance rule, and the latency bound of a decode step.
+the speculative acceptance rule, the latency bound of a decode step, and latency percentiles against an SLO.
 
 Every answer is compared with the chapter's own implementation, run here on the same inputs:
 
@@ -15,10 +15,12 @@ Every answer is compared with the chapter's own implementation, run here on the 
   token must follow the target's distribution, the number accepted the closed form Σ min(p, q) per position, the
   bonus token the target's last row (a z-score per token, `expect_distribution`);
 * the decode step's bound and the critical batch with `lab.calc.inference` on a random dense model and a random
-  chip, so that no published number can be typed in.
+  chip, so that no published number can be typed in;
+* TTFT / TPOT percentiles and SLO attainment with `lab.inference.latency` on random server logs (Poisson arrivals,
+  queues before admission, stalls, one-token answers).
 
-torch and `lab.inference` (which imports torch) are imported inside the functions: `lab.check` of other chapters
-loads this module too.
+torch and `lab.inference`'s engine modules (which import torch) are imported inside the functions: `lab.check` of
+other chapters loads this module too. `lab.inference.latency` imports no torch.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from lab.grading.checks import (
     preview,
 )
 from lab.grading.sandbox import CallError
+from lab.inference.latency import RequestTimes, percentile, slo_attainment
 
 # --- 11.kv_cache_update ----------------------------------------------------------------------------------------
 
@@ -515,3 +518,85 @@ def latency_critical_batch(student, rng):
                                                                "per sequence")] if weight_bytes == 2 else
                      [Mistake(2.0, "weight bytes left out", "fewer bytes per weight means more FLOPs per byte "
                                                             "read: B_crit scales with weight_bytes")])
+
+
+# --- 11.latency_slo --------------------------------------------------------------------------------------------
+
+SLO = exercise("11.latency_slo", entry=("percentile", "latency_report"))
+
+
+def timeline(rng: random.Random, count: int, one_token_share: float = 0.0) -> list[dict]:
+    """A server's log of `count` requests: Poisson arrivals, a queue before admission (none for some), a prefill,
+    then decode gaps with now and then a stall (a decode that waited behind another request's prefill); a share of
+    one-token answers."""
+    now, log = 0.0, []
+    for _ in range(count):
+        now += rng.expovariate(20.0)
+        admitted = now + (rng.uniform(0.01, 0.4) if rng.random() < 0.7 else 0.0)
+        tokens = [admitted + rng.uniform(0.02, 0.3)]
+        for _ in range(0 if rng.random() < one_token_share else rng.randrange(1, 12)):
+            tokens.append(tokens[-1] + rng.uniform(0.01, 0.03) + (rng.uniform(0.1, 0.3) if rng.random() < 0.1 else 0))
+        log.append({"arrival": round(now, 6), "admitted": round(admitted, 6), "tokens": [round(t, 6) for t in tokens]})
+    return log
+
+
+def reference_report(log: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
+    """lab.inference.latency on the log: TTFT and TPOT p90 (one-token requests have no TPOT), SLO attainment."""
+    requests = [RequestTimes(r["arrival"], r["admitted"], list(r["tokens"])) for r in log]
+    tpots = [r.tpot for r in requests if r.tpot is not None]
+    return {"ttft_p90": percentile([r.ttft for r in requests], 90), "tpot_p90": percentile(tpots, 90),
+            "attainment": slo_attainment(requests, ttft_slo, tpot_slo)}
+
+
+def _slos(rng: random.Random, log: list[dict]) -> tuple[float, float]:
+    """An SLO that some requests meet and some miss: bounds between the 40th and 80th percentiles of the log."""
+    ref = [RequestTimes(r["arrival"], r["admitted"], list(r["tokens"])) for r in log]
+    tpots = [r.tpot for r in ref if r.tpot is not None]
+    return (round(percentile([r.ttft for r in ref], rng.uniform(40, 80)), 4),
+            round(percentile(tpots, rng.uniform(40, 80)), 4))
+
+
+def _expect_report(student, log: list[dict], keys: tuple[str, ...], what: str, rng: random.Random) -> None:
+    ttft_slo, tpot_slo = _slos(rng, log)
+    call = f"latency_report(<{len(log)} requests: {what}>, ttft_slo={ttft_slo}, tpot_slo={tpot_slo})"
+    expected = reference_report(log, ttft_slo, tpot_slo)
+    got = driver(call, f"a dict with {', '.join(keys)}", student.latency_report, log, ttft_slo, tpot_slo)
+    for key in keys:
+        expect_close(got.get(key) if isinstance(got, dict) else None, expected[key], f"{call}[{key!r}]", rel=1e-6)
+
+
+@SLO.check(points=1, hint="a user waits from the moment the request arrives, queue included: TTFT = first token - "
+                          "arrival, not first token - admission")
+def slo_ttft_from_arrival(student, rng):
+    """TTFT p90 from arrival to first token, the queue before admission included"""
+    for count in (rng.randrange(10, 30), rng.randrange(40, 80)):
+        _expect_report(student, timeline(rng, count), ("ttft_p90",), "queued, then served", rng)
+
+
+@SLO.check(points=1, hint="TPOT is the pace after the first token: (last - first) / (n - 1), the mean of the n - 1 "
+                          "gaps; the first token belongs to TTFT")
+def slo_tpot_after_first(student, rng):
+    """TPOT p90: the mean gap between tokens after the first, (last - first) / (n - 1)"""
+    for count in (rng.randrange(10, 30), rng.randrange(40, 80)):
+        _expect_report(student, timeline(rng, count), ("tpot_p90",), "two tokens or more each", rng)
+
+
+@SLO.check(points=1, hint="interpolate between the two closest ranks: rank = q / 100 · (n - 1) of the sorted values, "
+                          "as numpy.percentile does by default")
+def slo_percentile(student, rng):
+    """percentiles interpolated between the closest ranks (numpy's default), on a few values and on many"""
+    for count in (rng.randrange(3, 8), rng.randrange(3, 8), rng.randrange(20, 60)):
+        values = [round(rng.uniform(0, 1), 6) for _ in range(count)]
+        for q in (50, 90, rng.choice((25, 75, 99))):
+            call = f"percentile({preview(values)}, {q})"
+            expect_close(_call(call, student.percentile, values, q), percentile(values, q), call, rel=1e-9)
+
+
+@SLO.check(points=1, hint="a request attains the SLO when its own TTFT and its own TPOT are both within bounds; a "
+                          "one-token answer has no TPOT: it is left out of the TPOT percentile and cannot miss that "
+                          "bound")
+def slo_attainment_both(student, rng):
+    """SLO attainment: the share of requests within both bounds; one-token answers have no TPOT"""
+    for count in (rng.randrange(10, 30), rng.randrange(40, 80)):
+        _expect_report(student, timeline(rng, count, one_token_share=0.3), ("tpot_p90", "attainment"),
+                       "some of one token", rng)

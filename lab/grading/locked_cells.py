@@ -355,6 +355,10 @@ CHECKSUMS = {
         "cfa6b0349452c7359b109eebffda9658e45320cbb4ccbf1cebf1599f89adfb06",
         "f204f983d37a4043b7f1c49d5f011390a37451ba19ab14551db70d4a7c80a1db"
     ],
+    "11.latency_slo": [
+        "17e6716b8ab343bf791ed9dd758ec3bd7c65ad4ddb6130d95b851249586c37f1",
+        "5f8da7705fc27b38d0cb848f1935a54cc254119f688fe9c8790b316afa48bdef"
+    ],
     "11.speculative_accept": [
         "1d351c18cd2101a38590560b316afa82d6a0e74943b955bfe7cb94b71922a3cd",
         "4abd2b526d078d0efaefeba1fd109a291279ebd76e9a7e20b52407d1762661c0"

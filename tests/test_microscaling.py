@@ -3,6 +3,7 @@ grids of lab.calc.formats rounded ties-to-even, ragged blocks, and what each for
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -72,6 +73,18 @@ def test_the_mx_scale_is_two_to_floor_log2_amax_minus_emax(fmt, block_amax, scal
     q = quantize(x, fmt)
     assert q.scales.tolist() == [scale]
     assert float(mx_scales(torch.tensor(block_amax), BLOCK_FORMATS[fmt].element)) == scale
+
+
+def test_a_rounded_up_scale_never_clips():
+    """round_up: X = 2^ceil(log2(amax / max)), so 7.9 gets X = 2 in MXFP4 (no saturation), 6 and 448 keep X = 1."""
+    amaxes = torch.tensor([6.0, 7.9, 3.0, 0.0])
+    assert mx_scales(amaxes, "e2m1", round_up=True).tolist() == [1.0, 2.0, 0.5, 2.0**-127]
+    assert mx_scales(torch.tensor([448.0, 449.0]), "e4m3fn", round_up=True).tolist() == [1.0, 2.0]
+    up = dataclasses.replace(BLOCK_FORMATS["mxfp8_e4m3"], round_up=True)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+    q = quantize(x, up)
+    assert float(q.elements.abs().max()) <= 448
+    assert sqnr(x, dequantize(q)) > sqnr(x, quantize_dequantize(x, "mxfp8_e4m3"))
 
 
 def test_mx_scales_are_e8m0_powers_of_two(with_outliers):

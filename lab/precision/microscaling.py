@@ -9,7 +9,11 @@ along the GEMM's contraction axis K shares one small scale, and the hardware app
   or FP4 (E2M1). The scale of a block is the spec's §6.3 ("Conversion from vector of scalars"):
   X = 2^(floor(log2(amax)) - emax_elem), emax_elem being the exponent of the element format's largest normal
   value, so the block's amax lands in the element format's top binade; each V/X is then rounded to the element
-  grid, and what lands past the element's max (up to 2× it: X rounded the scale *down*) saturates to ±max.
+  grid, and what lands past the element's max (up to 2× it: X rounded the scale *down*) saturates to ±max. With
+  `round_up=True` the scale is instead the power of two at or above amax / max, X = 2^ceil(log2(amax / max)),
+  which never clips and costs the block's small values up to one binade: the rounding NVIDIA's MXFP8 training
+  recipe uses (Mishra et al., "Recipes for Pre-training LLMs with MXFP8", arXiv 2506.08027) and torchao calls
+  RCEIL.
 * NVFP4 (NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149, §2 "Background" on the NVFP4
   format; the Transformer Engine docs, "Using FP8 and FP4 with Transformer Engine"): E2M1 elements, 16 per block,
   each block scaled by an E4M3 number — 3 mantissa bits, so a block's amax lands within 1/8 of 6 instead of
@@ -39,13 +43,15 @@ E8M0_EXPONENTS = (-127, 127)  # the powers of two an E8M0 scale can hold (0xFF i
 @dataclass(frozen=True)
 class BlockFormat:
     """A block-scaled format: `element` and `scale` are names in `lab.calc.formats.FORMATS`; `block` values
-    share one scale; `tensor_scale` adds NVFP4's float32 scale per tensor."""
+    share one scale; `tensor_scale` adds NVFP4's float32 scale per tensor; `round_up` rounds an MX scale up
+    instead of the spec's floor (`mx_scales`)."""
 
     name: str
     element: str
     block: int
     scale: str
     tensor_scale: bool = False
+    round_up: bool = False
 
     @property
     def element_format(self) -> Format:
@@ -111,12 +117,18 @@ def _per_element(scales: torch.Tensor, block: int, length: int) -> torch.Tensor:
     return scales.repeat_interleave(block, dim=-1)[..., :length]
 
 
-def mx_scales(block_amax: torch.Tensor, element: str | Format) -> torch.Tensor:
-    """MX's shared scale per block (OCP MX v1.0 §6.3): X = 2^(floor(log2 amax) - emax_elem), clamped to
-    E8M0's 2^-127..2^127. An all-zero block gets 2^-127 (any scale stores zeros exactly)."""
+def mx_scales(block_amax: torch.Tensor, element: str | Format, round_up: bool = False) -> torch.Tensor:
+    """MX's shared scale per block (OCP MX v1.0 §6.3): X = 2^(floor(log2 amax) - emax_elem), or with `round_up`
+    2^ceil(log2(amax / max_elem)); clamped to E8M0's 2^-127..2^127. An all-zero block gets 2^-127 (any scale
+    stores zeros exactly)."""
     fmt = get_format(element)
-    _, exponent = torch.frexp(block_amax.float())
-    shared = (exponent - 1 - fmt.emax).clamp(*E8M0_EXPONENTS)
+    if round_up:
+        mantissa, exponent = torch.frexp(block_amax.double() / fmt.max)  # amax / max = mantissa · 2^exponent
+        shared = exponent - (mantissa.abs() == 0.5).int()              # ceil(log2): exact powers of two stay
+    else:
+        _, exponent = torch.frexp(block_amax.float())
+        shared = exponent - 1 - fmt.emax
+    shared = shared.clamp(*E8M0_EXPONENTS)
     shared = torch.where(block_amax > 0, shared, torch.full_like(shared, E8M0_EXPONENTS[0]))
     return torch.ldexp(torch.ones_like(block_amax, dtype=torch.float64), shared.double())
 
@@ -141,7 +153,7 @@ def quantize(x: torch.Tensor, fmt: str | BlockFormat) -> BlockQuantized:
         scales = round_to_grid((block_amax.double() / top / tensor_scale).float(), fmt.scale).double()
         tensor_scale = tensor_scale.float()
     else:
-        scales = mx_scales(block_amax, fmt.element)
+        scales = mx_scales(block_amax, fmt.element, fmt.round_up)
     divisor = _per_element(scales, fmt.block, x.shape[-1]) * (tensor_scale if tensor_scale is not None else 1.0)
     scaled = torch.where(divisor > 0, x.double() / divisor, torch.zeros_like(divisor))  # an E4M3 scale can be 0
     return BlockQuantized(fmt, round_to_grid(scaled.float(), fmt.element), scales.float(), tensor_scale)

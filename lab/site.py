@@ -52,14 +52,14 @@ STATIC = Path(__file__).parent / "site_static"  # the site's own scripts and sty
 VENDORED = ("html-manager/embed.js", "mathjax/tex-svg-full.js", "pyodide/pyodide.mjs", "pyodide/pyodide.asm.wasm",
             "pyodide/python_stdlib.zip", "pyodide/pyodide-lock.json")
 # What `python -m lab calc` imports, zipped into static/lab-calc.zip for the page's Python
-# (tests/test_site_live_build.py checks the CLI needs nothing else, and that none of it imports torch or numpy).
+# (tests/test_site.py checks the CLI needs nothing else, and that none of it imports torch or numpy).
 CALC_SOURCES = ("lab/__init__.py", "lab/calc/*.py", "lab/config.py", "lab/layout.py")
 SERVE_PORT = 8000
 # Live calculators: a page (its notebook) -> [(marker, name)]: after the first code cell whose source contains
 # `marker`, the page gets <div class="live-calc" data-calc="name">, which static/live.js fills from static/live/name.js.
 LIVE_CALCULATORS: dict[str, list[tuple[str, str]]] = {
     "chapters/01_memory_and_compute.ipynb": [("memory_calculator()", "memory")],
-    "chapters/02_collectives.ipynb": [("ring_steps(", "comms")],
+    "chapters/02_collectives.ipynb": [('system="h100", algorithm=algorithm)', "comms")],  # section 5's costs
     "chapters/06_pipeline_parallel.ipynb": [("pipeline_explorer()", "bubble")],
     "chapters/08_5d_parallelism.ipynb": [("config_explorer(", "search")],
     "chapters/11_inference.ipynb": [("inference_explorer(", "inference")],
@@ -187,15 +187,15 @@ def _write(exporter: HTMLExporter, page: Page, out: Path, nav: dict[str, dict | 
 
 
 def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path = VENDOR,
-          live: dict[str, list[tuple[str, str]]] = LIVE_CALCULATORS) -> list[Path]:
+          live: dict[str, list[tuple[str, str]]] | None = None) -> list[Path]:
     """Write the site into `out` (emptied first); return the pages written. ValueError (one line) when an
-    input is missing."""
+    input is missing. `live` maps pages to their live calculators (default LIVE_CALCULATORS)."""
     for needed in VENDORED:
         if not (vendor / needed).exists():
             raise ValueError(f"{vendor / needed} is missing: `make site` unpacks it from the npm registry")
     chapters, exercises = _executed_chapters(repo, executed), _exercises(repo)
     index = _index(repo, chapters, exercises)
-    live_cells = _live_cells(chapters + exercises, live)
+    live_cells = _live_cells(chapters + exercises, LIVE_CALCULATORS if live is None else live)
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(vendor, out / "static", ignore=shutil.ignore_patterns("*.map", ".*"))

@@ -59,7 +59,7 @@ SERVE_PORT = 8000
 # `marker`, the page gets <div class="live-calc" data-calc="name">, which static/live.js fills from static/live/name.js.
 LIVE_CALCULATORS: dict[str, list[tuple[str, str]]] = {
     "chapters/01_memory_and_compute.ipynb": [("memory_calculator()", "memory")],
-    "chapters/02_collectives.ipynb": [('system="h100", algorithm=algorithm)', "comms")],  # section 5's costs
+    "chapters/02_collectives.ipynb": [("ring_steps(", "comms")],
     "chapters/06_pipeline_parallel.ipynb": [("pipeline_explorer()", "bubble")],
     "chapters/08_5d_parallelism.ipynb": [("config_explorer(", "search")],
     "chapters/11_inference.ipynb": [("inference_explorer(", "inference")],

@@ -18,7 +18,7 @@ What the top exponent field holds is each format's choice. IEEE formats (fp32, t
 to the infinities (M = 0) and NaNs (M != 0). e4m3fn ("fn": finite, NaN) keeps only S.1111.111 as NaN and uses
 the rest as ordinary values, which lifts its max from 240 to 448 (Micikevicius et al. 2022, "FP8 Formats for
 Deep Learning", Table 1). e8m0's whole top field is its one NaN, and its field 0 is the ordinary value 2^-127.
-The FP6 and FP4 element formats of the OCP Microscaling Formats (MX) v1.0 specification (§5.3, "Element data
+The FP6 and FP4 element formats of the OCP Microscaling Formats (MX) v1.0 specification (its section "Element data
 types") have no special values at all: every pattern is a number, and a conversion past ±max saturates (there is
 nothing to overflow to). `lab.precision.microscaling` rounds torch tensors onto these grids.
 
@@ -132,7 +132,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("e5m2", 5, 2, 15, torch_dtype="float8_e5m2"),
     Format("e8m0", 8, 0, 127, signed=False, has_inf=False, nan="all_ones", has_subnormals=False,
            torch_dtype="float8_e8m0fnu"),
-    # MX elements (OCP MX v1.0 §5.3): torch has no unpacked dtype for them (float4_e2m1fn_x2 packs two per byte)
+    # MX elements (OCP MX v1.0's element data types): torch has no unpacked dtype for them (float4_e2m1fn_x2
+    # packs two per byte)
     Format("e2m3", 2, 3, 1, has_inf=False, nan="none"),
     Format("e3m2", 3, 2, 3, has_inf=False, nan="none"),
     Format("e2m1", 2, 1, 1, has_inf=False, nan="none"),
@@ -196,7 +197,8 @@ def encode(value: float, fmt: str | Format, saturate: bool = False) -> Encoding:
     fmt, x = get_format(fmt), _real(value)
     if fmt.nan == "none":
         if math.isnan(x):
-            raise ValueError(f"value={x!r} has no {fmt.name} encoding: {fmt.name} has no NaN (OCP MX v1.0 §5.3)")
+            raise ValueError(f"value={x!r} has no {fmt.name} encoding: {fmt.name} has no NaN (OCP MX v1.0's "
+                             "element data types)")
         saturate = True
     if x < 0 and not fmt.signed:
         raise ValueError(f"value={x!r} has no {fmt.name} encoding: {fmt.name} is unsigned (a scale), values "

@@ -4,9 +4,9 @@ FP8's recipes (`lab.precision.fp8`) keep one float32 scale per tensor, row or 1�
 Blackwell's tensor cores take the scales as part of the operand format instead: a *block* of consecutive values
 along the GEMM's contraction axis K shares one small scale, and the hardware applies it inside the GEMM.
 
-* MX (OCP Microscaling Formats v1.0, §5 "Microscaling (MX)", Table 1): 32 elements share one E8M0 scale, a bare
-  power of two 2^-127..2^127 (8 bits, no sign, no mantissa). The elements are FP8 (E4M3, E5M2), FP6 (E2M3, E3M2)
-  or FP4 (E2M1). The scale of a block is the spec's §6.3 ("Conversion from vector of scalars"):
+* MX (OCP Microscaling Formats v1.0, its table of concrete MX-compliant formats): 32 elements share one E8M0
+  scale, a bare power of two 2^-127..2^127 (8 bits, no sign, no mantissa). The elements are FP8 (E4M3, E5M2),
+  FP6 (E2M3, E3M2) or FP4 (E2M1). The scale of a block is the spec's §6.3, its recommended conversion:
   X = 2^(floor(log2(amax)) - emax_elem), emax_elem being the exponent of the element format's largest normal
   value, so the block's amax lands in the element format's top binade; each V/X is then rounded to the element
   grid, and what lands past the element's max (up to 2× it: X rounded the scale *down*) saturates to ±max. With
@@ -14,9 +14,9 @@ along the GEMM's contraction axis K shares one small scale, and the hardware app
   which never clips and costs the block's small values up to one binade: the rounding NVIDIA's MXFP8 training
   recipe uses (Mishra et al., "Recipes for Pre-training LLMs with MXFP8", arXiv 2506.08027) and torchao calls
   RCEIL.
-* NVFP4 (NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149, §2 "Background" on the NVFP4
-  format; the Transformer Engine docs, "Using FP8 and FP4 with Transformer Engine"): E2M1 elements, 16 per block,
-  each block scaled by an E4M3 number — 3 mantissa bits, so a block's amax lands within 1/8 of 6 instead of
+* NVFP4 (NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149, its section on the
+  NVFP4 format; the Transformer Engine docs, "Using FP8 and FP4 with Transformer Engine"): E2M1 elements, 16 per
+  block, each block scaled by an E4M3 number — 3 mantissa bits, so a block's amax lands within 1/8 of 6 instead of
   anywhere in a factor of two — and one float32 scale per tensor, which moves the whole tensor into E4M3's range
   for the block scales: s_tensor = amax_tensor / (448 · 6).
 

@@ -75,10 +75,15 @@ def _on_ranks(dtype_name: str) -> dict:
                                                                                             strict=True))}
 
 
+def _both() -> tuple[dict, dict]:
+    return _on_ranks("float32"), _on_ranks("bfloat16")
+
+
 @functools.cache
 def fp8_runs() -> tuple[list[dict], list[dict]]:
-    """(fp32 model with FP8 gathers, bf16 model with exact gathers), each on WORLD ranks: one launch each."""
-    return run(_on_ranks, WORLD, "float32"), run(_on_ranks, WORLD, "bfloat16")
+    """(fp32 model with FP8 gathers, bf16 model with exact gathers), per rank, from one launch of WORLD ranks."""
+    per_rank = run(_both, WORLD)
+    return [fp8 for fp8, _ in per_rank], [bf16 for _, bf16 in per_rank]
 
 
 @functools.cache

@@ -10,6 +10,7 @@
     python -m lab.train --config configs/tiny.toml --nproc 3 --set train.global_batch=6 --sdc-check 1 \
         --inject-failure rank=1,step=3,kind=bitflip                 # caught: rank 1 and the parameter named
     python -m lab.train --config configs/tiny.toml --nproc 4 --tp 2 --precision fp8-tilewise  # lab.precision
+    python -m lab.train --config configs/tiny.toml --nproc 2 --zero 3 --fp8-all-gather  # ZeRO-3 gathers in e4m3
 
 On a CPU it starts `--nproc` gloo ranks through `lab.distributed.run`; under `torchrun` it joins the launched
 group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,

@@ -438,3 +438,19 @@ def ep_decode(model: ModelConfig | str, batch: int, ep: int, hardware: str = "h1
 
     return EPDecode(ep, batch, sum(map(cfg.is_moe_layer, range(cfg.n_layers))), all_to_all(values * dispatch_bytes),
                     all_to_all(values * combine_bytes), 2 * all_to_all(0).time_s)
+
+
+COUNT_BYTES = 8  # an int64 count of rows per expert
+
+
+def ep_counts_exchange(model: ModelConfig | str, ep: int, hardware: str = "h100") -> CommCost:
+    """The all-to-all of routing counts that comes before each MoE layer's dispatch in an implementation sizing its
+    receive buffers exactly (`lab.parallel.ep`: n_experts int64 counts a GPU): a third all-to-all per MoE layer,
+    almost all latency, that `ep_decode` leaves out — DeepEP's low-latency kernels send into buffers sized for the
+    worst case instead and skip it."""
+    cfg = _model(model)
+    _count("ep", ep)
+    ParallelConfig(dp=ep, ep=ep).check_model(cfg)
+    if hardware not in SYSTEMS:
+        raise ValueError(f"hardware={hardware!r} must be one of {', '.join(SYSTEMS)}")
+    return collective_time("all_to_all", cfg.n_experts * COUNT_BYTES, ep, system=hardware)

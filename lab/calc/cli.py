@@ -7,6 +7,7 @@
     python -m lab calc bubble --pp-schedule interleaved --pp 8 --grad-accum 32 --pp-chunks 2 --tf 1 --tb 2
     python -m lab calc search --model llama3-70b --gpus 256 --gpus-per-node 8 --hardware h100 --seq 8192 --gbs-tokens 4M
     python -m lab calc inference --model llama3-70b --hardware h100 --tp 8 --seq 8192 --batch 32 --kv-dtype int8
+    python -m lab calc inference --model deepseek-v3 --hardware h100 --batch 16 --ep 32
 
 One vocabulary with `python -m lab train`: a concept has one flag name in every command (`VOCABULARY`).
 Invalid values print one line naming the field, the value and what is allowed, and exit with status 2.
@@ -44,7 +45,8 @@ VOCABULARY = {
     "--mbs": ("train", "memory", "flops", "search"),
     "--dp": ("train", "memory", "flops", "search"), "--tp": ("train", "memory", "flops", "search", "inference"),
     "--cp": ("train", "memory", "flops", "search"), "--pp": ("train", "memory", "flops", "bubble", "search"),
-    "--ep": ("train", "memory", "search"), "--zero": ("train", "memory", "search"), "--sp": ("train", "memory"),
+    "--ep": ("train", "memory", "search", "inference"), "--zero": ("train", "memory", "search"),
+    "--sp": ("train", "memory"),
     "--grad-accum": ("train", "memory", "flops", "bubble", "search"),
     "--pp-schedule": ("train", "memory", "bubble", "search"),
     "--pp-chunks": ("train", "memory", "bubble", "search"),
@@ -271,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak prefill reaches (default 0.4)")
     serve.add_argument("--comms", action="store_true",
                        help="add TP's all-reduces (2 per layer, alpha-beta over NVLink) to the decode step")
+    serve.add_argument("--ep", type=int, default=None,
+                       help="a mixture of experts only: its experts over EP GPUs, each decoding --batch sequences; "
+                            "adds the all-to-alls of a decode step (dispatch and combine per MoE layer, their "
+                            "latency floor; lab.calc.inference.ep_decode)")
     serve.add_argument("--json", action="store_true")
     return parser
 
@@ -499,6 +505,10 @@ def _inference(cfg: ModelConfig, args: argparse.Namespace) -> int:
     plan = inference.serving_plan(cfg, args.hardware, args.tp, args.seq, args.batch,
                                   inference.STORAGE_BYTES[args.kv_dtype], inference.STORAGE_BYTES[args.weight_dtype],
                                   args.precision, args.mfu, comms=args.comms)
+    if args.ep is not None:
+        ep = inference.ep_decode(cfg, args.batch, args.ep, args.hardware)
+        plan = {**plan, "ep_decode": ep.as_dict(),
+                "ep_counts_exchange": inference.ep_counts_exchange(cfg, args.ep, args.hardware).as_dict()}
     if args.json:
         print(json.dumps(plan))
         return 0
@@ -518,6 +528,11 @@ def _inference(cfg: ModelConfig, args: argparse.Namespace) -> int:
             ("critical batch", f"{plan['critical_batch']:,.0f} sequences (compute-bound above)"),
             ("tokens/s", f"{plan['tokens_per_s']:,.0f} ({plan['tokens_per_s_per_chip']:,.0f} per chip)"),
             ("prefill of one sequence", f"{plan['prefill_s'] * 1e3:,.1f} ms at {args.mfu:.0%} MFU")]
+    if args.ep is not None:
+        rows += [(f"EP{ep.ep} all-to-alls", f"{ep.step_s * 1e3:,.2f} ms a decode step: 2 x {ep.moe_layers} MoE layers "
+                                          f"of {ep.dispatch.bytes / 1e3:,.1f} kB a GPU"),
+                 ("  their latency floor", f"{ep.latency_floor_s * 1e3:,.2f} ms ({ep.latency_share:.0%} of them)"),
+                 ("  tokens/s they allow", f"{ep.tokens_per_s:,.0f} ({ep.tokens_per_s_per_sequence:,.0f} a sequence)")]
     for name, value in rows:
         print(f"  {name:<24} {value}")
     return 0

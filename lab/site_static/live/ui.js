@@ -120,12 +120,13 @@ function oneLine(error) {
 }
 
 /** argv for `python -m lab calc`: [sub, "--flag", value, ...] from pairs; a false or null value leaves its flag out,
- * true writes the flag alone. */
+ * true writes the flag alone. An emptied field stays in ("--pp", ""): the CLI says what it needs, rather than
+ * computing its own default unasked. */
 export function argv(sub, pairs) {
   const out = [sub];
   for (const [flag, value] of pairs) {
     if (value === true) out.push(flag);
-    else if (value !== false && value !== null && value !== undefined && value !== "") out.push(flag, String(value));
+    else if (value !== false && value !== null && value !== undefined) out.push(flag, String(value));
   }
   return out;
 }

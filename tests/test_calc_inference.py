@@ -16,6 +16,7 @@ from lab.calc.hardware import HARDWARE, Accelerator
 from lab.calc.inference import (
     critical_batch,
     decode_step,
+    ep_counts_exchange,
     ep_decode,
     forward_flops_per_token,
     inference_roofline,
@@ -339,6 +340,35 @@ def test_cli_bad_values_exit_2_with_one_line(capsys, argv, message):
     assert err.startswith("python -m lab calc inference: error: ")
 
 
+EP_ARGV = ["inference", "--model", "deepseek-v3", "--hardware", "h100", "--batch", "16", "--ep", "32"]
+
+
+def test_cli_ep_adds_the_expert_parallel_decode_and_keeps_every_other_key(capsys):
+    assert main([*EP_ARGV, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = json.loads(json.dumps(serving_plan("deepseek-v3", "h100", 1, 4096, 16)))
+    assert {k: v for k, v in data.items() if k not in ("ep_decode", "ep_counts_exchange")} == plan
+    assert data["ep_decode"] == json.loads(json.dumps(ep_decode("deepseek-v3", 16, 32).as_dict()))
+    assert data["ep_counts_exchange"] == json.loads(json.dumps(ep_counts_exchange("deepseek-v3", 32).as_dict()))
+    assert main(EP_ARGV) == 0
+    out = capsys.readouterr().out
+    step = ep_decode("deepseek-v3", 16, 32)
+    for label in (f"EP32 all-to-alls         {step.step_s * 1e3:,.2f} ms a decode step: 2 x 58 MoE layers",
+                  f"their latency floor    {step.latency_floor_s * 1e3:,.2f} ms", "tokens/s they allow"):
+        assert label in out, label
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama3-8b"], "ep=32 needs a mixture-of-experts model"),
+    (["--ep", "3"], "ep=3 must divide n_experts=256"),
+    (["--hardware", "tpu-v5e"], "hardware='tpu-v5e' must be one of"),
+])
+def test_cli_ep_bad_values_exit_2_with_one_line(capsys, argv, message):
+    assert main([*EP_ARGV, *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
 def test_ep_decode_all_to_alls_by_hand():
     """DeepSeek-V3 (d_model 7168, top-8, 58 MoE layers after 3 dense ones) on DGX H100s. EP8 inside a node, one
     sequence per GPU: each all-to-all carries 8 × 7168 × 2 = 114,688 bytes a GPU, 7/8 of it over NVLink (450 GB/s)
@@ -382,3 +412,14 @@ def test_ep_decode_latency_floor_dominates_at_small_batch(ep):
 def test_ep_decode_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_ep_counts_exchange_is_one_more_floor_of_a_few_bytes():
+    """lab.parallel.ep sends n_experts int64 counts before each dispatch: DeepSeek-V3's 256 × 8 = 2 kB at EP8,
+    7 pairwise steps of 3 µs inside a node — a third of a layer's latency floor again."""
+    counts = ep_counts_exchange("deepseek-v3", 8)
+    assert counts.bytes == 256 * 8 == 2048
+    assert counts.time_s == pytest.approx(7 * 3e-6 + 7 / 8 * 2048 / 450e9)
+    assert counts.time_s == pytest.approx(ep_decode("deepseek-v3", 1, 8).floor_per_layer_s / 2, rel=1e-3)
+    with pytest.raises(ValueError, match="ep=3 must divide n_experts=256"):
+        ep_counts_exchange("deepseek-v3", 3)

@@ -5,8 +5,10 @@ A mutant is the solution cell with one classic mistake — the scale inverted (a
 cast, no guard for an all-zero tensor, a loss scale that backs off when it should grow or a growth tracker that is
 not reset, delayed scaling from the current amax or from a history that never forgets, tile amaxes over the wrong
 axis or over whole rows, a ragged last tile dropped, ZeRO-3's gathers counted once per micro-batch or
-without their FP8 scales — and only the checks that must catch it are run, to keep this
-file fast. The checks' own references are torch.amp.GradScaler and lab.precision.fp8; the GradScaler driver is
+without their FP8 scales, an MXFP4 scale rounded up or not a power of two, E2M1 ties away from zero, no
+saturation at ±6 — and only the checks that must catch it are run, to keep this
+file fast. The checks' own references are torch.amp.GradScaler, lab.precision.fp8 and
+lab.precision.microscaling; the GradScaler driver is
 checked here against the rule GradScaler documents.
 """
 
@@ -18,7 +20,7 @@ from grading_support import Chapter, chapter_tests
 from lab.grading.checks import ch10
 
 EXERCISES = ("10.quantize_tensorwise", "10.loss_scale_update", "10.delayed_scaling", "10.tilewise_scales",
-             "10.zero3_gather_bytes")
+             "10.zero3_gather_bytes", "10.mxfp4_block")
 
 Q_CURRENT = "a per-tensor scale max/amax: the fp8 values nearest x·scale, and back (e4m3 and e5m2)"
 Q_SATURATES = "a given scale that overflows some values: they saturate at ±max, never inf or NaN"
@@ -36,6 +38,12 @@ Z_FP8 = "fp8: one byte a parameter gathered, and one fp32 amax per tensor all-re
 Z_ACCUM = "several micro-batches, and a unit dp does not divide: two gathers per micro-batch, shards rounded up"
 GATHERED = "gathers * (dp - 1) * shard * BYTES_PER_PARAMETER[gather]"
 SCALES = "gathers * 2 * (dp - 1) / dp * 4 * n_tensors if"
+MX_RANDOM = ("random blocks over twelve decades, one all negative: the scale 2^(floor(log2 amax) - 2) and E2M1 "
+             "elements")
+MX_TIES = "values halfway between two E2M1 neighbours: ties go to the even one (2.5 -> 2, 3.5 -> 4, 5 -> 4)"
+MX_SATURATES = "a block whose amax / scale lands past 6 saturates at ±6; an all-zero block gives zeros, no NaN"
+MX_SCALE = "return 2.0 ** (math.floor(math.log2(amax)) - E2M1_EMAX)"
+ROUND = "return torch.round(v / step) * step"
 
 GROW = "return scale * growth_factor, 0, False"
 BACK_OFF = "return scale * backoff_factor, 0, True"
@@ -98,6 +106,18 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
     "gradients_in_the_gather_format": (
         "10.zero3_gather_bytes", [("(dp - 1) * shard * 4,", "(dp - 1) * shard * BYTES_PER_PARAMETER[gather],")],
         {Z_ONE, Z_FP8, Z_ACCUM}),
+    "mx_scale_from_ceil": (  # the issue's mutant: the exponent rounded up, every scale doubled
+        "10.mxfp4_block", [(MX_SCALE, MX_SCALE.replace("floor", "ceil"))], {MX_RANDOM, MX_SATURATES}),
+    "mx_scale_not_a_power_of_two": (  # amax / 6, an fp32 scale as FP8's recipes use: E8M0 cannot hold it
+        "10.mxfp4_block", [(MX_SCALE, "return amax / E2M1_MAX")], {MX_RANDOM, MX_SATURATES}),
+    "mx_amax_signed": (
+        "10.mxfp4_block", [("amax = x.abs().max().item()", "amax = x.max().item()")], {MX_RANDOM}),
+    "mx_no_guard_for_a_zero_block": (
+        "10.mxfp4_block", [("    if amax == 0:\n        return 2.0**-127\n", "")], {MX_SATURATES}),
+    "e2m1_ties_away_from_zero": (
+        "10.mxfp4_block", [(ROUND, "return torch.trunc(v / step + 0.5 * torch.sign(v)) * step")], {MX_TIES}),
+    "e2m1_no_saturation": (
+        "10.mxfp4_block", [("    v = v.clamp(-E2M1_MAX, E2M1_MAX)\n", "")], {MX_SATURATES}),
 }
 
 CHAPTER = Chapter("10_mixed_precision_fp8.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))

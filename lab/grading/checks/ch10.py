@@ -410,3 +410,80 @@ def gather_accumulation_and_padding(student, rng):
     for gather in ("fp32", "bf16", "fp8"):
         dp = rng.choice((3, 4, 6, 8, 48))
         _expect_zero3_bytes(student, _unit(rng, dp, False), rng.randrange(2, 12), dp, rng.randrange(2, 9), gather)
+
+
+# --- 10.mxfp4_block --------------------------------------------------------------------------------------------
+
+MXFP4 = exercise("10.mxfp4_block", entry=("run_mxfp4",), **TORCH)
+MX_BLOCK = 32  # OCP MX v1.0: 32 elements share one E8M0 scale
+TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]  # halfway between two E2M1 neighbours: 0/.5, .5/1, 1/1.5, ... 4/6
+
+
+def mxfp4_reference(x):
+    """(scale, elements) of one block by `lab.precision.microscaling`: the E8M0 scale 2^(floor(log2 amax) - 2)
+    (2^-127 for an all-zero block) and x / scale rounded to E2M1, ties to even, saturating at ±6."""
+    from lab.precision.microscaling import quantize
+
+    q = quantize(x, "mxfp4")
+    return float(q.scales[0]), q.elements
+
+
+def _expect_mxfp4(student, x, hint: str | None = None) -> None:
+    scale, elements = mxfp4_reference(x)
+    what = f"run_mxfp4(<{MX_BLOCK} values, amax {float(x.abs().max()):.6g}>)"
+    got = driver(what, "a dict of scale, elements and dequantized", student.run_mxfp4, x.tolist())
+    expect_close(got.get("scale"), scale, f"{what}: the shared scale", rel=1e-9,
+                 mistakes=[Mistake(2.0, "ceil instead of floor",
+                                   "floor(log2 amax) - 2: the scale is rounded *down*, and what lands past 6 "
+                                   "saturates")])
+    expect_allclose(got.get("elements"), elements.tolist(), f"{what}: the E2M1 elements (x / scale on the grid)",
+                    tol=1e-9)
+    expect_allclose(got.get("dequantized"), (elements.double() * scale).tolist(),
+                    f"{what}: the dequantised values (elements · scale)", tol=1e-7)
+
+
+def _block(rng: random.Random, amax: float, negative: bool):
+    """A float32 block of Gaussian values whose largest |value| is `amax`, that value negative if `negative`."""
+    x = _drawn(rng, (MX_BLOCK,), amax)
+    return x if bool(x[int(x.abs().argmax())] < 0) == negative else -x
+
+
+@MXFP4.check(points=2, hint="the scale is 2^(floor(log2 amax) - 2), amax the largest *magnitude*; each x / scale then "
+                            "goes to the nearest E2M1 value: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives")
+def mxfp4_random_blocks(student, rng):
+    """random blocks over twelve decades, one all negative: the scale 2^(floor(log2 amax) - 2) and E2M1 elements"""
+    for i in range(6):
+        _expect_mxfp4(student, _block(rng, 10 ** rng.uniform(-6, 6), negative=i % 2 == 1))
+    _expect_mxfp4(student, -_block(rng, 10 ** rng.uniform(-3, 3), negative=False).abs())
+
+
+@MXFP4.check(points=1, hint="a value halfway between two E2M1 neighbours goes to the one with an even mantissa (0, "
+                            "1, 2, 4 rather than 0.5, 1.5, 3, 6): torch.round rounds half to even")
+def mxfp4_ties_to_even(student, rng):
+    """values halfway between two E2M1 neighbours: ties go to the even one (2.5 -> 2, 3.5 -> 4, 5 -> 4)"""
+    import torch
+
+    scale = 2.0 ** rng.randrange(-8, 8)
+    values = [rng.choice(TIES) * rng.choice((1, -1)) for _ in range(MX_BLOCK - 1)] + [6.0]  # amax 6: the scale
+    rng.shuffle(values)
+    _expect_mxfp4(student, torch.tensor(values, dtype=torch.float32) * scale)
+
+
+@MXFP4.check(points=1, hint="floor(log2 amax) - 2 leaves amax / scale anywhere in [4, 8): past 6 nothing is left on "
+                            "the grid, so clamp to ±6; and an all-zero block has no log2 at all")
+def mxfp4_saturates_and_zero(student, rng):
+    """a block whose amax / scale lands past 6 saturates at ±6; an all-zero block gives zeros, no NaN"""
+    import torch
+
+    # amax / scale in (7, 8): rounded on the grid extended past 6 it would become 8
+    x = _block(rng, 2.0 ** rng.randrange(-6, 6) * rng.uniform(7.1, 7.9), negative=rng.random() < 0.5)
+    _expect_mxfp4(student, x)
+    zeros = torch.zeros(MX_BLOCK)
+    what = f"run_mxfp4(<{MX_BLOCK} zeros>)"
+    got = driver(what, "a dict of scale, elements and dequantized", student.run_mxfp4, zeros.tolist())
+    scale = got.get("scale")
+    if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        raise CheckFailed(f"{what}: the scale returned {shown(scale) if isinstance(scale, float) else scale!r}, "
+                          "expected a positive finite number (any scale stores zeros; lab uses 2^-127)")
+    expect_allclose(got.get("elements"), [0.0] * MX_BLOCK, f"{what}: the elements", tol=0)
+    expect_allclose(got.get("dequantized"), [0.0] * MX_BLOCK, f"{what}: the dequantised values", tol=0)

@@ -197,11 +197,15 @@ def _search(d: dict, values: dict) -> dict:
 
 
 def _inference(d: dict, values: dict) -> dict:
-    s = d["step"]
-    return {"time_s": s["time_s"], "marker.time_s": s["time_s"], "tokens_per_s": d["tokens_per_s"],
-            "marker.tokens_per_s": d["tokens_per_s"], "critical_batch": d["critical_batch"],
-            "kv_bytes_per_token": d["kv_bytes_per_token"], "max_sequences": d["max_sequences"],
-            "prefill_s": d["prefill_s"]}
+    s = d["step"]  # and the sweep the curves draw: every batch, as the page asks it
+    sweep = [calc([*spell("inference", {**values, "--batch": str(2 ** k)}), "--mfu", "1"])[0] for k in range(13)]
+    curves = {f"curve.{key}": [row["step"][key] for row in sweep]
+              for key in ("latency_bound_s", "compute_s", "time_s", "weights_s", "linear_s")}
+    return curves | {"curve.tokens_per_s": [row["tokens_per_s"] for row in sweep], "time_s": s["time_s"],
+                     "marker.time_s": s["time_s"], "tokens_per_s": d["tokens_per_s"],
+                     "marker.tokens_per_s": d["tokens_per_s"], "critical_batch": d["critical_batch"],
+                     "kv_bytes_per_token": d["kv_bytes_per_token"], "max_sequences": d["max_sequences"],
+                     "prefill_s": d["prefill_s"]}
 
 
 def _comms(d: dict, values: dict) -> dict:

@@ -50,7 +50,8 @@ function draw(rows, values, view) {
   axes(time, x, y, {xlabel: "batch (sequences decoding together)", ylabel: "ms per decode step"});
   shadeUnfit(time, x, fit);
   criticalBatch(time, x, chosen.critical_batch);
-  const curve = (key, attrs) => line(x, y, BATCHES.map((b, i) => [b, ms(key)[i]]), {"data-key": key, ...attrs});
+  const curve = (key, attrs) => line(x, y, BATCHES.map((b, i) => [b, ms(key)[i]]), {
+    "data-key": `curve.${key}`, "data-value": JSON.stringify(rows.map((r) => r.step[key])), ...attrs});
   time.svg.append(curve("latency_bound_s", {stroke: MEMORY, "stroke-width": 1.8}),
                   curve("compute_s", {stroke: COMPUTE, "stroke-width": 1.8}),
                   curve("time_s", {stroke: "black", "stroke-width": 3, opacity: 0.45}),
@@ -66,7 +67,8 @@ function draw(rows, values, view) {
   shadeUnfit(rate, x, fit);
   criticalBatch(rate, x, chosen.critical_batch);
   rate.svg.append(line(x, ry, BATCHES.map((b, i) => [b, tokens[i]]), {stroke: "black", "stroke-width": 1.8,
-                                                                     "data-key": "tokens_per_s"}),
+                                                                     "data-key": "curve.tokens_per_s",
+                                                                     "data-value": JSON.stringify(tokens)}),
                   svg("line", {x1: rate.box.left, x2: rate.box.right, y1: ry(prefillRate), y2: ry(prefillRate),
                                stroke: "#2e7d32", "stroke-dasharray": "5 3"}),
                   marker(x(s.batch), ry(chosen.tokens_per_s), "tokens_per_s", chosen.tokens_per_s));

@@ -231,7 +231,8 @@ def describe(parallel: ParallelConfig, grad_accum: bool = False) -> str:
     p = parallel
     names = ("dp", "tp", "cp", "pp", "ep") + (("grad_accum",) if grad_accum else ())
     degrees = [f"{k}={getattr(p, k)}" for k in names if getattr(p, k) != 1]
-    return ", ".join(degrees + ([f"zero={p.zero}"] if p.zero else []) + (["sp"] if p.sp else [])
+    return ", ".join(degrees + ([f"zero={p.zero}"] if p.zero else []) + (["fp8_all_gather"] if p.fp8_all_gather else [])
+                     + (["sp"] if p.sp else [])
                      + ([f"cp_impl={p.cp_impl}"] if p.cp > 1 else [])
                      + ([f"pp_schedule={p.pp_schedule}"] if p.pp > 1 else [])
                      + ([f"pp_chunks={p.pp_virtual_stages}"] if p.pp_virtual_stages > 1 else [])

@@ -237,8 +237,6 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     scheme = precision_scheme(train.precision, train.reduce_dtype)
     mesh = build_mesh(parallel)  # its dp x cp group holds the replicas --sdc-check compares
     par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len, loss, scheme)
-    if parallel.fp8_all_gather:  # ZeRO-3's gathers in E4M3 from the first forward on (lab.parallel.zero)
-        par.engine.enable_fp8_all_gather()
     if train.kernels == "triton":
         kernels.patch(par.model)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16

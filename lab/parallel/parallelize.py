@@ -270,7 +270,8 @@ def _engine(model: nn.Module, mesh: Mesh | None, parallel: ParallelConfig, reduc
         # A pipeline's backwards are spread over its schedule: gradients are averaged once it is done.
         return NaiveDP(model, mesh.dp_cp_group, reduce_dtype)
     return make_data_parallel(model, mesh.dp_cp_group, zero=parallel.zero, dp_mode=parallel.dp_mode,
-                              bucket_mb=parallel.bucket_mb, reduce_dtype=reduce_dtype)
+                              bucket_mb=parallel.bucket_mb, reduce_dtype=reduce_dtype,
+                              fp8_all_gather=parallel.fp8_all_gather)
 
 
 def initial_values(engine: DataParallel, fp32: dict[nn.Parameter, torch.Tensor]) -> list[torch.Tensor]:

@@ -164,8 +164,8 @@ class Zero(DataParallel):
     a pipeline rank's chunks), or for stages 1-2 a plain list of parameters. Rank 0's values are broadcast first.
     `prefetch` (stage 3) starts gathering the next unit — in forward order, then in backward order —
     while the current one computes, so that its all-gather overlaps compute instead of waiting.
-    `fp8_all_gather` (stage 3) gathers the parameters in E4M3 (see the module's docstring; also
-    `enable_fp8_all_gather()`, which `lab.train --fp8-all-gather` calls).
+    `fp8_all_gather` (stage 3; `lab.train --fp8-all-gather`) gathers the parameters in E4M3 (see the module's
+    docstring).
     Under `no_sync()` the full gradients of every unit accumulate locally until the last micro-batch (memory
     traded for communication, as FSDP2's `set_requires_gradient_sync(False)` does). Every parameter must get
     a gradient in every backward pass: a unit is complete when all of its parameters have one. Each `finish()`
@@ -183,10 +183,10 @@ class Zero(DataParallel):
                                  "parameters takes stage 1 or 2")
             model = nn.ParameterList(model)  # the same Parameter objects, named "0", "1", ...
         super().__init__(model, group, reduce_dtype)
-        self.stage, self.prefetch = stage, prefetch
-        self.fp8_all_gather = False
-        if fp8_all_gather:
-            self.enable_fp8_all_gather()
+        if fp8_all_gather and stage != 3:
+            raise ValueError(f"fp8_all_gather needs stage=3 (got stage={stage}): only ZeRO-3 all-gathers the "
+                             f"parameters before each forward; stages 1-2 gather the updated weights themselves")
+        self.stage, self.prefetch, self.fp8_all_gather = stage, prefetch, fp8_all_gather
         modules = sharding_units(model, units)
         owners, claimed = [], set()
         for module in modules:  # a parameter shared by two units (tied) belongs to the first
@@ -221,13 +221,6 @@ class Zero(DataParallel):
         if stage == 3:
             self._shard_parameters(model, [module for module, _ in owners])
         self.full_of = {piece: param for param, piece in self.local.items()}  # a piece's full parameter
-
-    def enable_fp8_all_gather(self) -> None:
-        """From the next gather on, ZeRO-3 gathers the parameters in E4M3 (the shards stay exact)."""
-        if self.stage != 3:
-            raise ValueError(f"fp8_all_gather needs stage=3 (got stage={self.stage}): only ZeRO-3 all-gathers the "
-                             f"parameters before each forward; stages 1-2 gather the updated weights themselves")
-        self.fp8_all_gather = True
 
     # --- ZeRO-3: gather each unit just in time, free it right after ----------------------------------------
 

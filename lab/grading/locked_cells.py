@@ -327,6 +327,10 @@ CHECKSUMS = {
         "a8ff7fc7244428d6fbb5f5dfd6e98fb0a221c414f6b2b7bfa30d765edd5f81ac",
         "061af43a79f35cd30117f76a5edfa8a5a6d951c5b12972a4c51410ae67cf4c74"
     ],
+    "10.mxfp4_block": [
+        "e6e1a2dd2b2e86ece88b0a37b6cf2bb49ab74aa2120352ce0395c33d22c7a592",
+        "3117392a30a57ed833ccaa2f4fc983ecdeb6aa116ec44b9a11486310ac1989a9"
+    ],
     "10.quantize_tensorwise": [
         "88184a08ba5c289c02632a0c3fc9facf8875886df6c00139bb33917ba6700199",
         "85dee927caff79841b37cd2f5f91c4ec593b1a63795130bab66da923f43ee4c9"

@@ -42,7 +42,7 @@ function draw(rows, values, view) {
   const s = chosen.step;
   const prefillRate = chosen.context / chosen.prefill_s;
   const fit = chosen.max_sequences;
-  const time = chart(440, 320, {title: "ms per decode step against the batch"});
+  const time = chart(400, 300, {title: "ms per decode step against the batch"});
   const x = scale(...XLIM, time.box.left, time.box.right, 10);
   const ms = (key) => rows.map((r) => r.step[key] * 1e3);
   const all = [...ms("latency_bound_s"), ...ms("compute_s"), ...ms("linear_s")].filter((t) => t > 0);
@@ -59,7 +59,7 @@ function draw(rows, values, view) {
                   curve("linear_s", {stroke: COMPUTE, "stroke-dasharray": "5 3"}),
                   marker(x(s.batch), y(s.time_s * 1e3), "time_s", s.time_s));
 
-  const rate = chart(440, 320, {title: "tokens/s against the batch"});
+  const rate = chart(400, 300, {title: "tokens/s against the batch"});
   const tokens = rows.map((r) => r.tokens_per_s);
   const ry = scale(Math.min(...tokens, prefillRate) / 1.5, Math.max(...tokens, prefillRate) * 1.5, rate.box.bottom,
                    rate.box.top, 10);

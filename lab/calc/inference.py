@@ -53,7 +53,9 @@ attention, experts spread over the group; DeepSeek-AI 2024, "DeepSeek-V3 Technic
 Deployment"). Every MoE layer of every decode step sends each token's hidden state to its top-k experts and brings
 the k outputs back: two all-to-alls (dispatch, combine) of batch × top_k × d_model × bytes per GPU, priced by
 `lab.calc.comms`'s α–β model. At small batch the messages are tiny and the α per hop is the whole cost: a floor
-(the same all-to-alls of zero bytes) that no batch size lowers, paid 2 × (MoE layers) times a token.
+(the same all-to-alls of zero bytes) that no batch size lowers, paid 2 × (MoE layers) times a token. An
+implementation that sizes its receive buffers exactly (`lab.parallel.ep`) first exchanges the per-expert counts:
+a third, nearly empty all-to-all per layer (`ep_counts_exchange`); `lab.parallel.ep_decode` measures all three.
 """
 
 from __future__ import annotations

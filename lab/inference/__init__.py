@@ -12,4 +12,7 @@ tested alone:
     engine          LLMEngine: requests in, tokens out, one scheduled step at a time
     async_engine    AsyncEngine: one engine stepped for many connections, tokens routed back, aborts on disconnect
     server          the OpenAI-compatible HTTP routes over it (`python -m lab serve --port N`; needs starlette)
+    latency         TTFT, TPOT and end-to-end latency under Poisson arrivals: percentiles, SLO attainment, goodput
+
+Expert-parallel decode needs ranks, so it lives with the parallelisms: `lab.parallel.ep_decode`.
 """

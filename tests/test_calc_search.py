@@ -6,7 +6,7 @@ import time
 import pytest
 
 from lab.calc.memory import estimate_memory
-from lab.calc.search import fullest_stage, search
+from lab.calc.search import drain_exposed, fullest_stage, search
 from lab.config import ModelConfig, ParallelConfig, check_supported
 
 # lab's pipeline needs untied embeddings (check_supported): the playbook's 1B-class model is taken untied. Llama 3
@@ -313,3 +313,13 @@ def test_proposals_build_under_the_dry_run():
         assert run.groups["tp"] == list(range(p.tp))
         assert run.groups["cp"] == [i * p.tp for i in range(p.cp)]
         assert run.groups["pp"] == [i * p.tp * p.cp for i in range(p.pp)]
+
+
+def test_gradient_reduction_hides_behind_the_cooldown_chunk_by_chunk():
+    """One chunk: the reduction outlasts its own last backward by the difference. Four interleaved chunks whose
+    gradients complete a second apart: each chunk's share hides behind the backward that follows, only the last
+    one's outlasts the step; chunks completing close together queue on the network instead."""
+    assert drain_exposed(3.0, 1, 0.0, 1.0) == 2.0 and drain_exposed(0.5, 1, 0.0, 1.0) == 0.0
+    assert drain_exposed(2.0, 4, 1.0, 0.1) == pytest.approx(0.5 - 0.1)
+    assert drain_exposed(4.0, 4, 0.1, 0.0) == pytest.approx(4.0 - 3 * 0.1)
+

@@ -45,7 +45,8 @@ it uses is in `lab.calc.calibration`, with its source; `stack` names the softwar
   all-gather in a node, a seventh of the NICs' at 64 nodes).
 * **Tensor parallelism.** Per layer and micro-batch, forward: an all-gather and a reduce-scatter around
   attention and around the MLP (SP; an all-reduce each without SP, same bytes), of mbs·seq/cp·d bf16 values;
-  backward the same again; full recomputation repeats the forward's. Exposed, but for `tp_overlap`, the share
+  backward the same again; full recomputation repeats the forward's; under fp8 linears the forward's
+  all-gathers move fp8 values (torchao's float8 TP casts before gathering). Exposed, but for `tp_overlap`, the share
   async TP hides (0 by default: lab.train runs none; TorchTitan's async TP hides `async_tp_overlap`).
 * **Context parallelism** (ring attention, zig-zag). Each pass sends K/V cp-1 hops (backward also their
   gradients), hop i hidden behind block i of attention: exposed = (cp-1)·max(0, hop - block), plus the hop the
@@ -497,8 +498,13 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     tp_layer = 0.0
     if p.tp > 1:  # 2 AG + 2 RS (sp) or 2 AR per forward, the same per backward
         ops = ("all_gather", "reduce_scatter") if p.sp else ("all_reduce",)
-        per_forward = 2 * sum(net.collective(op, activation, p.tp, tp_node) for op in ops)
-        tp_layer = per_forward * (forward_passes + 1) * (1 - tp_overlap)
+        per_backward = 2 * sum(net.collective(op, activation, p.tp, tp_node) for op in ops)
+        # fp8 linears cast their input before SP's all-gather, which then moves 1-byte values (torchao's
+        # PrepareFloat8ModuleInput and Float8ColwiseParallel, TorchTitan's TP under Float8)
+        cast = 0.5 if chip.stack.fp8_linears else 1.0
+        per_forward = 2 * sum(net.collective(op, activation * (cast if op == "all_gather" else 1.0), p.tp, tp_node)
+                              for op in ops)
+        tp_layer = (per_forward * forward_passes + per_backward) * (1 - tp_overlap)
     cp_layer = 0.0
     if p.cp > 1:  # K and V of the local tokens, cp-1 hops a pass; backward also their gradients
         width = (cfg.n_heads // p.tp * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
@@ -539,11 +545,14 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
         def bucketed(op: str) -> float:
             return sum(net.bucketed(op, b, n, k, bucket) for b, n, k in grads)
 
-        hidden = backward if chip.stack.overlap_grad_reduce else 0.0
-        if p.zero == 0:
-            dp_exposed = max(0.0, bucketed("all_reduce") - hidden)
+        reduce = bucketed("all_reduce" if p.zero == 0 else "reduce_scatter")
+        if chip.stack.overlap_grad_reduce:
+            v = p.pp_virtual_stages
+            dp_exposed = drain_exposed(reduce, v, min(m, p.pp) * backward / v, backward / v)
         else:
-            dp_exposed = max(0.0, bucketed("reduce_scatter") - hidden) + bucketed("all_gather")
+            dp_exposed = reduce
+        if p.zero:
+            dp_exposed += bucketed("all_gather")  # the updated weights, after the optimizer step
     sharded = p.zero >= 1  # AdamW over this rank's shard of its stage's parameters, once a step
     local = dense / (p.dp * p.cp if sharded else 1) + expert / (max(p.dp * p.cp // p.ep, 1) if sharded else 1)
     optimizer = chip.moved(local * chip.stack.adam_bytes)
@@ -558,6 +567,18 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
 
     return StepTime(compute=m * compute + optimizer, tp=m * layers * tp_layer, cp=m * layers * cp_layer,
                     ep=m * ep_mb, pp=pp_exposed, dp=dp_exposed + m * z3_mb, bubble=bubble)
+
+
+def drain_exposed(reduce_s: float, chunks: int, gap: float, own: float) -> float:
+    """Seconds a step's gradient reduction of `reduce_s` outlasts the last backward. It is split over the `chunks`
+    model chunks a rank holds, each reduced once its gradients are complete and overlapping its own last
+    backward (`own`); with interleaving the cooldown runs the last micro-batches chunk by chunk, deepest first
+    (Narayanan et al. 2021, §2.2.2 and Fig. 4: p micro-batches a chunk), so chunk j completes j x `gap` before
+    chunk 0 and its reduction hides behind the backward that follows. One chunk: max(0, reduce - own)."""
+    done = -math.inf
+    for j in reversed(range(chunks)):
+        done = max(done, -j * gap - own) + reduce_s / chunks
+    return max(0.0, done)
 
 
 # --- steps 1 and 2: enumerate, validate, fit ---------------------------------------------------------------
@@ -661,7 +682,7 @@ class _Context:
 def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware: str | Accelerator = "h100",
            seq: int = 4096, global_batch_tokens: int = 2**20, *, system: str | None = None,
            efficiency: float = COMPUTE_EFFICIENCY, fixed: dict | None = None, tp_overlap: float = 0.0,
-           cp_exposed: float = 0.0, stack: str = "eager") -> SearchResult:
+           cp_exposed: float = 0.0, stack: str = "eager", enforce_memory: bool = True) -> SearchResult:
     """Every layout of `model` on `gpus` GPUs (nodes of `gpus_per_node`) that fits and that lab.train runs,
     ranked by modelled tokens/s, for sequences of `seq` tokens and a global batch of about
     `global_batch_tokens` tokens (rounded to whole sequences). `hardware` is an accelerator of
@@ -671,7 +692,8 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
     to search what a published recipe left free. `tp_overlap` (share of TP's collectives that async TP hides)
     and `cp_exposed` (the least share of CP's ring that stays exposed) move the two overlaps; `efficiency` is
     the plateau of large GEMMs (a share of the bf16 peak); `stack` the software that runs the step
-    (`calibration.STACKS`). Invalid input raises a one-line ValueError."""
+    (`calibration.STACKS`). `enforce_memory=False` keeps layouts whatever `calc.memory` says they need (for runs
+    that were measured, so fit their framework). Invalid input raises a one-line ValueError."""
     started = time.perf_counter()
     cfg = ModelConfig.from_preset(model) if isinstance(model, str) else model
     accelerator = hardware if isinstance(hardware, Accelerator) else get_accelerator(hardware)
@@ -685,7 +707,7 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
     batch = round(global_batch_tokens / seq)
     chip = _Chip(efficiency * peak, peak, accelerator.hbm_bandwidth * CONSTANTS["hbm_efficiency"].value,
                  STACKS[stack])
-    ctx = _Context(cfg, seq, batch, gpus, accelerator.memory_bytes, peak,
+    ctx = _Context(cfg, seq, batch, gpus, accelerator.memory_bytes if enforce_memory else 2**62, peak,
                    chip, _Work.of(cfg, seq), _Network(system, gpus_per_node),
                    training_flops(cfg, seq, batch * seq, counting="exact"), tp_overlap, cp_exposed)
     candidates: list[Candidate] = []
@@ -825,11 +847,17 @@ def run_model(run: Run) -> ModelConfig:
 
 def predict_run(run: Run) -> Candidate:
     """The search pinned to a measured run's layout, on its hardware and software stack: the best candidate
-    (what the pins leave free, the search chooses). Raises ValueError when nothing fits."""
+    (what the pins leave free, the search chooses). A layout that ran fitted its framework: where `calc.memory`
+    says lab.train's would not (Llama 3 ran 8K tokens without recomputation after trimming what its pipeline
+    kept, §3.3.2), it is priced all the same, and its memory is what lab.train would need. Raises ValueError when
+    nothing runs."""
     hardware = calibration.TITAN_H100 if run.hardware == "titan" else run.hardware
     system = "h100" if run.hardware == "titan" else run.hardware
     result = search(run_model(run), run.gpus, 8, hardware, run.seq, run.global_batch * run.seq, system=system,
                     fixed=run.pins, tp_overlap=run.tp_overlap, stack=run.stack)
+    if not result.candidates:
+        result = search(run_model(run), run.gpus, 8, hardware, run.seq, run.global_batch * run.seq, system=system,
+                        fixed=run.pins, tp_overlap=run.tp_overlap, stack=run.stack, enforce_memory=False)
     if not result.candidates:
         reasons = "; ".join(f"{f}: {r.main_reason()[1]}" for f, r in result.rejected_families().items())
         raise ValueError(f"{run.name}: no layout fits the pins {run.pins}: {reasons}")

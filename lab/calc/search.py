@@ -64,7 +64,9 @@ it uses is in `lab.calc.calibration`, with its source; `stack` names the softwar
   Overlap"). The gradients of the slowest stage's parameters (bf16) are reduced over the dp·cp ranks that share
   them (experts over dp·cp/ep) in buckets of `bucket_mb` (25 MiB, DDP's default; each bucket pays the latency of a
   collective over all those ranks again; the faster of NCCL's flat ring and the hierarchical all-reduce). ZeRO-0
-  all-reduces them during the last micro-batch's backward: exposed = max(0, all-reduce - backward). ZeRO-1/2
+  all-reduces them during the last micro-batch's backward: exposed = max(0, all-reduce - backward), and with v
+  interleaved chunks chunk by chunk, each once its last backward has run (`drain_exposed`: the cooldown leaves
+  p micro-batches' backward between one chunk's last and the next's, so only the last chunk's share can show). ZeRO-1/2
   reduce-scatter them the same way, then all-gather the updated parameters after the optimizer step, exposed (so
   ZeRO-2 costs what ZeRO-1 costs and saves memory: the playbook's "prefer ZeRO-2"); a stack that reduces
   after the backward (Megatron-LM 2021, `overlap_grad_reduce` False) hides none of it. ZeRO-3 gathers each layer's

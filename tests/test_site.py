@@ -1,4 +1,6 @@
-"""`make site` (lab/site.py) writes a page for every chapter, links that all resolve, and no solution.
+"""`make site` (lab/site.py) writes a page for every chapter, links that all resolve, and no solution; the live
+calculators' pieces (the zip of lab.calc the page's Python imports, the containers after their cells) and the
+server `python -m lab site --serve` starts.
 
 The site is built once for the module from a small course in a temp folder: three chapters copied from one tiny
 notebook executed here the way tests/test_notebooks.py runs them (a plot and a slider, so the page holds a PNG and
@@ -8,7 +10,13 @@ stand-ins for the JavaScript that `make site` unpacks from npm (what the pages l
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
+import sys
+import threading
+import urllib.request
+import zipfile
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -223,3 +231,111 @@ def test_the_command_says_what_is_missing_and_exits_2(tmp_path: Path, capsys: py
                       "--vendor", str(tmp_path / "none")]) == 2
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and "make site" in said
+
+
+# A fresh interpreter with no site-packages (so no torch, numpy, nor the checkout's lab) and only the zip on its path,
+# as Pyodide's is: it runs the CLI and lists where each lab module it loaded came from.
+_FROM_THE_ZIP = """
+import contextlib, io, sys
+sys.path.insert(0, sys.argv[1])
+import lab.calc.cli
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    lab.calc.cli.main(["memory", "--model", "llama3-8b", "--tp", "2", "--json"])
+print(out.getvalue().strip())
+for name, module in sorted(sys.modules.items()):
+    if name == "lab" or name.startswith("lab."):
+        print(name, module.__file__)
+"""
+
+
+def test_the_calc_zip_holds_what_the_cli_imports_and_runs_without_torch_or_numpy(course: Path) -> None:
+    archive = course / "site" / "static" / "lab-calc.zip"
+    with zipfile.ZipFile(archive) as opened:
+        sources = {name: opened.read(name).decode() for name in opened.namelist()}
+    assert "lab/calc/cli.py" in sources and "lab/config.py" in sources
+    assert not any("test" in name or not name.endswith(".py") for name in sources)
+    # not even inside a function of the calculators (lab/__init__.py's setup() is the notebooks', never called here)
+    heavy = re.compile(r"^\s*(import|from) (torch|numpy|jax)\b", re.MULTILINE)
+    assert [name for name, text in sources.items() if heavy.search(text)] == ["lab/__init__.py"]
+    done = subprocess.run([sys.executable, "-S", "-I", "-c", _FROM_THE_ZIP, str(archive)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    answer, *modules = done.stdout.splitlines()
+    expected = subprocess.run([sys.executable, "-m", "lab", "calc", "memory", "--model", "llama3-8b", "--tp", "2",
+                               "--json"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert answer == expected.stdout.strip()
+    assert len(modules) > 10 and all(f"{archive}/lab/" in line for line in modules), modules
+
+
+def _live_containers(html: str) -> list[str]:
+    return re.findall(r'<div class="live-calc" data-calc="(\w+)"></div>', html)
+
+
+def test_a_live_calculator_container_follows_its_cell_and_every_page_loads_the_runtime(course: Path) -> None:
+    html = (course / "site" / "chapters" / "01_memory_and_compute.html").read_text()
+    assert _live_containers(html) == ["memory"]
+    cell, after = html.split('<div class="live-calc"')
+    assert "IntSlider" in cell[cell.rindex('<div class="jp-Cell '):]  # the container follows the marker's cell
+    assert 'class="jp-Cell ' not in after[:after.index("</div>")]
+    assert "compute in your browser" in html
+    for name in ("00_first", "02_last"):
+        other = (course / "site" / "chapters" / f"{name}.html").read_text()
+        assert _live_containers(other) == [] and "compute in your browser" not in other
+    for page in (course / "site").rglob("*.html"):
+        scripts = [ref for tag, ref in _Page(page.read_text()).refs if tag == "script"]
+        assert {ref.rsplit("/", 1)[-1] for ref in scripts} >= {"lab-calc.js", "live.js"}, page
+
+
+def test_every_live_calculator_of_the_course_finds_its_cell() -> None:
+    pages = [site.Page(source, nbformat.read(REPO / source, as_version=4), source) for source in site.LIVE_CALCULATORS]
+    cells = site._live_cells(pages, site.LIVE_CALCULATORS)
+    assert sorted(name for found in cells.values() for names in found.values() for name in names) == sorted(
+        ["memory", "comms", "bubble", "search", "inference"])
+
+
+@pytest.mark.parametrize(("live", "said"), [
+    ({"chapters/01_memory_and_compute.ipynb": [("memory_calculator()", "memory")]},
+     "no code cell of chapters/01_memory_and_compute.ipynb contains 'memory_calculator()'"),
+    ({"chapters/99_gone.ipynb": [("x", "memory")]}, "names chapters/99_gone.ipynb, which is not a page")])
+def test_a_missing_marker_or_page_is_one_line_naming_it(course: Path, tmp_path: Path, live: dict, said: str) -> None:
+    with pytest.raises(ValueError) as error:
+        site.build(tmp_path / "site", repo=course / "repo", executed=course / "executed", vendor=course / "vendor",
+                   live=live)
+    assert said in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "site").exists()
+
+
+def test_the_server_gives_webassembly_and_modules_the_types_browsers_insist_on(tmp_path: Path) -> None:
+    files = {"index.html": "text/html", "a.wasm": "application/wasm", "b.mjs": "text/javascript",
+             "c.js": "text/javascript", "d.zip": "application/zip", "e.json": "application/json"}
+    for name in files:
+        (tmp_path / name).write_text("x")
+    server = site.server(tmp_path, port=0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        assert host == "127.0.0.1"
+        for name, kind in files.items():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/{name}", timeout=10) as response:
+                assert response.headers.get_content_type() == kind, name
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_serve_says_in_one_line_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert site.main(["--serve", "--out", str(tmp_path)]) == 2  # no site built there
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "make site" in said
+    (tmp_path / "index.html").write_text("x")
+    with site.server(tmp_path, port=0) as taken:
+        assert site.main(["--serve", "--out", str(tmp_path), "--port", str(taken.server_address[1])]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and f"127.0.0.1:{taken.server_address[1]}" in said and "--port" in said
+    for bad in ("0", "65536", "http"):
+        with pytest.raises(SystemExit) as exit:
+            site.main(["--serve", "--out", str(tmp_path / "none"), "--port", bad])
+        said = capsys.readouterr().err
+        assert exit.value.code == 2 and said.count("\n") == 1 and f"port={bad!r} must be an integer in 1-65535" in said

@@ -8,7 +8,6 @@
 (function () {
   "use strict";
   const STATIC = new URL(".", document.currentScript.src);
-  const WIDGET = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.widget-view+json"]';
 
   function say(element, state, text) {
     element.dataset.state = state;
@@ -19,11 +18,12 @@
     element.append(line);
   }
 
-  // The snapshot: the widget outputs of the cell just before the element (its whole output row).
+  // The snapshot: the outputs of the cell just before the element that hold a widget (site.html.j2 captions them).
   function snapshots(element) {
     const cell = element.previousElementSibling;
     if (!cell) return [];
-    return [...cell.querySelectorAll(WIDGET)].map((output) => output.closest(".jp-OutputArea-child") || output);
+    const outputs = [...cell.querySelectorAll(".jp-OutputArea-child")];
+    return outputs.filter((output) => output.querySelector(".jupyter-widgets"));
   }
 
   async function mountOne(element) {

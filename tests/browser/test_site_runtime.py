@@ -76,17 +76,22 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 
 class Watched:
-    """A fresh tab whose every request is routed: those to `allowed` go on, any other is refused and kept."""
+    """A fresh tab whose every request is routed: those to `allowed` go on (or get the stand-in script `stubs` has
+    for their path's end), any other is refused and kept."""
 
-    def __init__(self, context, allowed: str) -> None:
+    def __init__(self, context, allowed: str, stubs: dict[str, str] | None = None) -> None:
         self.page = context.new_page()
-        self.allowed, self.refused, self.errors = allowed, [], []
+        self.allowed, self.stubs, self.refused, self.errors = allowed, stubs or {}, [], []
         self.page.route("**/*", self._route)
         self.page.on("console", lambda message: message.type == "error" and self.errors.append(message.text))
         self.page.on("pageerror", lambda error: self.errors.append(str(error)))
 
     def _route(self, route) -> None:
-        if route.request.url.startswith(self.allowed):
+        url = route.request.url
+        stub = next((body for end, body in self.stubs.items() if url.endswith(end)), None)
+        if url.startswith(self.allowed) and stub is not None:
+            route.fulfill(body=stub, content_type="text/javascript")
+        elif url.startswith(self.allowed):
             route.continue_()
         else:
             self.refused.append(route.request.url)
@@ -127,6 +132,40 @@ def test_lab_calc_in_the_page_equals_the_cli(served: str, browser, record_proper
         tab.page.close()
     record_property("ready_s", round(ready_s, 2))
     record_property("first_calc_ms", round(first, 1))
+
+
+# live.js alone, with stand-ins: a runtime that is ready at once, a calculator that mounts and one that throws (the
+# real calculators, static/live/*.js, are tests/browser/test_site_live.py's).
+FAKE_RUNTIME = "window.lab = {ready: Promise.resolve(), calc: async (argv) => JSON.stringify(argv)};"
+MOUNTS = 'export async function mount(element, calc) { element.textContent = await calc(["params"]); }'
+THROWS = 'export function mount() { throw new Error("no such control\\nsecond line"); }'
+
+
+@pytest.mark.parametrize(("chapter", "name", "module", "state"),
+                         [("01_memory_and_compute", "memory", MOUNTS, "live"),
+                          ("02_collectives", "comms", THROWS, "error")], ids=["mounts", "throws"])
+def test_live_js_hides_the_snapshot_once_mounted_and_keeps_it_when_a_mount_throws(
+        served: str, browser, chapter: str, name: str, module: str, state: str) -> None:
+    tab = Watched(browser, served, {"static/lab-calc.js": FAKE_RUNTIME, f"static/live/{name}.js": module})
+    try:
+        tab.page.goto(f"{served}chapters/{chapter}.html")
+        live = tab.page.locator(f'.live-calc[data-calc="{name}"]')
+        tab.page.wait_for_function("(name) => ['live', 'error'].includes("
+                                   "document.querySelector(`.live-calc[data-calc=${name}]`).dataset.state)", arg=name)
+        assert live.get_attribute("data-state") == state
+        snapshot = tab.page.locator(".jp-Cell", has=tab.page.locator(".jupyter-widgets")).filter(
+            has=tab.page.locator(f"xpath=following-sibling::*[1][@data-calc='{name}']"))
+        outputs = snapshot.locator(".jp-OutputArea-child", has=tab.page.locator(".jupyter-widgets"))
+        assert outputs.count() == 1
+        if state == "live":
+            assert live.inner_text() == '["params"]'  # what the stand-in runtime made of the calculator's call
+            assert outputs.first.is_hidden()
+        else:
+            assert live.inner_text().strip() == f"the live {name} calculator failed: no such control"
+            assert outputs.first.is_visible()
+        assert tab.refused == [] and tab.errors == [], (tab.refused, tab.errors)
+    finally:
+        tab.page.close()
 
 
 def test_opened_from_disk_the_page_keeps_its_snapshot_and_says_how_to_serve_it(browser) -> None:

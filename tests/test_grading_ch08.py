@@ -22,7 +22,7 @@ from grading_support import Chapter, chapter_tests
 from lab.grading.checks import ch08
 
 EXERCISES = ("08.mesh_coords", "08.collective_group", "08.layout_memory", "08.batch_budget", "08.fix_config",
-             "08.best_layout")
+             "08.best_layout", "08.llama3_layout")
 
 COORDS_LAB = "lab's order (dp, pp, cp, tp): each rank's coordinates, as lab.distributed.layout lays them out"
 COORDS_ANY = "other axis orders (Megatron's pp outermost, random ones): coordinates, and the rank back from them"
@@ -47,6 +47,10 @@ FIX_REFUSED = "fix the layouts lab.train refuses: ZeRO with PP or EP, TP with ML
 FIX_BATCH = "fix the batch split, SP without TP and ZeRO without DP, leaving the global batch as it is"
 BEST = "the best layout: the search's first candidate (degrees, ZeRO, schedule, recompute, mbs, grad_accum)"
 WHY_REJECTED = "why not a family the search rejected: the reason that stops its layouts closest to running"
+L3_STAGES = ("Llama 3 405B on 8,192 and 16,384 GPUs (126 layers, TP8 · PP16), and random models split Llama 3's "
+             "way")
+L3_BUBBLE = "the micro-batches of a replica and the bubble, with micro-batches of more than one sequence and nodes of 4"
+L3_REFUSES = "what does not split: GPUs, layers (Llama 3's rule, or stages of one layer) and the batch: a ValueError"
 WHY_SLOWER = "why not a family that runs but is slower: the part of the step time where it loses most to the best"
 
 PEEL = "    for axis in reversed(order):  # the last axis varies fastest"
@@ -150,6 +154,18 @@ MUTANTS = {  # name: (exercise, [(old, new) in the solution cell], checks that m
         {WHY_SLOWER}),
     "why_not_the_part_it_gains_on": (
         "08.best_layout", [("return max(lost, key=lost.get)", "return min(lost, key=lost.get)")], {WHY_SLOWER}),
+    "stages_even_with_the_rest_last": (  # Megatron's even split, the remainder on the last stage
+        "08.llama3_layout", [("stages = [n_layers] if virtual == 1 else [k - 1] + [k] * (virtual - 2) + [k - 1]",
+                              "stages = [n_layers // virtual] * (virtual - 1) + [n_layers - n_layers // virtual * "
+                              "(virtual - 1)]")], {L3_STAGES, L3_BUBBLE}),
+    "dp_forgets_the_pipeline": ("08.llama3_layout", [("dp = gpus // (tp * pp)", "dp = gpus // tp")],
+                                {L3_STAGES, L3_BUBBLE}),
+    "bubble_without_interleaving": (
+        "08.llama3_layout", [('"bubble": (pp - 1) / (chunks * m)', '"bubble": (pp - 1) / m')], {L3_STAGES, L3_BUBBLE}),
+    "micro_batches_of_one_sequence": (
+        "08.llama3_layout", [("m = global_batch // (dp * mbs)", "m = global_batch // dp")], {L3_BUBBLE}),
+    "stages_of_no_layer_accepted": (
+        "08.llama3_layout", [("if virtual > 1 and (rest or k < 2):", "if virtual > 1 and rest:")], {L3_REFUSES}),
 }
 CHAPTER = Chapter("08_5d_parallelism.ipynb", EXERCISES, MUTANTS, said=("returned", "raised"))
 globals().update(chapter_tests(CHAPTER))

@@ -275,6 +275,10 @@ CHECKSUMS = {
         "41c40163ce8e31cf16ae31117ea38d6ebffd071c9965d906fa0f2062f6dd04e3",
         "be54fa116369e541f942d42acd4a3cbdd28ebf0e6e85cbfa365384e3fade8995"
     ],
+    "08.llama3_layout": [
+        "274ded5d9bbd2ea08c69585a4fb5d18232ab405f30d33d8f3975bc9468cde0d8",
+        "814ea3a03e573f2200599d49df1c2340470d9c8574f256ce4ac243e5ec7990eb"
+    ],
     "08.mesh_coords": [
         "c5d06921662a60f724214b99ccc7cd6a838ab4206361c1565625a6c1d0767be7",
         "ce18c04cd61d0c7003a41d3238aed1a4da9ba24cc24fffba5617f25bb02107c1"

@@ -20,7 +20,7 @@ import random
 
 from lab.calc.memory import estimate_memory
 from lab.config import Config, ModelConfig, ParallelConfig, TrainConfig, check_supported
-from lab.grading.checks import CheckFailed, driver, exercise, expect_equal, expect_raises
+from lab.grading.checks import CheckFailed, driver, exercise, expect_equal, expect_number, expect_raises
 
 AXES = ("dp", "pp", "cp", "tp")
 
@@ -594,3 +594,73 @@ def why_not_a_slower_family(student, rng):
                             f"the best is {best.layout}")
             return
     raise RuntimeError("no cluster with a clearly slower family in 10 draws")
+
+
+# --- 08.llama3_layout --------------------------------------------------------------------------------------------
+
+LLAMA3 = exercise("08.llama3_layout", entry=("by_hand", "run_by_hand"))
+
+
+def by_hand_reference(n_layers: int, gpus: int, gpus_per_node: int, pp: int, global_batch: int, mbs: int,
+                      chunks: int) -> dict:
+    """Llama 3's walk (chapter 08, section 5a): TP over the node, dp from the rest, the layers over pp·chunks
+    virtual stages by Llama 3's rule (`lab.layout.stage_layers`, "llama3"), the micro-batches each replica runs and
+    the bubble's closed form (`lab.calc.bubble.bubble_ratio`). ValueError where a step fails."""
+    from lab.calc.bubble import bubble_ratio
+    from lab.layout import stage_layers
+
+    tp = gpus_per_node
+    if gpus % (tp * pp):
+        raise ValueError(f"gpus={gpus} is not a multiple of tp*pp = {tp * pp}")
+    dp = gpus // (tp * pp)
+    stages = stage_layers(n_layers, pp * chunks, "llama3")
+    if global_batch % (dp * mbs):
+        raise ValueError(f"global_batch={global_batch} does not split into dp={dp} replicas of micro-batches of {mbs}")
+    m = global_batch // (dp * mbs)
+    return {"tp": tp, "dp": dp, "stages": stages, "micro_batches": m, "bubble": bubble_ratio(pp, m, chunks)}
+
+
+def _expect_by_hand(student, *args: int) -> None:
+    names = ("n_layers", "gpus", "gpus_per_node", "pp", "global_batch", "mbs", "chunks")
+    call = f"run_by_hand({', '.join(f'{n}={v}' for n, v in zip(names, args, strict=True))})"
+    expected = by_hand_reference(*args)
+    got = driver(call, "tp, dp, the stages, the micro-batches and the bubble", student.run_by_hand, *args)
+    for key in ("tp", "dp", "stages", "micro_batches"):
+        expect_equal(got.get(key), expected[key], f"{call}[{key!r}]")
+    expect_number(got.get("bubble"), expected["bubble"], f"{call}['bubble']", tol=1e-9)
+
+
+@LLAMA3.check(points=1, hint="the first and the last virtual stage get one layer fewer than the others, which all "
+                             "get the same: k - 1, k, ..., k, k - 1 with pp·chunks·k - 2 = n_layers")
+def llama3_stages(student, rng):
+    """Llama 3 405B on 8,192 and 16,384 GPUs (126 layers, TP8 · PP16), and random models split Llama 3's way"""
+    for gpus, chunks in ((16384, 1), (8192, 2), (16384, 4)):
+        _expect_by_hand(student, 126, gpus, 8, 16, 2048, 1, chunks)
+    for _ in range(3):
+        pp, chunks, k = rng.choice([2, 3, 4, 6, 8]), rng.choice([1, 2, 3]), rng.randrange(2, 7)
+        dp = rng.choice([1, 2, 3, 8])
+        _expect_by_hand(student, pp * chunks * k - 2, 8 * pp * dp, 8, pp, dp * rng.choice([4, 8, 12, 16]), 1, chunks)
+
+
+@LLAMA3.check(points=1, hint="each replica runs global_batch / (dp · mbs) micro-batches; the interleaved bubble is "
+                             "(pp - 1) / (chunks · micro-batches) of the useful time")
+def llama3_bubble(student, rng):
+    """the micro-batches of a replica and the bubble, with micro-batches of more than one sequence and nodes of 4"""
+    for _ in range(4):
+        g, pp, chunks, mbs = rng.choice([4, 8]), rng.choice([2, 4, 5]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4])
+        dp = rng.choice([2, 3, 6])
+        _expect_by_hand(student, pp * chunks * 4 - 2, g * pp * dp, g, pp, dp * mbs * rng.choice([3, 8, 16]), mbs,
+                        chunks)
+
+
+@LLAMA3.check(points=1, hint="raise ValueError when the GPUs are not whole replicas of tp·pp, when the layers do not "
+                             "split Llama 3's way, or when the batch does not split into the replicas' micro-batches")
+def llama3_refuses(student, rng):
+    """what does not split: GPUs, layers (Llama 3's rule, or stages of one layer) and the batch: a ValueError"""
+    pp = rng.choice([4, 8])
+    cases = [((126, 8 * pp * 4 + 8, 8, pp, 512, 1, 1), "the GPUs are not whole replicas of tp·pp"),
+             ((127, 8 * 16 * 8, 8, 16, 512, 1, 1), "127 + 2 layers is no multiple of 16 stages"),
+             ((pp - 2, 8 * pp, 8, pp, 64, 1, 1), "k = 1: the first and the last stage would hold no layer"),
+             ((126, 8 * 16 * 8, 8, 16, 8 * 16 + 4, 1, 1), "the batch is not a whole number of sequences a replica")]
+    for args, why in cases:
+        expect_raises("ValueError", f"by_hand{args}", student.by_hand, *args, why=why)

@@ -1,10 +1,11 @@
 """The training objective, beside the model: what a step minimises, the same for every layout.
 
 What belongs here: losses computed from the model's outputs and its layers' own records, on whole tensors — the
-language-model cross-entropy on whole logits, and a mixture of experts' router losses with their weights. What
-does not: a loss that needs a process group (the vocabulary-parallel cross-entropy lives with TP in
-`lab.parallel.tp`), and a kernel that computes one of these faster (`lab.kernels.cross_entropy` has
-`cross_entropy`'s signature and is passed in its place).
+language-model cross-entropy on whole logits, the same loss computed from the final hidden states and the output
+weight chunk by chunk of tokens (`chunked_cross_entropy`, which never holds the whole micro-batch's fp32 logits),
+and a mixture of experts' router losses with their weights. What does not: a loss that needs a process group (the
+vocabulary-parallel cross-entropy lives with TP in `lab.parallel.tp`), and a kernel that computes one of these
+faster (`lab.kernels.cross_entropy` has `cross_entropy`'s signature and is passed in its place).
 """
 
 from __future__ import annotations
@@ -24,6 +25,67 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean next-token loss of logits (B, T, vocab): the last pipeline stage's loss, and one process's."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+CHUNK_TOKENS = 1024  # llama3-1b's 128,256-entry vocabulary: 0.5 GB of fp32 logits a chunk, not 4.2 GB for 8192 tokens
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """The mean next-token loss of the logits `hidden @ weightᵀ` (hidden (..., d), weight (vocab, d), targets
+    (...)) — `cross_entropy(linear(hidden, weight).float(), targets)` — without ever holding more than
+    `chunk_tokens` rows of logits. The output projection and the loss are computed chunk by chunk of tokens,
+    each chunk's logits in the weight's dtype, upcast to fp32 for the log-sum-exp (as `lab.precision`'s
+    `output_dtype` does for whole logits), and its gradients taken at once: the gradient of a chunk's logits is
+    softmax − one-hot, known in the forward, so the forward multiplies it into the hidden states' and the
+    weight's gradients and drops it; backward only scales them by the incoming gradient. Liger-Kernel's fused
+    linear cross-entropy (src/liger_kernel/ops/fused_linear_cross_entropy.py) works so, without recomputing the
+    logits in backward (what torchtune's chunked loss, which checkpoints each chunk, pays a matmul for).
+
+    Memory: a chunk's logits (c·vocab in the weight's dtype, and fp32 twice: upcast and softmax) plus the
+    gradients themselves — hidden's shape, and the weight's, summed over the chunks in fp32 —
+    instead of the 2 x 4·tokens·vocab bytes of whole logits (`lab.calc.memory.loss_bytes`)."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1")
+    if hidden.shape[:-1] != targets.shape or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and targets "
+                         f"{tuple(targets.shape)} must be (..., d), (vocab, d) and (...)")
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, with_grad)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                with_grad: bool) -> torch.Tensor:
+        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        n = flat.shape[0]
+        grad_hidden = torch.empty_like(flat) if with_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_tokens):
+            rows, chunk_targets = flat[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens, None]
+            logits = F.linear(rows, weight).float()
+            peak = logits.amax(-1, keepdim=True)
+            target_logit = logits.gather(-1, chunk_targets)
+            exp = logits.sub_(peak).exp_()  # in place: one fp32 chunk of logits lives at a time
+            sum_exp = exp.sum(-1, keepdim=True)
+            total += (peak + sum_exp.log() - target_logit).sum()  # log-sum-exp minus the target's logit
+            if with_grad:  # d mean / d logits = (softmax − one-hot) / n
+                grad_logits = exp.div_(sum_exp).scatter_add_(-1, chunk_targets, exp.new_full(chunk_targets.shape, -1.0))
+                grad_logits = grad_logits.div_(n).to(weight.dtype)
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
+                grad_weight += (grad_logits.t() @ rows).float()
+        if with_grad:
+            ctx.save_for_backward(grad_hidden.view_as(hidden), grad_weight.to(weight.dtype))
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_output.to(grad_hidden.dtype)
+        return (grad_hidden * scale if ctx.needs_input_grad[0] else None,
+                grad_weight * scale if ctx.needs_input_grad[1] else None, None, None, None)
 
 
 def router_loss(module: nn.Module, cfg: ModelConfig) -> torch.Tensor:

@@ -126,16 +126,30 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, power_of_2: bool = False) -> t
     the scaled amax still fits under fp8_max and multiplying by the scale changes only the exponent. There is
     no epsilon floor under amax (torchao 1e-12, DeepGEMM 1e-4): only an exact zero needs care, and a floor
     would push the values of a legitimately tiny group (a small gradient tile) down into the subnormals.
+
+    Everything here is a tensor op, with no value brought back to Python (no `.item()`, no `if` on a tensor):
+    on a GPU, reading a value waits for the device to finish all queued work, once per quantised operand,
+    three to six times per linear per step, and a CUDA graph cannot capture it. `tests/test_fp8_syncs.py`
+    counts those reads during an FP8 linear's forward and backward: zero.
     """
     a = amax.detach().double()
-    if not bool(torch.isfinite(a).all()):
-        raise ValueError(f"amax is not finite ({a[~torch.isfinite(a)].flatten()[0].item()}): the tensor holds "
-                         "inf or nan, which no FP8 scale can represent")
+    check_finite(a, "amax")
     scale = torch.where(a > 0, fp8_max(fmt) / a, torch.ones_like(a))
     scale = scale.clamp(max=torch.finfo(torch.float32).max)
     if power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale.float()
+
+
+def check_finite(t: torch.Tensor, name: str) -> None:
+    """Refuse inf or nan in `t` without reading it on the host: `torch._assert_async` checks on the tensor's
+    device. On CPU it raises at once (turned into one ValueError line here); on CUDA a failure is a device-side
+    assert that stops the process at its next synchronisation, the price of not waiting on every cast."""
+    message = f"{name} is not finite: the tensor holds inf or nan, which no FP8 scale can represent"
+    try:
+        torch._assert_async(torch.isfinite(t).all(), message)
+    except RuntimeError:
+        raise ValueError(message) from None
 
 
 def _expand(scale: torch.Tensor, scaling: Scaling, shape: torch.Size) -> torch.Tensor:
@@ -201,10 +215,10 @@ class AmaxHistory:
         """Push one per-tensor amax (after the tensor it came from was quantised), dropping the oldest."""
         if amax.numel() != 1:
             raise ValueError(f"AmaxHistory takes one amax per tensor, got shape {tuple(amax.shape)}")
-        if not bool(torch.isfinite(amax)):
-            raise ValueError(f"amax is not finite ({amax.item()}): the tensor holds inf or nan")
-        self.window = torch.roll(self.window, 1)
-        self.window[0] = float(amax)
+        check_finite(amax, "amax")
+        window = self.window.to(amax.device)                  # kept where the amaxes are: a copy, never a read
+        self.window = torch.roll(window, 1)
+        self.window[0] = amax.detach().reshape(())
         self.seen += 1
 
 

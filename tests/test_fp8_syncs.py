@@ -1,0 +1,135 @@
+"""FP8 scales are computed on the device: no value of a tensor is read on the host during an FP8 linear.
+
+Every `.item()`, `float(t)`, `bool(t)` or `if t > 0:` on a CUDA tensor makes the CPU wait until the GPU has
+finished all queued work (a host synchronisation), and a CUDA graph cannot capture it. On CPU there is no such
+wait, but the same reads go through the same ATen ops, so a TorchDispatchMode that records them counts, on CPU,
+the synchronisations the code would make on a GPU: `_local_scalar_dense` (what `.item()`, `float()`, `bool()`
+dispatch to), `equal`, `is_nonzero`, every op whose output shape depends on values (`nonzero`, `masked_select`,
+a tensor-count `repeat_interleave`: torch tags them `dynamic_output_shape`), and `tolist`/`numpy`, which on CPU
+read memory without an ATen op and so are caught at the Tensor method.
+`torch._assert_async` is not one: on CUDA it asserts on the device without waiting.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lab.precision.fp8 import AmaxHistory, fp8_max, scale_from_amax
+from lab.precision.fp8_linear import RECIPES, FP8Matmul, retile
+
+_READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.equal, torch.ops.aten.is_nonzero,
+          torch.ops.aten.nonzero}
+_TAGS = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
+
+
+class HostReads(TorchDispatchMode):
+    """Records every ATen op that brings a value to the host or sizes its output from values, and the two
+    Tensor methods that copy the data out without an ATen op on CPU (`tolist`, `numpy`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def __enter__(self) -> HostReads:
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, self._recording(name, method))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, method)
+
+    def _recording(self, name: str, method):  # noqa: ANN001, ANN202 — wraps a Tensor method
+        def read(tensor: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.ops.append(f"Tensor.{name}")
+            return method(tensor, *args, **kwargs)
+        return read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN201 — torch's protocol
+        if func.overloadpacket in _READS or _TAGS & set(func.tags):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _linear_step(mm: FP8Matmul, device: str = "cpu") -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=g).to(device).requires_grad_()
+    w = torch.randn(48, 32, generator=g).to(device).requires_grad_()
+    mm(x, w).square().sum().backward()
+
+
+def test_the_counter_sees_each_kind_of_host_read() -> None:
+    # The instrument itself: each way of reading a value that the FP8 code must not use is recorded.
+    t = torch.tensor([0.5, 2.0])
+    for read in (lambda: t.max().item(), lambda: float(t[0]), lambda: bool(t[0] > 1), lambda: t.nonzero(),
+                 lambda: torch.equal(t, t), lambda: t[t > 1], lambda: t.repeat_interleave(torch.tensor([1, 2])),
+                 lambda: t.tolist(), lambda: t.numpy()):
+        with HostReads() as reads:
+            read()
+        assert reads.ops, "a host read went unrecorded"
+    with HostReads() as reads:
+        torch._assert_async(torch.isfinite(t).all(), "finite")
+        torch.exp2(torch.floor(torch.log2(t))).repeat_interleave(3, dim=-1)
+    assert reads.ops == []
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_fp8_linear_forward_and_backward_read_nothing_on_the_host(recipe: str) -> None:
+    # tensorwise and rowwise (torchao's), tilewise (DeepSeek-V3's 1x128 / 128x128) and delayed (TE's history):
+    # every scale, amax and history update stays a tensor. The first call is outside the count: it probes once
+    # whether torch._scaled_mm runs on this device (cached), which is a host read by design.
+    mm = FP8Matmul(retile(RECIPES[recipe], 16))
+    _linear_step(mm)
+    with HostReads() as reads:
+        _linear_step(mm)
+    assert reads.ops == [], f"{recipe}: host reads {reads.ops}"
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_scale_on_the_device_equals_the_formula(fmt: str, power_of_2: bool) -> None:
+    # The same numbers as the straightforward formula computed in Python on each amax: fp8_max / amax in
+    # float64, 1 for a zero amax, capped at float32's max, rounded down to a power of two if asked.
+    amaxes = [0.0, 1e-45, 1e-30, 3e-5, 0.1, 1.0, 3.0, 447.9, 448.0, 1e4, 57344.0, 3e38]
+    f32_max = torch.finfo(torch.float32).max
+
+    def reference(a: float) -> float:
+        scale = min(fp8_max(fmt) / a, f32_max) if a > 0 else 1.0
+        return 2.0 ** math.floor(math.log2(scale)) if power_of_2 else scale
+
+    amax = torch.tensor(amaxes)                                          # float32, as `fp8.amax` returns
+    expected = torch.tensor([reference(a) for a in amax.tolist()], dtype=torch.float64).float()
+    assert torch.equal(scale_from_amax(amax, fmt, power_of_2), expected)
+
+
+def test_amax_history_stays_on_the_amaxes_device() -> None:
+    # Delayed scaling's window is updated by a tensor copy, not float(amax): same values as before.
+    history = AmaxHistory(3)
+    with HostReads() as reads:
+        for a in (2.0, 7.0, 5.0, 1.0):
+            history.update(torch.tensor(a))
+        scale = history.scale("e4m3")
+    assert reads.ops == []
+    assert torch.equal(history.window, torch.tensor([1.0, 5.0, 7.0], dtype=torch.float64))
+    assert scale.item() == pytest.approx(448 / 7.0, rel=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_on_cuda_makes_no_host_synchronisation(recipe: str) -> None:
+    # On a GPU, torch itself raises on any synchronising call while the debug mode is "error".
+    mm = FP8Matmul(recipe)
+    _linear_step(mm, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _linear_step(mm, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

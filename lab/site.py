@@ -25,6 +25,10 @@ lab.layout (pure Python: no torch, no numpy, no package from Pyodide's repositor
 WebAssembly from file://, so the live calculators need the site served over http (`--serve`); opened from disk, a
 page keeps its snapshots and says how to serve it.
 
+Cost, measured in headless Chromium (tests/browser/test_site_runtime.py records it) on a 2-core machine under load:
+the runtime is ready 4-8 s after the first call on a page, cold or cached, and a calc then takes 55-115 ms. It adds
+13.6 MB to site/: Pyodide's pyodide.asm.wasm 9.6 MB, python_stdlib.zip 2.5 MB, its loader 1.3 MB, lab-calc.zip 0.13 MB.
+
 The site mirrors the repository, so a link between notebooks keeps working once .ipynb becomes .html:
 site/index.html (course/syllabus.md and the list of pages), site/chapters/*.html, site/exercises/*.html with
 the *.ipynb beside them to download (the released stubs of exercises/, never solutions/), site/static/.

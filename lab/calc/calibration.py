@@ -3,8 +3,10 @@ the model is checked against. Torch-free.
 
 What belongs here: every number `lab.calc.search` needs that is neither a chip's or a network's datasheet value
 (`lab.calc.hardware`, `lab.calc.network`) nor a count of the model (`lab.calc.flops`, `lab.calc.memory`): how
-close real kernels come to those peaks, how much of a collective hides, which software stack runs the step. And
-`RUNS`, the measurements the model must reproduce. Sources are given as a learner can open them: a paper's
+close real kernels come to those peaks, how much of a collective hides, which software stack runs the step, what a
+memory reading holds beyond the tensors (the allocator's reserve). And `RUNS`, the measurements the model must
+reproduce, each with what its framework ran (`Run.framework`, `Run.ac`: `lab.calc.search.reported_memory` counts
+its memory as that framework holds it). Sources are given as a learner can open them: a paper's
 table, a repository file, or lab's own recording in benchmarks/results/ (the GPU lane's JSON documents).
 
 Fitted or read off? Most constants are read off one measurement each (`fitted_on` empty). Three are fitted, and

@@ -297,7 +297,8 @@ def test_every_live_calculator_of_the_course_finds_its_cell() -> None:
 @pytest.mark.parametrize(("live", "said"), [
     ({"chapters/01_memory_and_compute.ipynb": [("memory_calculator()", "memory")]},
      "no code cell of chapters/01_memory_and_compute.ipynb contains 'memory_calculator()'"),
-    ({"chapters/99_gone.ipynb": [("x", "memory")]}, "names chapters/99_gone.ipynb, which is not a page")])
+    ({"chapters/99_gone.ipynb": [("x", "memory")]}, "names chapters/99_gone.ipynb, which is not a page")],
+    ids=["marker", "page"])
 def test_a_missing_marker_or_page_is_one_line_naming_it(course: Path, tmp_path: Path, live: dict, said: str) -> None:
     with pytest.raises(ValueError) as error:
         site.build(tmp_path / "site", repo=course / "repo", executed=course / "executed", vendor=course / "vendor",

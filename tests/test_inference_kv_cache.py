@@ -133,7 +133,7 @@ def test_bad_sampling_params_are_one_line(kwargs, message):
 
 @pytest.mark.parametrize("variant", ["gqa", "tied", "mla-no-q-lora"])
 def test_the_static_cache_of_cuda_graph_decoding_gives_the_same_tokens(variant):
-    """GraphedDecoder's static cache (all max_len slots, a mask by position tensor) against the growing cache;
+    """GraphedDecoder's static cache (max_len slots, a mask by position tensor) against the growing cache;
     on a CPU it runs eagerly, on CUDA each decode step is a graph replay (benchmarks/serving.py's GPU lane)."""
     from lab.inference.cuda_graph import GraphedDecoder
 
@@ -144,3 +144,41 @@ def test_the_static_cache_of_cuda_graph_decoding_gives_the_same_tokens(variant):
         decoder.generate(prompts, 30)
     with pytest.raises(ValueError, match="dense models"):
         GraphedDecoder(_model("moe+shared"), 1, 8)
+
+
+def _key_lengths(monkeypatch, run) -> tuple[list[int], list[int]]:
+    """Run `run()` with a spy on the attention call: the key length and the K+V bytes each call is given."""
+    lengths, nbytes = [], []
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        lengths.append(k.shape[-2])
+        nbytes.append(k.numel() * k.element_size() + v.numel() * v.element_size())
+        return attention(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    run()
+    return lengths, nbytes
+
+
+@pytest.mark.parametrize("bucket", [None, 8])
+def test_a_static_decode_step_reads_the_filled_slots_or_its_bucket_not_max_len(monkeypatch, bucket):
+    """Issue 36: the static cache reads keys and values up to the current length (eagerly, bucket 1) or to the end
+    of the length bucket a graph was captured for — bytes per step grow with the sequence, not with max_len — and
+    the tokens stay those of the growing cache."""
+    from lab.inference.cuda_graph import GraphedDecoder
+
+    model, prompts = _model("gqa"), _prompts(batch=1)
+    T, new, max_len = prompts.shape[1], 10, 256
+    expected = generate(model, prompts, SamplingParams(max_tokens=new))
+    decoder = GraphedDecoder(model, 1, max_len, bucket=bucket)
+    tokens = []
+    lengths, nbytes = _key_lengths(monkeypatch, lambda: tokens.append(decoder.generate(prompts, new)))
+    assert torch.equal(tokens[0], expected)
+    layers = len(lengths) // new                                          # one prefill, new - 1 decode steps
+    step = bucket or 1
+    spans = [T] + [-(-(p + 1) // step) * step for p in range(T, T + new - 1)]
+    assert lengths == [s for s in spans for _ in range(layers)]
+    assert spans[1:] == ([8, 16, 16, 16, 16, 16, 16, 16, 16] if bucket else list(range(T + 1, T + new)))
+    per_slot = nbytes[0] // T                                             # K and V of one position, all heads
+    assert nbytes == [s * per_slot for s in lengths] and max(nbytes) * 16 <= max_len * per_slot

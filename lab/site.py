@@ -45,6 +45,7 @@ import zipfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 from nbconvert import HTMLExporter
@@ -74,6 +75,7 @@ RUN_THE_TESTS = ("run `make test`, or only the chapters: "
                  ".venv/bin/python -m pytest -n 2 tests/test_notebooks.py -k chapters/")
 # a relative Markdown link to a notebook: [text](../exercises/05_context_parallel.ipynb#part)
 _NOTEBOOK_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s#]+)\.ipynb")
+_RELATIVE_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s#]+)")
 
 
 @dataclass
@@ -158,6 +160,21 @@ def _live_cells(pages: list[Page], live: dict[str, list[tuple[str, str]]]) -> di
     return cells
 
 
+def _linked_sources(pages: list[Page], repo: Path) -> list[Path]:
+    """The repository's files (not notebooks: they become pages; nothing of solutions/) that a page's Markdown links,
+    e.g. chapter 09's ../lab/inference/cuda_graph.py: the site holds a copy, so that the link keeps working."""
+    repo = repo.resolve()
+    found = set()
+    for page in pages:
+        for cell in (c for c in page.nb.cells if c.cell_type == "markdown"):
+            for link in _RELATIVE_LINK.findall(cell.source):
+                path = ((repo / page.source).parent / unquote(link)).resolve()
+                if (path.is_file() and path.suffix != ".ipynb" and path.is_relative_to(repo)
+                        and path.relative_to(repo).parts[0] != "solutions"):
+                    found.add(path.relative_to(repo))
+    return sorted(found)
+
+
 def _calc_zip(repo: Path, target: Path) -> None:
     """static/lab-calc.zip: the sources `python -m lab calc` runs, from `repo`, as the page's Python imports them."""
     with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
@@ -215,6 +232,9 @@ def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path 
         chapter = next((c for c in chapters if Path(c.source).name == Path(page.source).name), None)
         pages.append(_write(exporter, page, out, {"up": chapter and chapter.link}))
         shutil.copy2(repo / page.source, out / page.source)  # the download
+    for source in _linked_sources(chapters + exercises, repo):
+        (out / source).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / source, out / source)
     return pages
 
 

@@ -107,7 +107,7 @@ def course(tmp_path_factory: pytest.TempPathFactory, jupyter_env: dict[str, str]
     for i, name in enumerate(CHAPTERS):
         after = f"[the next chapter]({CHAPTERS[i + 1]}.ipynb)" if i + 1 < len(CHAPTERS) else "the end"
         intro = (f"# Chapter {i}: {name}\n\nOn to {after}, or [the exercises](../{EXERCISE}), "
-                 "or [down the page](#The-plot).\n\n## The plot")
+                 "or [down the page](#The-plot), or [the source](../lab/layout.py).\n\n## The plot")
         chapter = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(intro), *nb.cells],
                                            metadata=nb.metadata)
         clean = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(intro),

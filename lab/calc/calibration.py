@@ -261,10 +261,9 @@ _L3_PINS = {"dp": 64, "tp": 8, "pp": 16, "cp": 1, "pp_schedule": "interleaved", 
 _TITAN_PP = ("memory: FSDP under PP holds every weight of a stage gathered and its gradients unsharded in fp32 "
              "(search.reported_memory counts both), yet 1F1B measured 10 GiB more than interleaved, which holds "
              "more micro-batches in flight: what fills it, the model does not know")
-_MEG_WHY = ("throughput: the three rows come out 18-23 % fast alike, a factor they share: lab has no A100 "
-            "recording, so the GEMM plateau (74.5 %) and the attention and element-wise rates are the H100's "
-            "scaled by peak; a 2021 A100 plateau near 61 % would close it, but no recording sets it. Table 1 "
-            "gives no micro-batch sizes (the search chooses them)")
+_MEG_WHY = ("throughput: the three rows come out 18-23 % fast alike, a factor they share and the model does not "
+            "explain: lab has no A100 recording, so the GEMM plateau (74.5 %) and the attention and element-wise rates "
+            "are the H100's scaled by peak, and Table 1 gives no micro-batch sizes (the search chooses them)")
 _L3_DP = ("throughput: the gradients' reduce-scatter over 128 ranks, one per node, is priced at the playbook "
           "cluster's bus bandwidth for 64 nodes and more (a seventh of the NICs', NCCL's flat ring on 25 MiB "
           "buckets) and outlasts the cooldown by 2.5 s; Meta's NCCLX fabric hid it: the paper puts the 43 -> 41 % "

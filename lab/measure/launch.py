@@ -12,8 +12,9 @@ floor turns the roofline into three terms, time(op) ≈ max(launch floor, bytes 
 * `Machine`, `op_time`, `fusion_saving`, `this_cpu`: the roofline with a floor, and what fusing a chain into one
   launch saves (torch.compile's fusion and a CUDA graph's single launch both remove launches);
 * `profile_step`: torch.profiler over one step, the ops by self time and the Python time between them;
-* `read_kernel_trace`: a recorded GPU trace (Chrome JSON from torch.profiler) read as kernel times and the gaps
-  between kernels, the signature of a launch-bound step.
+* `read_kernel_trace`: a recorded GPU trace (Chrome JSON from torch.profiler, read by `trace_events`) as kernel
+  times and the gaps between kernels, the signature of a launch-bound step (`kernel_time` sorts the same kernels
+  by what they do).
 """
 
 from __future__ import annotations
@@ -207,12 +208,17 @@ class KernelTrace:
         return 1 - self.busy_s / self.span_s
 
 
+def trace_events(path: str | Path) -> list[dict]:
+    """The events of a Chrome trace written by torch.profiler (`.json` or `.json.gz`): kernels have cat "kernel"."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
 def read_kernel_trace(path: str | Path) -> KernelTrace:
     """Read a Chrome trace written by torch.profiler (`.json` or `.json.gz`) with CUDA activity. The kernels of all
     streams are taken in start order, so with several streams a gap is a gap on the device, not on one stream."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    events = trace_events(path)
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if len(kernels) < 2:
         raise ValueError(f"{path} holds {len(kernels)} kernel events, expected at least 2 (a trace with CUDA activity)")

@@ -11,8 +11,8 @@ categories, first match wins:
 * `matmul`: cuBLAS (nvjet, gemm, gemv, xmma, split-K reduction), CUTLASS, Triton and Inductor matmul templates,
   lab's Triton matmul; on a CPU profile, ATen's matmul ops;
 * `copy+cast`: copies and dtype conversions (`direct_copy_kernel`, `bfloat16_copy_kernel`, concatenation), and an
-  Inductor kernel that fuses nothing but casts and copies (Inductor names a kernel after every op it fuses) — the two cannot be told apart by name: a cast is a
-  copy that changes the dtype;
+  Inductor kernel that fuses nothing but casts and copies (Inductor names a kernel after every op it fuses); one
+  category, since a cast is a copy that changes the dtype and the two share kernels;
 * `elementwise`: ATen's elementwise and `multi_tensor_apply` kernels (the foreach optimizer is elementwise
   work over many tensors), fills, Inductor's pointwise kernels, lab's Triton SwiGLU and add;
 * `other`: reductions (norms, softmax, the loss), indexing, sorting, embedding backward, Inductor's fused

@@ -179,7 +179,8 @@ def _solution_only_lines(solution: Path, exercise: Path) -> set[str]:
         for line in source.splitlines():
             if line.strip() in (BEGIN, END):
                 inside = line.strip() == BEGIN
-            elif inside and line.strip() and line.strip() not in released:
+            # a line of brackets alone ("}", "])") gives nothing away, and any page's text has one
+            elif inside and re.search(r"\w", line) and line.strip() not in released:
                 lines.add(line.strip())
     return lines
 

@@ -4,8 +4,11 @@ with the search pinned to its layout. Goal: throughput within 15 %, memory withi
 why, and is held to its documented error, not a looser one. Then the ranking: where the recipes the field runs land
 among the layouts the search keeps, and which layouts the calibration's spread cannot tell apart."""
 
+import json
+
 import pytest
 
+from lab.calc import cli
 from lab.calc.calibration import ASYNC_TP, CONSTANTS, RUNS, SPREAD, STACKS
 from lab.calc.search import predict_run, predicted_over_measured, recipe_rank, search
 
@@ -147,3 +150,28 @@ def test_the_explorer_widget_reports_the_ties():
     ties = widget.result.ties
     assert f"{ties} {'layout ties' if ties == 1 else 'layouts tie'} with it" in widget.summary.value
     assert f"{widget.result.candidates[0].tokens_per_s_range[0]:,.0f}" in widget.summary.value
+
+
+@pytest.mark.parametrize("name", ["llama3-405b-16k-gpus", "titan-405b-3d-interleaved", "titan-8b-8gpu-eager"])
+def test_calc_search_run_prints_the_tables_prediction(name, capsys):
+    """`python -m lab calc search --run NAME` pins the search to a row of the table and prints the very ratios the
+    tests above hold to the goal, so that a reader can reproduce each row from the command line (three rows: Llama
+    3's 126 layers over 16 uneven stages, TorchTitan's 3D and 1D runs; every row takes the same path)."""
+    run = next(r for r in RUNS if r.name == name)
+    assert cli.main(["search", "--run", run.name, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    candidate, (throughput, memory) = _predicted(run)
+    assert printed["candidate"]["layout"] == candidate.layout
+    assert (printed["throughput_ratio"], printed["memory_ratio"]) == (throughput, memory)
+    measured = run.tokens_per_s_per_gpu or run.mfu
+    assert measured in printed["measured"].values()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["search", "--run", "titan-70b-2d", "--tp", "4"], "--run titan-70b-2d decides --tp itself: leave them out"),
+    (["search", "--gpus", "8"], "--model, --gbs-tokens required, or --run NAME"),
+])
+def test_calc_search_run_refuses_what_it_decides_itself(argv, line, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert line in err and "\n" not in err

@@ -6,6 +6,7 @@
     python -m lab calc comms --op all_reduce --ranks 16 --hardware h100 --bytes 256MiB
     python -m lab calc bubble --pp-schedule interleaved --pp 8 --grad-accum 32 --pp-chunks 2 --tf 1 --tb 2
     python -m lab calc search --model llama3-70b --gpus 256 --gpus-per-node 8 --hardware h100 --seq 8192 --gbs-tokens 4M
+    python -m lab calc search --run llama3-405b-16k-gpus      # pinned to a measured run: predicted vs measured
     python -m lab calc inference --model llama3-70b --hardware h100 --tp 8 --seq 8192 --batch 32 --kv-dtype int8
     python -m lab calc inference --model deepseek-v3 --hardware h100 --batch 16 --ep 32
 
@@ -23,7 +24,7 @@ import sys
 
 from lab.calc import inference, roofline
 from lab.calc.bubble import Simulation, closed_form, explore
-from lab.calc.calibration import ASYNC_TP, STACKS
+from lab.calc.calibration import ASYNC_TP, RUNS, STACKS
 from lab.calc.comms import ALGORITHMS as COMM_ALGORITHMS
 from lab.calc.comms import OPS as COMM_OPS
 from lab.calc.comms import collective_time
@@ -33,7 +34,7 @@ from lab.calc.memory import ACTIVATION_MODELS, PARAM_CONVENTIONS, PRECISIONS, es
 from lab.calc.network import SYSTEMS
 from lab.calc.params import param_breakdown
 from lab.calc.schedules import SCHEDULES
-from lab.calc.search import REASONS, search
+from lab.calc.search import REASONS, predict_run, predicted_over_measured, reported_memory, search
 from lab.config import PP_SCHEDULES, PRESETS, RECOMPUTE_MODES, ModelConfig, ParallelConfig
 from lab.layout import INTERLEAVED_CHUNKS, describe
 
@@ -229,15 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Enumerate dp (ZeRO 0-3), tp (+sp), pp (schedule, chunks), cp, ep, micro-batch, grad-accum "
                     "and recompute for --gpus GPUs; keep the layouts lab.train runs that fit --hardware's memory; "
                     "rank them by modelled tokens/s. A layout flag (--tp 8, --cp 1, ...) pins that setting.")
-    search.add_argument("--model", required=True, help=f"preset: {', '.join(PRESETS)}")
-    search.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    search.add_argument("--run", choices=[r.name for r in RUNS], default=None,
+                        help="pin everything to a measured run of the validation table (lab.calc.calibration.RUNS): "
+                             "its model, GPUs, batch, hardware, stack and layout; prints predicted against measured")
+    search.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (required without --run)")
+    search.add_argument("--gpus", type=int, help="GPUs in all (required without --run)")
     search.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
     search.add_argument("--hardware", choices=SEARCH_HARDWARE, default="h100",
                         help="the accelerator and its cluster design (default h100)")
     search.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    search.add_argument("--gbs-tokens", type=_tokens_arg, required=True,
+    search.add_argument("--gbs-tokens", type=_tokens_arg,
                         help="global batch in tokens, rounded to whole sequences: 4194304, 4e6, 1M, 4M "
-                             "(K, M, G = 2^10, 2^20, 2^30)")
+                             "(K, M, G = 2^10, 2^20, 2^30; required without --run)")
     for flag in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad-accum"):
         search.add_argument(f"--{flag}", type=int, default=None, help="pin it (default: searched)")
     search.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None, help="pin it (default: searched)")
@@ -461,6 +465,11 @@ def _roofline(cfg: ModelConfig, args: argparse.Namespace) -> int:
 def _search(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ValueError(f"top={args.top} must be an integer >= 1")
+    if args.run:
+        return _search_run(args)
+    missing = [f"--{name.replace('_', '-')}" for name in ("model", "gpus", "gbs_tokens") if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} required, or --run NAME (a measured run of lab.calc.calibration.RUNS)")
     pins = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "zero": args.zero,
             "mbs": args.mbs, "grad_accum": args.grad_accum, "pp_schedule": args.pp_schedule,
             "pp_virtual_stages": args.pp_chunks, "pp_layers": args.pp_layers, "recompute": args.recompute}
@@ -498,6 +507,38 @@ def _search(args: argparse.Namespace) -> int:
         reason, message = why.main_reason()
         counts = ", ".join(f"{n} {r}" for r, n in sorted(why.counts.items(), key=lambda rn: REASONS.index(rn[0])))
         print(f"  {family:<22} {why.total:>3} rejected ({counts}): {message}")
+    return 0
+
+
+def _search_run(args: argparse.Namespace) -> int:
+    """The search pinned to a measured run (`search.predict_run`), beside what the run measured."""
+    defaults = vars(build_parser().parse_args(["search", "--run", args.run]))
+    given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k not in ("json", "top") and v != defaults[k]]
+    if given:
+        raise ValueError(f"--run {args.run} decides {', '.join(given)} itself: leave them out")
+    run = next(r for r in RUNS if r.name == args.run)
+    candidate = predict_run(run)
+    throughput, memory = predicted_over_measured(run, candidate)
+    reported = reported_memory(run, candidate)["total"] / 2**30
+    measured = {"tokens_per_s_per_gpu": run.tokens_per_s_per_gpu, "mfu": run.mfu, "memory_gib": run.memory_gib}
+    if args.json:
+        print(json.dumps({"run": run.name, "source": run.source, "measured": measured, "candidate": candidate.as_dict(),
+                          "reported_memory_gib": reported, "throughput_ratio": throughput, "memory_ratio": memory,
+                          "goal_error": run.goal_error, "memory_error": run.memory_error, "why": run.why}))
+        return 0
+    print(f"{run.name}: {run.source}")
+    print(f"  pinned: {candidate.layout}, micro-batch {candidate.mbs}, {run.gpus:,} GPUs, seq {run.seq}, "
+          f"{run.stack} stack")
+    if run.tokens_per_s_per_gpu:
+        print(f"  tokens/s/GPU: predicted {candidate.tokens_per_s_per_gpu:,.0f}, measured "
+              f"{run.tokens_per_s_per_gpu:,.0f} (predicted/measured {throughput:.2f})")
+    else:
+        print(f"  MFU: predicted {candidate.mfu:.1%}, measured {run.mfu:.1%} (predicted/measured {throughput:.2f})")
+    if memory is not None:
+        print(f"  memory per GPU as the run reports it: predicted {reported:.1f} GiB, measured "
+              f"{run.memory_gib:.1f} GiB (predicted/measured {memory:.2f})")
+    if run.why:
+        print(f"  outside the goal (throughput +-15 %, memory +-10 %) because: {run.why}")
     return 0
 
 

@@ -249,9 +249,11 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, promote_every: int | None, acc
 
 
 @functools.cache
-def _scaled_mm_works(device: str, granularity: str, a_dtype: torch.dtype, b_dtype: torch.dtype) -> bool:
+def _scaled_mm_works(device: str, granularity: str, a_dtype: torch.dtype, b_dtype: torch.dtype,
+                     out_dtype: torch.dtype = torch.float32) -> bool:
     """Probe once per (device, granularity, dtypes) whether torch._scaled_mm runs and is right, instead of
-    assuming: its support differs by device, torch version and dtype pair (e5m2×e5m2 is refused on CUDA)."""
+    assuming: its support differs by device, torch version, dtype pair (e5m2×e5m2 is refused on CUDA) and output
+    dtype (CUDA's rowwise kernel has written bf16 only)."""
     if granularity not in ("tensor", "row") or not hasattr(torch, "_scaled_mm"):
         return False
     m, k, n = 16, 32, 16
@@ -260,26 +262,30 @@ def _scaled_mm_works(device: str, granularity: str, a_dtype: torch.dtype, b_dtyp
     sa, sb = (torch.ones((), device=device),) * 2 if granularity == "tensor" else \
         (torch.full((m, 1), 2.0, device=device), torch.full((1, n), 0.5, device=device))
     try:
-        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     except (RuntimeError, NotImplementedError, ValueError):          # CUDA refuses e5m2×e5m2 with ValueError
         return False
-    return bool(torch.equal(out.cpu(), torch.full((m, n), float(k))))
+    return bool(torch.equal(out.cpu(), torch.full((m, n), float(k), dtype=out_dtype)))
 
 
-def scaled_mm_supported(a_fp8: torch.Tensor, b_fp8: torch.Tensor, a_scaling: Scaling, b_scaling: Scaling) -> bool:
+def scaled_mm_supported(a_fp8: torch.Tensor, b_fp8: torch.Tensor, a_scaling: Scaling, b_scaling: Scaling,
+                        out_dtype: torch.dtype = torch.float32) -> bool:
     """Whether `fp8_matmul` can hand this GEMM to torch._scaled_mm: both operands tensorwise or both rowwise,
     the probe passes on this device, and on CUDA the dims are multiples of 16 (cuBLASLt's FP8 rule)."""
     if a_scaling.granularity != b_scaling.granularity:
         return False
     if a_fp8.device.type == "cuda" and any(d % 16 for d in (*a_fp8.shape, b_fp8.shape[0])):
         return False
-    return _scaled_mm_works(a_fp8.device.type, a_scaling.granularity, a_fp8.dtype, b_fp8.dtype)
+    return _scaled_mm_works(a_fp8.device.type, a_scaling.granularity, a_fp8.dtype, b_fp8.dtype, out_dtype)
 
 
 def fp8_matmul(a_fp8: torch.Tensor, a_scale: torch.Tensor, b_fp8: torch.Tensor, b_scale: torch.Tensor,
                a_scaling: Scaling, b_scaling: Scaling, promote_every: int | None = 128, *,
-               accum_bits: int | None = ACCUM_BITS, backend: str = "auto") -> torch.Tensor:
-    """a @ b.T in float32 for FP8 operands a (M, K) and b (N, K), each with its own groups of scales.
+               accum_bits: int | None = ACCUM_BITS, backend: str = "auto",
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a @ b.T for FP8 operands a (M, K) and b (N, K), each with its own groups of scales, accumulated in float32
+    and returned in `out_dtype` (bf16 for a bf16 model: torch._scaled_mm rounds in its epilogue, where a float32
+    result would cost a cast kernel and twice the bytes; on CPU both give the same bits).
 
     backend "emulate": dequantise each operand (every group divided by its scale: exact products in float32),
     then sum over K in chunks of `promote_every`, each chunk accumulated with `accum_bits` significant bits
@@ -306,15 +312,15 @@ def fp8_matmul(a_fp8: torch.Tensor, a_scale: torch.Tensor, b_fp8: torch.Tensor, 
     if backend == "scaled_mm" and pair not in (("tensor", "tensor"), ("row", "row")):
         raise ValueError(f"backend='scaled_mm' takes tensorwise or rowwise pairs, got {pair}: use 'emulate'")
     use_scaled_mm = backend == "scaled_mm" or (
-        backend == "auto" and scaled_mm_supported(a_fp8, b_fp8, a_scaling, b_scaling))
+        backend == "auto" and scaled_mm_supported(a_fp8, b_fp8, a_scaling, b_scaling, out_dtype))
     if use_scaled_mm:
         sa, sb = a_scale.float().reciprocal(), b_scale.float().reciprocal()
         if a_scaling.granularity == "row":
             sa, sb = sa.reshape(-1, 1).contiguous(), sb.reshape(1, -1).contiguous()
-        return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     a = dequantize(a_fp8, a_scale, a_scaling)
     b = dequantize(b_fp8, b_scale, b_scaling)
-    return _accumulate(a, b, promote_every, accum_bits)
+    return _accumulate(a, b, promote_every, accum_bits).to(out_dtype)
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

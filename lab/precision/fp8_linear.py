@@ -98,7 +98,7 @@ class _FP8MatmulFunction(torch.autograd.Function):
         sx, sw = owner.recipe.output
         qx, scx = owner.quantize("output.x", x2, sx)
         qw, scw = owner.quantize("output.w", weight, sw)
-        y = owner.matmul(qx, scx, qw, scw, sx, sw)
+        y = owner.matmul(qx, scx, qw, scw, sx, sw, x.dtype)
         # Keep FP8 copies where the backward can reuse them (a quarter of the bytes of fp32), else the
         # high-precision tensor to quantise again in the other orientation.
         reuse_x = owner.recipe.grad_weight[1] == sx and _transposable(sx)
@@ -106,7 +106,7 @@ class _FP8MatmulFunction(torch.autograd.Function):
         x_parts, w_parts = (qx, scx) if reuse_x else (x2,), (qw, scw) if reuse_w else (weight,)
         ctx.owner, ctx.x_shape, ctx.w_dtype, ctx.n_x = owner, x.shape, weight.dtype, len(x_parts)
         ctx.save_for_backward(*x_parts, *w_parts)
-        return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # noqa: ANN001
@@ -119,13 +119,13 @@ class _FP8MatmulFunction(torch.autograd.Function):
             sdy, swt = owner.recipe.grad_input
             q_dy = owner.quantize("grad_input.dy", dy2, sdy)
             qwt, scwt = _transpose(*ws) if len(ws) == 2 else owner.quantize("grad_input.wt", ws[0].t(), swt)
-            dx = owner.matmul(*q_dy, qwt, scwt, sdy, swt).reshape(ctx.x_shape).to(dy.dtype)
+            dx = owner.matmul(*q_dy, qwt, scwt, sdy, swt, dy.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:                                          # dW = dyᵀ · x = dyᵀ @ (xᵀ)ᵀ
             sdyt, sxt = owner.recipe.grad_weight
             reuse_dy = q_dy is not None and sdyt == owner.recipe.grad_input[0] and _transposable(sdyt)
             qdyt, scdyt = _transpose(*q_dy) if reuse_dy else owner.quantize("grad_weight.dyt", dy2.t(), sdyt)
             qxt, scxt = _transpose(*xs) if len(xs) == 2 else owner.quantize("grad_weight.xt", xs[0].t(), sxt)
-            dw = owner.matmul(qdyt, scdyt, qxt, scxt, sdyt, sxt).to(ctx.w_dtype)
+            dw = owner.matmul(qdyt, scdyt, qxt, scxt, sdyt, sxt, ctx.w_dtype)
         return dx, dw, None
 
 
@@ -167,9 +167,10 @@ class FP8Matmul:
         return q
 
     def matmul(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-               a_scaling: Scaling, b_scaling: Scaling) -> torch.Tensor:
+               a_scaling: Scaling, b_scaling: Scaling, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One GEMM, its result in `out_dtype` (the dtype of the tensor it becomes: no separate cast)."""
         return fp8_matmul(a, sa, b, sb, a_scaling, b_scaling, self.promote_every,
-                          accum_bits=self.accum_bits, backend=self.backend)
+                          accum_bits=self.accum_bits, backend=self.backend, out_dtype=out_dtype)
 
     def __repr__(self) -> str:
         return f"FP8Matmul({self.recipe})"

@@ -12,6 +12,7 @@ A chapter that runs is saved, outputs and widget state included, under build/exe
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -150,3 +151,6 @@ def test_notebook_is_stored_clean(path: Path) -> None:
     assert not dirty, (f"{_rel(path)}: cells {dirty} are stored with outputs or execution counts; "
                        f"clear them (JupyterLab: Edit > Clear Outputs of All Cells, then save)")
     assert "widgets" not in nb.metadata, f"{_rel(path)}: saved widget state in metadata.widgets; remove it"
+    stored = json.loads(path.read_text(encoding="utf-8"))  # nbformat.read adds missing ids, with a warning
+    no_id = [index for index, cell in enumerate(stored["cells"]) if "id" not in cell]
+    assert not no_id, f"{_rel(path)}: cells {no_id} have no id (nbformat 4.5 wants one; JupyterLab adds it on save)"

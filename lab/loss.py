@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.config import ModelConfig
-from lab.model import moe_losses
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,5 +90,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 def router_loss(module: nn.Module, cfg: ModelConfig) -> torch.Tensor:
     """The load-balancing and z losses of `module`'s MoE layers after its forward (the model, or a pipeline
     stage's chunk), with the weights `cfg` gives them: what is added to the cross-entropy before backward."""
+    from lab.model import moe_losses  # deferred: lab.model imports this module for its chunked loss
+
     aux, z = moe_losses(module)
     return cfg.aux_loss_coef * aux + cfg.z_loss_coef * z

@@ -27,12 +27,36 @@ from torch.utils.checkpoint import checkpoint
 
 from lab.config import RECOMPUTE_MODES, ModelConfig
 from lab.layout import expert_capacity
+from lab.loss import chunked_cross_entropy
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x²) + eps) · weight over the last dim, the statistics in float32 whatever x's dtype."""
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return normed.type_as(x) * weight
+    """x / sqrt(mean(x²) + eps) · weight over the last dim, the statistics in float32 whatever x's dtype; the
+    normalised x is rounded to x's dtype before the weight multiplies it."""
+    return _Normalize.apply(x, eps) * weight
+
+
+class _Normalize(torch.autograd.Function):
+    """x / sqrt(mean(x²) + eps), keeping for backward only what the statistic needs: x as it is and the (rows, 1)
+    fp32 reciprocal root — no fp32 copy of x, which autograd's own graph of `x.float()…` would save.
+
+    Only the mean of squares needs fp32 (a bf16 sum of d squares keeps 8 bits): `vector_norm(dtype=float32)` squares
+    and sums x's elements in fp32 inside one reduction. x times that statistic is rounded once to x's dtype, as when
+    the whole row went through fp32; the backward, rstd·(g − x̂·mean(g·x̂)), is computed in fp32 too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        fp32_or_wider = torch.promote_types(x.dtype, torch.float32)
+        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=fp32_or_wider).square() / x.shape[-1]
+        rstd = torch.rsqrt(mean_square + eps)
+        ctx.save_for_backward(x, rstd)
+        return (x * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, rstd = ctx.saved_tensors
+        normed, grad = x * rstd, grad.to(rstd.dtype)
+        return (rstd * (grad - normed * (grad * normed).mean(-1, keepdim=True))).to(x.dtype), None
 
 
 class RMSNorm(nn.Module):
@@ -90,10 +114,13 @@ def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (first half, second half) pairs of the last dim of x (B, H, T, D) — the Hugging Face layout."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """Rotate (first half, second half) pairs of the last dim of x (B, H, T, D) — the Hugging Face layout — in x's
+    dtype when cos and sin are given in it (`Transformer.forward` casts the tables once per forward, as Hugging
+    Face's Llama does): a rotation sums two products, nothing there needs fp32's accumulation, and a bf16 model's
+    q and k make no fp32 round trip. fp32 tables give an fp32 rotation, rounded once to x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.type_as(x)
+    return rotated.to(x.dtype)
 
 
 class LayerCache(Protocol):
@@ -357,10 +384,13 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCacheLike | None = None
-                ) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage without the embedding gets hidden
-        states (B, T, d_model) instead and, without the output layer, returns hidden states.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCacheLike | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab), or with `targets` (B, T) the mean next-token loss (nanoGPT's
+        `model(idx, targets)`), computed from the final hidden states and the output weight chunk by chunk of tokens
+        (`lab.loss.chunked_cross_entropy`): the batch's fp32 logits never exist, only a chunk's. A pipeline stage
+        without the embedding gets hidden states (B, T, d_model) instead and, without the output layer, returns
+        hidden states.
         `positions` (T,) defaults to 0..T-1; context parallelism passes the positions of its chunks; inference
         passes (B, T), each sequence's own, with a `cache` (`lab.inference`) whose `layer(i)` each block's
         attention stores its keys and values in and attends over."""
@@ -368,7 +398,7 @@ class Transformer(nn.Module):
         if positions is None:  # from the input, not h: sequence parallelism hands the blocks a shard of h
             positions = torch.arange(tokens.shape[1], device=h.device)
         rope_dim = self.cfg.qk_rope_head_dim if self.cfg.attention == "mla" else self.cfg.head_dim
-        cos, sin = rope_angles(positions, rope_dim, self.cfg.rope_theta)
+        cos, sin = (table.to(h.dtype) for table in rope_angles(positions, rope_dim, self.cfg.rope_theta))
         for name, block in self.layers.items():
             if cache is not None:
                 h = block(h, cos, sin, cache.layer(int(name)))
@@ -378,7 +408,15 @@ class Transformer(nn.Module):
                 h = block(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is None:
+            return self.output(h)
+        if self.output.weight.shape[0] != self.cfg.vocab_size:
+            raise ValueError(f"targets given to an output layer of {self.output.weight.shape[0]} of the "
+                             f"{self.cfg.vocab_size} vocabulary rows (a TP shard): take its logits to "
+                             "lab.parallel.tp.vocab_parallel_cross_entropy")
+        return chunked_cross_entropy(h, self.output.weight, targets)
 
 
 def set_recompute(model: Transformer, mode: str) -> None:

@@ -1,6 +1,7 @@
 """The model: parameter counts equal lab.calc's, weights do not depend on the layout, recompute is exact."""
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -164,3 +165,68 @@ def test_every_weight_matrix_is_multiplied_through_the_linear_seam(variant):
     matrices = {id(p) for n, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in n}
     matrices.add(id(model.output.weight))  # tied, it is the embedding's (listed once, under the embedding's name)
     assert {id(w) for w in seen} == matrices
+
+
+@pytest.mark.parametrize("variant", ["gqa", "tied"])
+def test_targets_give_the_loss_of_the_logits_without_them(variant):
+    """`model(tokens, targets=...)` (the chunked loss) is the cross-entropy of `model(tokens)`'s logits, and every
+    parameter's gradient is the same — the output weight's, tied to the embedding or not, included — by the
+    kernels' error-ratio rule against the model in float64."""
+    from lab.kernels.accuracy import assert_error_ratio
+    from lab.loss import cross_entropy
+
+    cfg = SMALL_VARIANTS[variant]
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, cfg.vocab_size, (2, 2, 16), generator=gen)
+
+    def loss_and_grads(dtype: torch.dtype, chunked: bool) -> list[torch.Tensor]:
+        model = materialize(build_model(cfg), "cpu", seed=0).to(dtype)
+        loss = model(tokens, targets=targets) if chunked else cross_entropy(model(tokens), targets)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    reference = loss_and_grads(torch.float64, chunked=False)
+    for i, (got, torch_own, ref) in enumerate(zip(loss_and_grads(torch.float32, True),
+                                                  loss_and_grads(torch.float32, False), reference, strict=True)):
+        assert_error_ratio(f"{variant}: {'loss' if i == 0 else f'parameter {i - 1} gradient'}", got, torch_own, ref)
+
+
+def test_targets_on_a_vocabulary_shard_are_refused():
+    cfg = SMALL_VARIANTS["gqa"]
+    model = materialize(build_model(cfg), "cpu", seed=0)
+    model.output.weight = torch.nn.Parameter(model.output.weight[: cfg.vocab_size // 2].detach())  # as a TP shard
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"output layer of {cfg.vocab_size // 2} of the {cfg.vocab_size} vocabulary"):
+        model(tokens, targets=tokens)
+
+
+def test_bf16_norms_and_rope_keep_no_fp32_copy_of_the_activations():
+    """In a bf16 model only a norm's (rows, 1) statistic and the RoPE tables' angles are fp32: no fp32 tensor of an
+    activation's size is saved for backward (the old `rms_norm` kept two fp32 copies of x, `apply_rope` upcast q
+    and k), and one is made per norm, transiently (x times the statistic, rounded once to bf16)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lab.model import RMSNorm
+
+    cfg = SMALL_VARIANTS["gqa"]
+    model = materialize(build_model(cfg), "cpu", seed=0).to(torch.bfloat16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    activation_size = tokens.numel() * cfg.head_dim  # the smallest activation: one head of q or k
+    saved, made = [], []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() >= activation_size:
+                made.append(func)
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Record():
+        model(tokens)
+    assert [t for t in saved if t.dtype == torch.float32 and t.numel() >= activation_size] == []
+    norms = sum(isinstance(m, RMSNorm) for m in model.modules())
+    assert len(made) == norms, f"fp32 activation-sized tensors made: {Counter(map(str, made))}, not one per norm"

@@ -249,6 +249,7 @@ def _accumulate(a: torch.Tensor, b: torch.Tensor, promote_every: int | None, acc
 
 
 @functools.cache
+@torch.compiler.assume_constant_result  # torch.compile runs the probe once while tracing, as a constant
 def _scaled_mm_works(device: str, granularity: str, a_dtype: torch.dtype, b_dtype: torch.dtype,
                      out_dtype: torch.dtype = torch.float32) -> bool:
     """Probe once per (device, granularity, dtypes) whether torch._scaled_mm runs and is right, instead of

@@ -182,3 +182,20 @@ def test_a_static_decode_step_reads_the_filled_slots_or_its_bucket_not_max_len(m
     assert spans[1:] == ([8, 16, 16, 16, 16, 16, 16, 16, 16] if bucket else list(range(T + 1, T + new)))
     per_slot = nbytes[0] // T                                             # K and V of one position, all heads
     assert nbytes == [s * per_slot for s in lengths] and max(nbytes) * 16 <= max_len * per_slot
+
+
+def test_the_compiled_decode_step_traces_as_one_graph_and_gives_the_same_tokens():
+    """CompiledDecoder (gpt-fast's torch.compile'd step over the full static cache): dynamo's eager backend checks on
+    a CPU that the step is one graph (fullgraph=True raises at a break), without Inductor's C++ build."""
+    import torch._dynamo
+
+    from lab.inference.cuda_graph import CompiledDecoder
+
+    model, prompts = _model("gqa"), _prompts(batch=1)
+    torch._dynamo.reset()
+    decoder = CompiledDecoder(model, 1, max_len=24, backend="eager")
+    expected = generate(model, prompts, SamplingParams(max_tokens=8))
+    assert torch.equal(decoder.generate(prompts, 8), expected)
+    assert torch.equal(decoder.generate(prompts, 8), expected)  # a second prompt reuses the step and the cache
+    with pytest.raises(ValueError, match="7 prompt \\+ 30 new tokens exceed the cache's max_len=24"):
+        decoder.generate(prompts, 30)

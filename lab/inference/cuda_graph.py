@@ -26,6 +26,11 @@ Reading every max_len slot under a mask, as gpt-fast's static cache does (its mo
 
 On a CPU there is no graph: the same static cache runs eagerly, each step reading exactly the filled positions
 (bucket 1), or the buckets it is given (the tests check both equal the growing cache).
+
+`CompiledDecoder` is the other way to the same end, gpt-fast's (generate.py, `decode_one_token` under
+`torch.compile(mode="reduce-overhead", fullgraph=True)`): Inductor fuses the step's elementwise ops and captures
+it in a CUDA graph itself, over the static cache at its full max_len span (one shape, one graph) — the
+comparison the GPU lane records beside `GraphedDecoder`.
 Dense models only: an MoE layer's routing has data-dependent shapes, which a graph cannot hold.
 """
 
@@ -147,5 +152,47 @@ class GraphedDecoder:
         new = [token]
         for i in range(max_tokens - 1):
             token = self.decode(token, T + i).argmax(-1, keepdim=True)
+            new.append(token)
+        return torch.cat(new, dim=1)
+
+
+class CompiledDecoder:
+    """Greedy decoding with one `torch.compile`d decode step over the whole static cache (gpt-fast's method).
+
+    `compile_options` go to torch.compile; the default, {"mode": "reduce-overhead"}, fuses and captures a CUDA
+    graph on a GPU (a CPU test passes {"backend": "eager"}: it checks that the step traces as one graph). The
+    cache and the token and position buffers are marked static, so that the graph reads and writes them in place
+    (HF transformers marks its StaticCache the same way) instead of copying them in on every replay."""
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int, **compile_options: object) -> None:
+        if any(type(m).__name__ == "MoE" for m in model.modules()):
+            raise ValueError("CompiledDecoder decodes dense models: an MoE layer's routing has data-dependent shapes")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.cache = StaticKVCache(batch, max_len, self.device)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.step = torch.compile(self._step, fullgraph=True, **(compile_options or {"mode": "reduce-overhead"}))
+
+    def _step(self) -> torch.Tensor:
+        return self.model(self.token, self.position, self.cache)[:, -1]
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, max_tokens: int) -> torch.Tensor:
+        """Greedy continuation of `prompts` (batch, T) by `max_tokens` tokens: an eager prefill (which allocates
+        the cache), then the compiled step once per token."""
+        T = prompts.shape[1]
+        if T + max_tokens > self.cache.max_len:
+            raise ValueError(f"{T} prompt + {max_tokens} new tokens exceed the cache's max_len={self.cache.max_len}")
+        self.cache.positions, self.cache.span = torch.arange(T, device=self.device), T
+        token = self.model(prompts, self.cache.positions, self.cache)[:, -1].argmax(-1, keepdim=True)
+        for t in (*self.cache.keys.values(), *self.cache.values.values(), self.token, self.position):
+            torch._dynamo.mark_static_address(t)
+        self.cache.positions, self.cache.span = self.position, self.cache.max_len
+        new = [token]
+        for i in range(max_tokens - 1):
+            self.token.copy_(token)
+            self.position.fill_(T + i)
+            token = self.step().argmax(-1, keepdim=True)
             new.append(token)
         return torch.cat(new, dim=1)

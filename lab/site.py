@@ -18,7 +18,8 @@ none of them: html-manager's standalone dist/embed.js (no require.js needed) and
 @jupyter-widgets/html-manager and mathjax (versions pinned in the Makefile).
 
 Live calculators: the pages named in LIVE_CALCULATORS get a `<div class="live-calc">` after the calculator's cell,
-which static/live.js fills with controls computed by `window.lab.calc` (static/lab-calc.js): `python -m lab calc`
+and site/calculators.html holds all of them on one page (each under its title, with a link to its chapter's section);
+static/live.js fills them with controls computed by `window.lab.calc` (static/lab-calc.js): `python -m lab calc`
 itself, run by Pyodide (CPython in WebAssembly, the npm package `pyodide`, unpacked by `make site` like the others)
 in a Web Worker, from static/lab-calc.zip, which `build` zips from this checkout's lab.calc, lab.config and
 lab.layout (pure Python: no torch, no numpy, no package from Pyodide's repository). Browsers refuse workers and
@@ -30,8 +31,9 @@ the runtime is ready 4-8 s after the first call on a page, cold or cached, and a
 13.6 MB to site/: Pyodide's pyodide.asm.wasm 9.6 MB, python_stdlib.zip 2.5 MB, its loader 1.3 MB, lab-calc.zip 0.13 MB.
 
 The site mirrors the repository, so a link between notebooks keeps working once .ipynb becomes .html:
-site/index.html (course/syllabus.md and the list of pages), site/chapters/*.html, site/exercises/*.html with
-the *.ipynb beside them to download (the released stubs of exercises/, never solutions/), site/static/.
+site/index.html (course/syllabus.md and the list of pages), site/calculators.html, site/chapters/*.html,
+site/exercises/*.html with the *.ipynb beside them to download (the released stubs of exercises/, never solutions/),
+site/static/.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ import zipfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from urllib.parse import unquote
+from typing import TYPE_CHECKING, NamedTuple
+from urllib.parse import quote, unquote
 
-import nbformat
-from nbconvert import HTMLExporter
+if TYPE_CHECKING:  # imported where pages are built: `--serve` prints its URL without them (nbformat alone takes ~1 s)
+    import nbformat
+    from nbconvert import HTMLExporter
 
 REPO = Path(__file__).resolve().parents[1]
 EXECUTED = REPO / "build" / "executed"
@@ -60,15 +64,43 @@ VENDORED = ("html-manager/embed.js", "mathjax/tex-svg-full.js", "pyodide/pyodide
 # (tests/test_site.py checks the CLI needs nothing else, and that none of it imports torch or numpy).
 CALC_SOURCES = ("lab/__init__.py", "lab/calc/*.py", "lab/config.py", "lab/layout.py")
 SERVE_PORT = 8000
-# Live calculators: a page (its notebook) -> [(marker, name)]: after the first code cell whose source contains
-# `marker`, the page gets <div class="live-calc" data-calc="name">, which static/live.js fills from static/live/name.js.
-LIVE_CALCULATORS: dict[str, list[tuple[str, str]]] = {
-    "chapters/01_memory_and_compute.ipynb": [("memory_calculator()", "memory")],
-    "chapters/02_collectives.ipynb": [("ring_steps(", "comms")],
-    "chapters/06_pipeline_parallel.ipynb": [("pipeline_explorer()", "bubble")],
-    "chapters/08_5d_parallelism.ipynb": [("config_explorer(", "search")],
-    "chapters/11_inference.ipynb": [("inference_explorer(", "inference")],
+
+
+class Live(NamedTuple):
+    """A live calculator: after the first code cell of its page whose source contains `marker`, the page gets
+    <div class="live-calc" data-calc="name">, which static/live.js fills from static/live/name.js. calculators.html
+    shows it under `title`, with `what` (one line: what it computes) and a link to the section of that cell."""
+
+    marker: str
+    name: str
+    title: str
+    what: str
+
+
+# The live calculators, by page (its notebook): the chapter pages and calculators.html are written from this table.
+LIVE_CALCULATORS: dict[str, list[Live]] = {
+    "chapters/01_memory_and_compute.ipynb": [Live(
+        "memory_calculator()", "memory", "Memory per GPU",
+        "What the fullest GPU holds while training (parameters, gradients, optimizer states, activations) for a "
+        "model, a layout and a chip, against the chip's memory.")],
+    "chapters/02_collectives.ipynb": [Live(  # the cell whose numbers are the calculator's defaults
+        'system="h100", algorithm=algorithm)', "comms", "Collective cost",
+        "The α–β time of one collective on a cluster, and its time against the message size for the ring, tree "
+        "and hierarchical algorithms: where latency bounds it and where bandwidth does.")],
+    "chapters/06_pipeline_parallel.ipynb": [Live(
+        "pipeline_explorer()", "bubble", "Pipeline bubble",
+        "A pipeline schedule (AFAB, 1F1B, interleaved, zero bubble) played op by op: its timeline, bubble ratio "
+        "and the activations each rank holds at its peak.")],
+    "chapters/08_5d_parallelism.ipynb": [Live(
+        "config_explorer(", "search", "Training layout search",
+        "The layouts (dp, tp, pp, cp, ep, ZeRO) of a model on a cluster that fit in memory, ranked by modelled "
+        "tokens/s, and why the others do not run.")],
+    "chapters/11_inference.ipynb": [Live(
+        "inference_explorer(", "inference", "Inference step",
+        "One decode step's time and tokens/s against the batch on a chip's roofline, the critical batch where "
+        "it turns compute-bound, the KV cache per token and the prefill time.")],
 }
+CALCULATORS_PAGE = "calculators.html"
 # What `make course` serves (its default PORT); each page links its notebook there.
 LAB_URL = "http://localhost:8888/lab/tree/"
 RUN_THE_TESTS = ("run `make test`, or only the chapters: "
@@ -76,6 +108,7 @@ RUN_THE_TESTS = ("run `make test`, or only the chapters: "
 # a relative Markdown link to a notebook: [text](../exercises/05_context_parallel.ipynb#part)
 _NOTEBOOK_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s#]+)\.ipynb")
 _RELATIVE_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s#]+)")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.MULTILINE)
 
 
 @dataclass
@@ -103,6 +136,8 @@ def _title(nb: nbformat.NotebookNode, fallback: str) -> str:
 
 def _executed_chapters(repo: Path, executed: Path) -> list[Page]:
     """The executed copy of every chapter in repo/chapters/; ValueError (one line) naming those missing or stale."""
+    import nbformat
+
     pages, missing, stale = [], [], []
     for path in sorted((repo / "chapters").glob("*.ipynb")):
         rel = path.relative_to(repo).as_posix()
@@ -124,14 +159,20 @@ def _executed_chapters(repo: Path, executed: Path) -> list[Page]:
 
 def _exercises(repo: Path) -> list[Page]:
     """The released stubs, as they are (not executed): what a learner downloads."""
+    import nbformat
+
     notebooks = {path: nbformat.read(path, as_version=4) for path in sorted((repo / "exercises").glob("*.ipynb"))}
     return [Page(path.relative_to(repo).as_posix(), nb, _title(nb, path.stem)) for path, nb in notebooks.items()]
 
 
 def _index(repo: Path, chapters: list[Page], exercises: list[Page]) -> Page:
     """The syllabus, then a link to every page: one markdown notebook, converted like the others."""
+    import nbformat
+
     by_stem = {Path(page.source).stem: page for page in exercises}
-    lines = ["## Read the course", ""]
+    lines = ["## Read the course", "",
+             f"[All the calculators on one page]({CALCULATORS_PAGE}): computed in your browser by the code of "
+             "`python -m lab calc` when the site is served (`make site-serve`).", ""]
     for page in chapters:
         line = f"- [{page.title}]({page.html})"
         if (exercise := by_stem.get(Path(page.source).stem)) is not None:
@@ -142,22 +183,58 @@ def _index(repo: Path, chapters: list[Page], exercises: list[Page]) -> Page:
     return Page("index.ipynb", nbformat.v4.new_notebook(cells=cells), "Ultra-Scale Lab")
 
 
-def _live_cells(pages: list[Page], live: dict[str, list[tuple[str, str]]]) -> dict[str, dict[int, list[str]]]:
-    """page source -> {index of the cell a live calculator follows: its names}; ValueError (one line) naming a page
-    that is not in the site or a marker that no code cell of its page contains."""
+def _live_cells(pages: list[Page], live: dict[str, list[Live]]) -> dict[str, dict[int, list[Live]]]:
+    """page source -> {index of the cell live calculators follow: those calculators}; ValueError (one line) naming a
+    page that is not in the site or a marker that no code cell of its page contains."""
     by_source = {page.source: page for page in pages}
-    cells: dict[str, dict[int, list[str]]] = {}
+    cells: dict[str, dict[int, list[Live]]] = {}
     for source, entries in live.items():
         if source not in by_source:
             raise ValueError(f"LIVE_CALCULATORS names {source}, which is not a page of the site")
-        for marker, name in entries:
+        for calculator in entries:
             index = next((i for i, cell in enumerate(by_source[source].nb.cells)
-                          if cell.cell_type == "code" and marker in cell.source), None)
+                          if cell.cell_type == "code" and calculator.marker in cell.source), None)
             if index is None:
-                raise ValueError(f"LIVE_CALCULATORS: no code cell of {source} contains {marker!r} (the {name} "
-                                 f"calculator goes after it): fix the marker in lab/site.py")
-            cells.setdefault(source, {}).setdefault(index, []).append(name)
+                raise ValueError(f"LIVE_CALCULATORS: no code cell of {source} contains {calculator.marker!r} (the "
+                                 f"{calculator.name} calculator goes after it): fix the marker in lab/site.py")
+            cells.setdefault(source, {}).setdefault(index, []).append(calculator)
     return cells
+
+
+def _section(nb: nbformat.NotebookNode, index: int) -> str | None:
+    """The last Markdown heading above cell `index` (the section a calculator sits in), or None."""
+    headings = [heading for cell in nb.cells[:index] if cell.cell_type == "markdown"
+                for heading in _HEADING.findall(cell.source)]
+    return headings[-1] if headings else None
+
+
+def _anchor(heading: str) -> str:
+    """The id nbconvert gives a Markdown heading (nbconvert/filters/strings.py, add_anchor): its text, spaces as
+    dashes, percent-encoded where a URL fragment needs it. Inline code and emphasis marks are not text."""
+    text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", re.sub(r"[`*]", "", heading))
+    return quote(text.replace(" ", "-"), safe="?/:@!$&'()*+,;=")
+
+
+def _calculators(pages: list[Page], cells: dict[str, dict[int, list[Live]]]) -> tuple[Page, dict[int, list[Live]]]:
+    """calculators.html: every live calculator under its title, with what it computes and a link to the section of
+    its chapter; and the cells the calculators follow (one Markdown cell each)."""
+    import nbformat
+
+    intro = ("# All the calculators\n\nThe course's calculators on one page. Each computes in your browser with "
+             "`lab.calc`, the code of `python -m lab calc`, once the site is served (`make site-serve`); opened from "
+             "disk, it says how to serve the site. Each also sits in its chapter, after the notebook's widget (live "
+             "in JupyterLab: `make course`).")
+    notebook_cells, live = [nbformat.v4.new_markdown_cell(intro)], {}
+    for page in (page for page in pages if page.source in cells):
+        for index, calculators in sorted(cells[page.source].items()):
+            section = _section(page.nb, index)
+            where = page.source + (f"#{_anchor(section)}" if section else "")
+            for calculator in calculators:
+                live[len(notebook_cells)] = [calculator]
+                notebook_cells.append(nbformat.v4.new_markdown_cell(
+                    f"## {calculator.title}\n\n{calculator.what} In [{page.title}]({where})"
+                    + (f", section “{re.sub(r'[`*]', '', section)}”." if section else ".")))
+    return Page("calculators.ipynb", nbformat.v4.new_notebook(cells=notebook_cells), "All the calculators"), live
 
 
 def _linked_sources(pages: list[Page], repo: Path) -> list[Path]:
@@ -184,22 +261,31 @@ def _calc_zip(repo: Path, target: Path) -> None:
 
 
 def _exporter() -> HTMLExporter:
+    from nbconvert import HTMLExporter
+
     return HTMLExporter(template_name="lab", extra_template_paths=[str(Path(__file__).parent)],
                         template_file="site.html.j2", exclude_input_prompt=True, exclude_output_prompt=True)
 
 
 def _write(exporter: HTMLExporter, page: Page, out: Path, nav: dict[str, dict | None],
-           live: dict[int, list[str]] | None = None) -> Path:
+           live: dict[int, list[Live]] | None = None, notebook: bool = True) -> Path:
+    """Write `page` into `out`; `notebook`: the page shows a notebook of the repository (else the index or the
+    calculators' page: no link to JupyterLab, no note on its calculators)."""
+    import nbformat
+
     nb = nbformat.from_dict(page.nb)  # a copy: links to notebooks become links to their pages
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = _NOTEBOOK_LINK.sub(r"](\1.html", cell.source)
-    for index, names in (live or {}).items():
-        nb.cells[index].metadata["live_calc"] = names  # site.html.j2 writes the containers after the cell
+    for index, calculators in (live or {}).items():  # site.html.j2 writes the containers after the cell
+        nb.cells[index].metadata["live_calc"] = [calculator.name for calculator in calculators]
     depth = page.source.count("/")
+    all_calculators = {calculator.name: f"{CALCULATORS_PAGE}#{_anchor(calculator.title)}"  # from a chapter's
+                       for calculators in (live or {}).values() for calculator in calculators if notebook}
     site = {**nav, "root": "../" * depth, "source": page.source, "lab_url": LAB_URL + page.source,
             "widgets": "widgets" in nb.metadata, "download": page.source.startswith("exercises/"),
-            "live": bool(live), "styles": sorted(path.name for path in STATIC.glob("*.css"))}
+            "notebook": notebook, "live": bool(live) and notebook, "all_calculators": all_calculators,
+            "styles": sorted(path.name for path in STATIC.glob("*.css"))}
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": page.title}, "site": site})
     target = out / page.html
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +294,7 @@ def _write(exporter: HTMLExporter, page: Page, out: Path, nav: dict[str, dict | 
 
 
 def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path = VENDOR,
-          live: dict[str, list[tuple[str, str]]] | None = None) -> list[Path]:
+          live: dict[str, list[Live]] | None = None) -> list[Path]:
     """Write the site into `out` (emptied first); return the pages written. ValueError (one line) when an
     input is missing. `live` maps pages to their live calculators (default LIVE_CALCULATORS)."""
     for needed in VENDORED:
@@ -223,7 +309,9 @@ def build(out: Path, repo: Path = REPO, executed: Path = EXECUTED, vendor: Path 
     shutil.copytree(STATIC, out / "static", dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))
     _calc_zip(repo, out / "static" / "lab-calc.zip")
     exporter = _exporter()
-    pages = [_write(exporter, index, out, {"next": chapters[0].link})]
+    calculators, calculator_cells = _calculators(chapters + exercises, live_cells)
+    pages = [_write(exporter, index, out, {"next": chapters[0].link}, notebook=False),
+             _write(exporter, calculators, out, {}, calculator_cells, notebook=False)]
     for i, page in enumerate(chapters):
         before, after = chapters[i - 1] if i else None, chapters[i + 1] if i + 1 < len(chapters) else None
         pages.append(_write(exporter, page, out, {"prev": before and before.link, "next": after and after.link},

@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = ["00_first", "01_memory_and_compute", "02_last"]
 EXERCISE = "exercises/01_memory_and_compute.ipynb"
 # the small course's live calculator: after the slider's cell of chapter 01
-LIVE = {"chapters/01_memory_and_compute.ipynb": [("widgets.IntSlider(", "memory")]}
+LIVE = {"chapters/01_memory_and_compute.ipynb": [site.Live("widgets.IntSlider(", "memory", "Ranks per GPU",
+                                                            "How many ranks share one GPU.")]}
 TINY = """import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
@@ -288,17 +289,47 @@ def test_a_live_calculator_container_follows_its_cell_and_every_page_loads_the_r
         assert {ref.rsplit("/", 1)[-1] for ref in scripts} >= {"lab-calc.js", "live.js"}, page
 
 
-def test_every_live_calculator_of_the_course_finds_its_cell() -> None:
+def test_calculators_html_holds_every_live_calculator_under_its_title_with_a_link_to_its_section(
+        course: Path) -> None:
+    html = (course / "site" / "calculators.html").read_text()
+    assert _live_containers(html) == ["memory"]
+    _, after = html.split('<div class="live-calc"')[0].rsplit("<h2", 1)
+    assert 'id="Ranks-per-GPU"' in after and "How many ranks share one GPU." in after
+    # the section of the slider's cell in chapter 01 (test_every_link_resolves checks the anchor is on that page)
+    assert 'href="chapters/01_memory_and_compute.html#The-plot"' in after and "“The plot”" in after
+    assert "make site-serve" in html and "Open in JupyterLab" not in html and "static snapshots" not in html
+    assert "calculators.html" in {ref for tag, ref in _Page((course / "site" / "index.html").read_text()).refs}
+    chapter = (course / "site" / "chapters" / "01_memory_and_compute.html").read_text()
+    assert chapter.count('<a href="../calculators.html#Ranks-per-GPU">All the calculators on one page</a>') == 1
+    assert "live-calc-all" not in (course / "site" / "chapters" / "00_first.html").read_text()
+
+
+def test_every_live_calculator_of_the_course_finds_its_cell_and_its_section() -> None:
     pages = [site.Page(source, nbformat.read(REPO / source, as_version=4), source) for source in site.LIVE_CALCULATORS]
     cells = site._live_cells(pages, site.LIVE_CALCULATORS)
-    assert sorted(name for found in cells.values() for names in found.values() for name in names) == sorted(
+    found = [(page, index, calculator) for page in pages for index, live in cells[page.source].items()
+             for calculator in live]
+    assert sorted(calculator.name for _, _, calculator in found) == sorted(
         ["memory", "comms", "bubble", "search", "inference"])
+    assert all(site._section(page.nb, index) for page, index, _ in found)  # calculators.html links each one
+    assert len({site._anchor(calculator.title) for _, _, calculator in found}) == len(found)
+
+
+def test_serve_starts_without_the_page_builders() -> None:
+    """`python -m lab site --serve` prints its URL without importing nbformat or nbconvert (seconds on a busy
+    machine): only `build` needs them."""
+    done = subprocess.run([sys.executable, "-c", "import sys; from lab import site; site.main(['--serve', '--out', "
+                           "'/nonexistent']); print(sorted({m.split('.')[0] for m in sys.modules} & "
+                           "{'nbformat', 'nbconvert', 'jsonschema'}))"], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert done.stdout.strip() == "[]" and "no site in /nonexistent" in done.stderr, (done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize(("live", "said"), [
-    ({"chapters/01_memory_and_compute.ipynb": [("memory_calculator()", "memory")]},
+    ({"chapters/01_memory_and_compute.ipynb": [site.Live("memory_calculator()", "memory", "Memory", "What it holds.")]},
      "no code cell of chapters/01_memory_and_compute.ipynb contains 'memory_calculator()'"),
-    ({"chapters/99_gone.ipynb": [("x", "memory")]}, "names chapters/99_gone.ipynb, which is not a page")],
+    ({"chapters/99_gone.ipynb": [site.Live("x", "memory", "Memory", "What it holds.")]},
+     "names chapters/99_gone.ipynb, which is not a page")],
     ids=["marker", "page"])
 def test_a_missing_marker_or_page_is_one_line_naming_it(course: Path, tmp_path: Path, live: dict, said: str) -> None:
     with pytest.raises(ValueError) as error:

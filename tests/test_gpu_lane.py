@@ -142,6 +142,7 @@ def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
     assert mfu["tokens_per_step"] == 2 * 2 * 32 and 0 < mfu["mfu"] < 1 and len(mfu["losses"]) == 4
     profiled = mfu["where_the_time_goes"]  # two steps recorded after two unrecorded ones: no set-up in the table
     assert profiled["profiled_steps"] == 2 and profiled["kernel_ms_per_step"]["matmul"] > 0
+    assert sum(profiled["kernel_share"].values()) == pytest.approx(1, abs=0.01)  # lab.measure.kernel_time's categories
     assert not any(row["name"].startswith(("ProfilerStep", "forward")) for row in profiled["top_kernels"])
     assert "aten::randn" not in {row["name"] for row in profiled["top_kernels"]}  # initialisation
     assert {row["name"]: row["calls"] for row in profiled["top_kernels"]}["aten::mm"] == _matmuls_in_one_step()
@@ -164,3 +165,25 @@ def _matmuls_in_one_step() -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run(config, 1, verbose=False)
     return next(event.count for event in prof.key_averages() if event.key == "aten::mm")
+
+
+def test_the_fp8_training_and_decode_parts_walk_their_rows_on_a_cpu(tmp_path):
+    """fp8_train (bf16, lab's FP8 tensorwise and rowwise, torchao's when it runs here) and decode (the graph decoder
+    and the torch.compile'd loop, traced by dynamo's eager backend) on the tiny preset, in this process: the rows a
+    GPU records, without the GPU's shapes, compilation or goals."""
+    args = gpu_lane._parser().parse_args(["bench", "--device", "cpu", "--out", str(tmp_path)])
+    fp8 = gpu_lane.part_fp8_train(args)
+    rows = {row["variant"]: row for row in fp8["metrics"]["rows"]}
+    assert fp8["status"] == "pass" and list(rows) == list(gpu_lane.FP8_VARIANTS)
+    assert all(rows[v]["tokens_per_s"] > 0 for v in ("bf16", "lab fp8-tensorwise", "lab fp8-rowwise"))
+    tensorwise = rows["lab fp8-tensorwise"]
+    assert tensorwise["vs_bf16"] == tensorwise["tokens_per_s"] / rows["bf16"]["tokens_per_s"]
+    assert all({"tokens_per_s", "skipped", "error"} & set(rows[v]) for v in ("torchao tensorwise", "torchao rowwise"))
+    decode = gpu_lane.part_decode(args)
+    assert decode["status"] == "pass"
+    assert [(row["preset"], row["decoder"]) for row in decode["metrics"]["rows"]] == [("tiny", "graph"),
+                                                                                      ("tiny", "compile")]
+    assert all(row["tokens_per_s"] > 0 and "hbm_fraction" not in row for row in decode["metrics"]["rows"])
+    parts = [{"name": name, "wall_s": 1.0, **result} for name, result in (("fp8_train", fp8), ("decode", decode))]
+    assert gpu_lane.validate(gpu_lane.document("bench", _good_document()["environment"], parts)) == []
+

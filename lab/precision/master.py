@@ -137,22 +137,35 @@ class MasterWeights:
         autograd's would. The model's gradient is zeroed in place rather than freed: the engines keep views into
         it (gradient buckets, ZeRO's flat buffers). A `reduce_dtype` narrower than fp32 is emulated: the sum is
         rounded to it after each addition and kept in the fp32 tensor the optimizer needs.
-        """
+
+        Each of those steps is one multi-tensor op over all the tensors (`torch._foreach_copy_` casts as it copies),
+        and new master gradients are views of one flat fp32 buffer: a handful of ops whatever the parameter count,
+        not a cast, an add and a zero per parameter (tests/test_step_bytes.py counts them)."""
         if not self.policy.needs_master_weights:
             return
+        fresh, accumulate = [], []
         for param, master in zip(self.model_params, self.master_params, strict=True):
             if param.grad is None:
                 summed = reduced_gradient(param)
                 if summed is not None:
                     master.grad = summed.float()
-                continue
-            if master.grad is None:
-                master.grad = param.grad.float()
             else:
-                master.grad.add_(param.grad.float())
-            if self.policy.reduce_dtype != torch.float32:
-                master.grad.copy_(master.grad.to(self.policy.reduce_dtype))
-            param.grad.zero_()
+                (fresh if master.grad is None else accumulate).append((param, master))
+        if fresh:
+            views = _flat_views([m for _, m in fresh], torch.float32)
+            torch._foreach_copy_(views, [p.grad for p, _ in fresh])
+            for view, (_, master) in zip(views, fresh, strict=True):
+                master.grad = view
+        if accumulate:
+            torch._foreach_add_([m.grad for _, m in accumulate], [p.grad for p, _ in accumulate])
+        summed = fresh + accumulate
+        if summed and self.policy.reduce_dtype != torch.float32:
+            grads = [m.grad for _, m in summed]
+            rounded = _flat_views(grads, self.policy.reduce_dtype)
+            torch._foreach_copy_(rounded, grads)
+            torch._foreach_copy_(grads, rounded)
+        if summed:
+            torch._foreach_zero_([p.grad for p, _ in summed])
 
     def zero_grad(self) -> None:
         """Drop the master gradients (the model's are the engine's to clear)."""
@@ -163,11 +176,16 @@ class MasterWeights:
     @torch.no_grad()
     def master_to_model(self) -> None:
         """Copy the updated masters into the model's parameters, rounded (to nearest) to `param_dtype`; in place,
-        so views of them (a ZeRO shard's pieces) see the new values."""
-        if not self.policy.needs_master_weights:
-            return
-        for param, master in zip(self.model_params, self.master_params, strict=True):
-            param.copy_(master)
+        so views of them (a ZeRO shard's pieces) see the new values. One multi-tensor copy, which casts as it copies
+        (FSDP2 casts its parameters so), rather than a copy per parameter."""
+        if self.policy.needs_master_weights and self.model_params:
+            torch._foreach_copy_(self.model_params, self.master_params)
+
+
+def _flat_views(like: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Tensors shaped as `like`'s, in `dtype`: views of one new flat buffer, so one allocation, not one each."""
+    buffer = torch.empty(sum(t.numel() for t in like), dtype=dtype, device=like[0].device)
+    return [view.view(t.shape) for view, t in zip(buffer.split([t.numel() for t in like]), like, strict=True)]
 
 
 @torch.no_grad()

@@ -29,6 +29,9 @@ MOE_GATE_NORMS = ("auto", "none", "topk")  # see ModelConfig.renormalizes_gates
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")  # lab.calc.schedules builds them
 RECOMPUTE_MODES = ("none", "selective", "full")
 KERNEL_MODES = ("eager", "triton")  # torch's own ops, or lab.kernels' Triton kernels patched into the model
+# torch.compile per block (lab.parallel.compile): "auto" compiles on a GPU where `lab doctor`'s check passes and
+# stays eager on a CPU; "eager" never compiles; a backend name always does ("aot_eager": graphs, no code generated)
+COMPILE_MODES = ("auto", "eager", "inductor", "aot_eager")
 # The numbers a run computes in (lab.precision.scheme): fp32; bf16/fp16 compute with fp32 master weights (fp16 with
 # dynamic loss scaling); bf16 with the linears' three GEMMs in FP8, scaled per tensor or in DeepSeek-V3's tiles.
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-tilewise")
@@ -256,6 +259,7 @@ class TrainConfig:
     data_branching: int = 4
     device: str = "auto"
     kernels: str = "eager"  # "triton": RMSNorm, SwiGLU, attention and the loss run as lab.kernels' Triton kernels
+    compile: str = "auto"  # one of COMPILE_MODES: torch.compile each block after the parallelisms are applied
     precision: str = "fp32"  # one of PRECISIONS: the model's compute dtype (FSDP2's param_dtype) and FP8 recipe
     reduce_dtype: str = "fp32"  # FSDP2's reduce_dtype: gradients summed over micro-batches and ranks in this
     # the accelerator the layout is sized for: `--dry-run` says whether its fullest rank fits, and checks the name
@@ -278,6 +282,11 @@ class TrainConfig:
         _require(self.grad_clip >= 0, f"grad_clip={self.grad_clip!r} must be >= 0 (0 disables clipping)")
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("kernels", self.kernels, KERNEL_MODES)
+        _one_of("compile", self.compile, COMPILE_MODES)
+        _require(self.kernels == "eager" or self.compile in ("auto", "eager"),
+                 f"compile={self.compile!r} with kernels={self.kernels!r}: lab.kernels' Triton kernels are launched "
+                 f"by hand (in Triton's interpreter on a CPU), not traced; compile writes its own fused kernels — "
+                 f"use one or the other")
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         compute = {"fp16": "fp16", "fp32": "fp32"}.get(self.precision, "bf16")

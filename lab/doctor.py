@@ -98,6 +98,33 @@ assert torch.equal(add(x, x), 2 * x), "wrong result"
 print(triton.__version__, kernels.MODE)
 """
 
+_COMPILE_PROBE = "from lab.parallel.compile import compile_works; ok, line = compile_works(); print(int(ok), line)"
+
+
+def _start_compile_probe() -> subprocess.Popen:
+    """torch.compile (inductor) of a tiny function, in a fresh interpreter (what `lab.train --compile auto` asks
+    on a GPU): C++ built for the CPU, or Triton for the GPU. Apart, so that the report never initialises CUDA in
+    this process (which could then no longer fork ranks that use it); started first and read last, because
+    inductor's first compile in a process takes seconds to tens of seconds."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, "-c", _COMPILE_PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": path})
+
+
+def _check_compile(probe: subprocess.Popen) -> Check:
+    try:
+        out, err = probe.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        out, err = "", "timed out after 300 s"
+    works = probe.returncode == 0 and out.startswith("1 ")
+    line = out.strip()[2:] if probe.returncode == 0 else \
+        f"torch.compile fails (inductor): {(err.strip().splitlines() or ['no output'])[-1]}"
+    return Check("compile", works, line, "" if works else "lab.train runs eagerly (--compile eager); inductor "
+                 "needs a C++ compiler (gcc) on a CPU, Triton on a GPU")
+
+
 _JAX_PROBE = "import jax; print(jax.__version__, jax.device_count(), jax.default_backend())"
 
 
@@ -230,6 +257,7 @@ GRADING = ("landlock", "network", "pids cgroup", "sandbox")  # the checks of `_c
 def run_checks() -> list[Check]:
     import torch
 
+    compile_probe = _start_compile_probe()
     py_ok = sys.version_info >= (3, 10)
     checks = [
         Check("python", py_ok, f"{platform.python_version()} on {platform.system()} {platform.machine()}",
@@ -244,8 +272,9 @@ def run_checks() -> list[Check]:
     checks.append(_check_triton())
     checks.append(_check_jax())
     checks.append(_check_browser())
-    checks.extend(_check_grading())
-    return checks
+    grading = _check_grading()
+    checks.append(_check_compile(compile_probe))  # read last: it ran beside the checks above
+    return checks + grading
 
 
 def format_report(checks: list[Check]) -> str:

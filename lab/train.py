@@ -11,6 +11,7 @@
         --inject-failure rank=1,step=3,kind=bitflip                 # caught: rank 1 and the parameter named
     python -m lab.train --config configs/tiny.toml --nproc 4 --tp 2 --precision fp8-tilewise  # lab.precision
     python -m lab.train --config configs/tiny.toml --nproc 2 --zero 3 --fp8-all-gather  # ZeRO-3 gathers in e4m3
+    python -m lab.train --config configs/tiny.toml --nproc 2 --tp 2 --compile  # each block torch.compiled (inductor)
 
 On a CPU it starts `--nproc` gloo ranks through `lab.distributed.run`; under `torchrun` it joins the launched
 group (NCCL on GPUs). Every step writes one JSON object (step, loss, lr, grad_norm, tokens_per_s,
@@ -39,7 +40,16 @@ import torch.distributed as dist
 
 from lab import distributed as lab_dist
 from lab.checkpoint import CheckpointOptions
-from lab.config import KERNEL_MODES, PRECISIONS, Config, ParallelConfig, check_supported, parse_override, read_config
+from lab.config import (
+    COMPILE_MODES,
+    KERNEL_MODES,
+    PRECISIONS,
+    Config,
+    ParallelConfig,
+    check_supported,
+    parse_override,
+    read_config,
+)
 from lab.data import SyntheticTokens
 from lab.distributed.health import SilentDataCorruption, find_straggler
 from lab.distributed.launch import HANG_TIMEOUT_S
@@ -87,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int)
     p.add_argument("--kernels", choices=KERNEL_MODES, help="'triton': train with lab.kernels' Triton kernels patched "
                    "into the model (Triton's interpreter on CPU), as --set train.kernels=triton")
+    p.add_argument("--compile", nargs="?", const="inductor", choices=COMPILE_MODES, help="torch.compile each block "
+                   "after the parallelisms are applied (lab.parallel.compile): --compile alone is inductor; 'auto' "
+                   "(the default) compiles on a GPU where `lab doctor` says compile works and stays eager on a CPU; "
+                   "as --set train.compile=MODE")
     p.add_argument("--precision", choices=PRECISIONS, help="what the model computes in: bf16/fp16 with fp32 master "
                    "weights and fp32 gradient sums (fp16 with loss scaling), fp8-*: bf16 with the linears' GEMMs in "
                    "FP8 (lab.precision), as --set train.precision=NAME")
@@ -158,7 +172,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Config, int]:
     model, parallel, train = (data.setdefault(section, {}) for section in ("model", "parallel", "train"))
     for section, name, value in ((model, "preset", args.model), (train, "seq_len", args.seq),
                                  (train, "steps", args.steps), (train, "seed", args.seed),
-                                 (train, "kernels", args.kernels), (train, "precision", args.precision)):
+                                 (train, "kernels", args.kernels), (train, "compile", args.compile),
+                                 (train, "precision", args.precision)):
         if value is not None:
             section[name] = value
     flags = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(ParallelConfig)}

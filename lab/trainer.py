@@ -34,6 +34,7 @@ from lab.distributed.launch import HANG_TIMEOUT_S
 from lab.faults import InjectedFailure
 from lab.loss import cross_entropy
 from lab.outputs import check_output_dir, check_output_file
+from lab.parallel.compile import compile_backend, graph_breaks
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import build_mesh, parallelize
 from lab.precision.loss_scale import DynamicLossScaler
@@ -208,6 +209,17 @@ def _device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
+def _compile_backend(config: Config, device: torch.device, verbose: bool) -> str | None:
+    """The `torch.compile` backend of `--compile` on this device (None: eager), said once at start-up with what
+    the layout keeps out of the graphs: a run never falls back to eager, or splits a block, without a line."""
+    backend, line = compile_backend(config.train.compile, device)
+    if backend is not None and (why := graph_breaks(config.model, config.parallel)):
+        line += f"; each block in pieces around {why}"
+    if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"compile: {line}", file=sys.stderr, flush=True)
+    return backend
+
+
 def lr_factor(step: int, config: Config) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak learning rate."""
     warmup, total = config.train.warmup_steps, config.train.steps
@@ -236,7 +248,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
         from lab.kernels.cross_entropy import cross_entropy as loss
     scheme = precision_scheme(train.precision, train.reduce_dtype)
     mesh = build_mesh(parallel)  # its dp x cp group holds the replicas --sdc-check compares
-    par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len, loss, scheme)
+    backend = _compile_backend(config, device, verbose)
+    par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len, loss, scheme, backend)
     if train.kernels == "triton":
         kernels.patch(par.model)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16

@@ -9,7 +9,8 @@ TorchTitan's order, applied to each pipeline stage (one stage when pp = 1), on t
   5. recompute       activation checkpointing (`lab.model.set_recompute`)
   6. materialise     allocate only what is left and fill it with its slice of the single-process values
   7. precision       cast to the compute dtype; FP8 GEMMs into the blocks' linears (`lab.precision.scheme`)
-  8. DP / ZeRO       the engine that averages gradients over dp x cp (experts over ep_dp), or shards them, summing
+  8. compile         `torch.compile` each block's forward, as rewritten by 1-7 (`lab.parallel.compile`)
+  9. DP / ZeRO       the engine that averages gradients over dp x cp (experts over ep_dp), or shards them, summing
                      in `reduce_dtype`; fp32 master weights of what this rank updates (`lab.precision.master`)
 
 Each step that shards a parameter records its `Placement`; once the layout is known, `replicas` says how many
@@ -41,6 +42,7 @@ from lab.data import shard_rows
 from lab.distributed import Mesh
 from lab.loss import LossFn, cross_entropy, router_loss
 from lab.model import MoE, Transformer, build_model, init_tensor, set_recompute
+from lab.parallel.compile import apply_compile, graph_breaks
 from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
 from lab.parallel.dp import DataParallel, NaiveDP, storage_bytes
 from lab.parallel.ep import ExpertDataParallel, apply_expert_parallel
@@ -290,12 +292,13 @@ def initial_values(engine: DataParallel, fp32: dict[nn.Parameter, torch.Tensor])
 
 def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, device: torch.device,
                 seed: int, seq_len: int, loss: LossFn = cross_entropy,
-                precision: PrecisionScheme | None = None) -> Parallelized:
+                precision: PrecisionScheme | None = None, compile: str | None = None) -> Parallelized:
     """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process).
     `loss` is the loss on whole logits (a fused kernel may replace torch's); tensor parallelism, whose logits
     are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead. `precision` (default
     fp32) says what the model computes in; the weights are the fp32 single-process values, rounded, and their fp32
-    masters those values themselves."""
+    masters those values themselves. `compile` names a `torch.compile` backend for each block (None: eager): after
+    the blocks are final, before the engine, whose ZeRO-3 hooks then run around each compiled forward, outside it."""
     precision = precision or precision_scheme("fp32")
     policy = precision.policy
     schedule = None
@@ -314,6 +317,8 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
         if precision.fp8 is not None:
             convert_to_fp8(stage, precision.fp8)
     model = nn.ModuleList(stages) if schedule is not None else stages[0]
+    if compile is not None:
+        apply_compile(model, compile, fullgraph=graph_breaks(cfg, parallel) is None)
     _record_replicas(model, parallel)
     loss_on_whole_logits = loss
     if parallel.tp > 1:

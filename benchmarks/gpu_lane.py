@@ -291,27 +291,29 @@ FP8_VARIANTS = ("bf16", "lab fp8-tensorwise", "lab fp8-rowwise", "torchao tensor
 FP8_GOAL = 1.15  # issue 36: lab's FP8 tensorwise at >= 1.15x bf16 tokens/s on the 8B-shaped run
 DECODE_GOALS = {"llama3-1b": 0.45, "llama3-8b": 0.60}  # issue 36: batch-1 decode, share of HBM bandwidth
 TIMED_STEPS = (2, 5)  # warm-up steps (compilation, cuBLAS plans, the allocator's pools), then timed steps
+CPU_WALK = {"layers": 2, "steps": (1, 1)}  # the CPU walk-through (the tests): the code a GPU runs, at a toy size
 
 
 def _fp8_shape(device: str):
     """Llama 3 8B's layer (d_model 4096, d_ff 14336, 32 query and 8 KV heads) four times at seq 2048, one sequence:
     GEMMs large enough for FP8's doubled tensor-core rate to pay for its casts (torchao measured its 1.25x on
-    the whole 8B). On a CPU (the tests), the tiny preset."""
+    the whole 8B). On a CPU (the tests), the tiny preset cut to CPU_WALK's layers."""
     from lab.config import ModelConfig
 
     if device == "cpu":
-        return ModelConfig.from_preset("tiny"), 32, 2
+        return ModelConfig.from_preset("tiny", n_layers=CPU_WALK["layers"]), 16, 2
     return ModelConfig.from_preset("llama3-8b", n_layers=4, max_seq_len=2048), 2048, 1
 
 
-def _bf16_model(cfg, device: str):
-    """Random bf16 weights made on the device (std 0.02, norms at 1), as benchmarks/serving.py's random_model:
-    a speed measurement needs no per-name initialisation (tens of seconds for 2B parameters on the host)."""
+def _random_model(cfg, device: str, dtype=None):
+    """Random weights made on the device in `dtype` (bf16 by default; std 0.02, norms at 1), as
+    benchmarks/serving.py's random_model does for a preset: a speed measurement needs no per-name initialisation
+    (tens of seconds for 2B parameters on the host)."""
     import torch
 
     from lab.model import build_model
 
-    model = build_model(cfg).to(torch.bfloat16).to_empty(device=device)
+    model = build_model(cfg).to(dtype or torch.bfloat16).to_empty(device=device)
     model.tie_weights()
     with torch.no_grad():
         for p in model.parameters():
@@ -346,14 +348,15 @@ def _timed_training(model, cfg, seq: int, micro_batch: int, device: str) -> dict
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq), device=device)
     step = language_model_step(model, adamw(model.parameters(), 3e-4, 0.1), tokens, tokens.roll(-1, 1))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    warmup, timed = TIMED_STEPS if device == "cuda" else CPU_WALK["steps"]
     times = []
-    for _ in range(sum(TIMED_STEPS)):
+    for _ in range(warmup + timed):
         sync()
         start = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - start)
-    step_s = statistics.median(times[TIMED_STEPS[0]:])
+    step_s = statistics.median(times[warmup:])
     return {"step_s": step_s, "tokens_per_s": micro_batch * seq / step_s,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None}
 
@@ -362,9 +365,12 @@ def _fp8_row(variant: str, cfg, seq: int, micro_batch: int, device: str) -> dict
     """One variant's training speed, or why it did not run (one line)."""
     import torch
 
+    if variant.startswith("torchao") and device == "cpu":
+        return {"variant": variant, "skipped": "torchao's rows run on a GPU only (on a CPU its import alone takes "
+                                               "seconds of the suite's walk-through)"}
     if variant.startswith("torchao") and (why := _torchao_missing()):
         return {"variant": variant, "skipped": why}
-    model = _bf16_model(cfg, device)
+    model = _random_model(cfg, device)
     try:
         _fp8_convert(model, variant)
         if device == "cuda":  # TorchTitan's way: each block compiled on its own, the casts fused into its kernels
@@ -412,9 +418,9 @@ def part_fp8_train(args: argparse.Namespace) -> dict:
     return {"status": "pass", "metrics": metrics}
 
 
-def _decode_row(preset: str, decoder: str, device: str) -> dict:
-    """Batch-1 greedy decode of `preset` with random bf16 weights: ms per token from two generation lengths (their
-    difference cancels the prefill, as benchmarks/serving.py's gpu_decode), and the share of HBM bandwidth that
+def _decode_row(cfg, decoder: str, device: str) -> dict:
+    """Batch-1 greedy decode of the model `cfg` with random bf16 weights: ms per token from two generation lengths
+    (their difference cancels the prefill, as benchmarks/serving.py's gpu_decode), and the share of HBM bandwidth that
     the bytes one step reads (`lab.calc.inference.decode_step`: the weights and the KV cache) reach. "graph":
     `GraphedDecoder` (one CUDA graph per 256-slot length bucket); "compile": `CompiledDecoder` (gpt-fast's
     torch.compile'd step; on a CPU dynamo's eager backend, which checks that it traces without a break)."""
@@ -427,8 +433,8 @@ def _decode_row(preset: str, decoder: str, device: str) -> dict:
     serving = _benchmark_module("serving")
     cuda = device == "cuda"
     prompt_len, lengths, repeats = (128, (32, 288), 3) if cuda else (8, (4, 12), 1)
-    model = serving.random_model(preset, device, torch.bfloat16 if cuda else torch.float32)
-    prompt = torch.randint(model.cfg.vocab_size, (1, prompt_len), device=device)
+    model = _random_model(cfg, device, torch.bfloat16 if cuda else torch.float32).eval()
+    prompt = torch.randint(cfg.vocab_size, (1, prompt_len), device=device)
     max_len = prompt_len + max(*lengths, serving.WARM_UP)
     try:
         decode = GraphedDecoder(model, 1, max_len) if decoder == "graph" else \
@@ -443,11 +449,11 @@ def _decode_row(preset: str, decoder: str, device: str) -> dict:
     short, long = lengths
     seconds = (times[long] - times[short]) / (long - short)
     context = prompt_len + (short + long) // 2
-    row = {"preset": preset, "decoder": decoder, "context": context, "ms_per_token": 1e3 * seconds,
+    row = {"preset": cfg.name, "decoder": decoder, "context": context, "ms_per_token": 1e3 * seconds,
            "tokens_per_s": 1 / seconds}
     chip = device_accelerator(torch.cuda.get_device_name()) if cuda else None
     if chip is not None:
-        step = decode_step(preset, chip, 1, context)
+        step = decode_step(cfg, chip, 1, context)
         row.update(bytes_per_step=step.weight_bytes + step.kv_bytes, hbm_fraction=step.latency_bound_s / seconds,
                    hbm_gb_s=chip.hbm_bandwidth / 1e9)
     return row
@@ -462,10 +468,13 @@ def _benchmark_module(name: str):
 
 
 def part_decode(args: argparse.Namespace) -> dict:
-    """Batch-1 decode of Llama 3.2 1B and Llama 3 8B shapes (the tiny preset on a CPU) with the graph decoder and
+    """Batch-1 decode of Llama 3.2 1B and Llama 3 8B shapes (the cut tiny preset on a CPU) with the graph decoder and
     a plain torch.compile decode loop, against the goals' shares of HBM bandwidth."""
-    presets = ("llama3-1b", "llama3-8b") if args.device == "cuda" else ("tiny",)
-    rows = [_decode_row(preset, decoder, args.device) for preset in presets for decoder in ("graph", "compile")]
+    from lab.config import ModelConfig
+
+    models = [ModelConfig.from_preset(name) for name in DECODE_GOALS] if args.device == "cuda" else \
+        [ModelConfig.from_preset("tiny", n_layers=CPU_WALK["layers"])]
+    rows = [_decode_row(cfg, decoder, args.device) for cfg in models for decoder in ("graph", "compile")]
     misses = []
     for preset, goal in DECODE_GOALS.items():
         best = max((r["hbm_fraction"] for r in rows if r["preset"] == preset and "hbm_fraction" in r), default=None)

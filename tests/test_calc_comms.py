@@ -179,6 +179,8 @@ def test_cli_prices_two_dgx_h100_at_the_playbook_bandwidth():
     (dict(op="all_reduce", nbytes=1, ranks=2, system="h100", algorithm="star"), "algorithm='star' must be one of"),
     (dict(op="all_reduce", nbytes=1, ranks=16, system="h100", gpus_per_node=0),
      "gpus_per_node=0 must be an integer >= 1"),
+    (dict(op="all_reduce", nbytes=1, ranks=16, system="llama3-roce", pods=3),
+     "pods=3 must be an integer from 1 to the group's 2 nodes"),
 ])
 def test_bad_input(kwargs, message):
     with pytest.raises(ValueError) as err:
@@ -248,3 +250,37 @@ def test_a_system_of_ones_own_prices_like_a_named_one():
     for algorithm in ("ring", "hierarchical"):
         assert collective_time("all_reduce", 1e9, 16, system=own, algorithm=algorithm) == collective_time(
             "all_reduce", 1e9, 16, system="h100", algorithm=algorithm)
+
+
+def test_llama3s_cluster_is_the_papers():
+    # The Llama 3 Herd of Models, §3.3.1: 8 GPUs on NVLink a server, 400 Gbps RoCE between GPUs, pods of 3,072
+    # GPUs with full bisection bandwidth joined at 1:7
+    spec = SYSTEMS["llama3-roce"]
+    assert (spec.gpus_per_node, spec.nics_per_node, spec.nic.bandwidth) == (8, 8, 50e9)
+    assert (spec.fabric.pod_gpus, spec.fabric.oversubscription) == (3072, 7.0)
+    assert all("Llama 3" in source for source in (spec.source, spec.fabric.source, spec.nic.source))
+
+
+def test_a_ring_through_pods_slows_only_where_a_group_has_fewer_nodes_in_a_pod_than_the_oversubscription():
+    """Every group runs its ring at once; ordered pod by pod, a ring leaves each pod once, so a pod's uplinks (1/7
+    of its NICs') carry one send in n, n the group's nodes in the pod: data parallelism's 128 ranks one a node over
+    6 pods (Llama 3 at 16K GPUs, 21 nodes a pod) keep the NICs' rate, 12 ranks over 6 pods (2 a pod) get 2/7 of
+    it. An all-to-all sends 5/6 of its bytes off the pod: 6/35 of the NICs'. Without a fabric, pods change nothing."""
+    from lab.calc.comms import pod_share
+
+    spec = SYSTEMS["llama3-roce"]
+    assert pod_share(spec, 128, 1, 1) == pod_share(spec, 128, 1, 6) == 1.0
+    assert pod_share(spec, 12, 1, 6) == pytest.approx(2 / 7)
+    assert pod_share(spec, 128, 1, 6, "all_to_all") == pytest.approx(6 / 5 / 7)
+    assert pod_share(SYSTEMS["h100"], 12, 1, 6) == 1.0
+    size = 2**28
+    one, six = (collective_time("reduce_scatter", size, 12, system="llama3-roce", gpus_per_node=1, pods=p)
+                for p in (1, 6))
+    bandwidth = (six.time_s - six.steps * spec.nic.latency) / six.bytes_sent_per_rank
+    assert 1 / bandwidth == pytest.approx(2 / 7 * spec.nic.bandwidth) and six.time_s > one.time_s
+    assert "29% of it across pods" in six.link
+    wide = collective_time("reduce_scatter", size, 128, system="llama3-roce", gpus_per_node=1, pods=6)
+    assert wide == collective_time("reduce_scatter", size, 128, system="llama3-roce", gpus_per_node=1)
+    hierarchical = [collective_time("all_reduce", size, 96, system="llama3-roce", algorithm="hierarchical", pods=p)
+                    for p in (1, 6)]
+    assert hierarchical[1].time_s > hierarchical[0].time_s  # 12 nodes over 6 pods: 2 a pod, 2/7 across

@@ -105,6 +105,14 @@ CONSTANTS: dict[str, Constant] = {
                     "step's peak 14.15 GiB allocated in 15.29 GiB of segments (1.08). TorchTitan logs "
                     "torch.cuda.max_memory_reserved (torchtitan/components/metrics.py, `max_reserved_gib`); lab "
                     "logs max_memory_allocated (lab/trainer.py)"),
+    "fabric_busbw_nodes": Constant(
+        2, 0.3, "an assumption, not a measurement: on a system with a fabric of its own (lab.calc.network's "
+                "llama3-roce: pods of 3,072 GPUs with full bisection bandwidth, NCCLX's 16 flows a pair balanced by "
+                "E-ECMP, The Llama 3 Herd of Models §3.3.1, Network), NCCL keeps at any scale the share of the "
+                "modelled bus bandwidth it reached on 2 nodes of the playbook's H100 cluster (PLAYBOOK_BUSBW: all-"
+                "reduce 0.90 of it, reduce-scatter and all-gather 0.51), before that cluster's fabric made it fall "
+                "(a seventh at 64 nodes); the paper gives no achieved bandwidth. Spread: the playbook's 4-node share "
+                "is 30 % lower"),
     "cp_exposed_hops": Constant(
         1, 0.0, "ring attention (Liu et al. 2023, Fig. 2): each pass starts on local K/V and hides hop i behind "
                 "block i; the backward's dK/dV travel one hop more, back to their owner, with nothing to hide it"),
@@ -209,6 +217,7 @@ class Run:
     mfu: float | None = None
     memory_gib: float | None = None
     hardware: str = "titan"  # "titan" (TITAN_H100), or a name of lab.calc.hardware
+    system: str = ""  # the network of lab.calc.network; "" for the one named like the hardware (TorchTitan's: h100)
     tp_overlap: float = 0.0
     goal_error: float | None = None  # the documented |predicted/measured - 1| of throughput, outside the goal
     memory_error: float | None = None  # the same for memory
@@ -264,10 +273,6 @@ _TITAN_PP = ("memory: FSDP under PP holds every weight of a stage gathered and i
 _MEG_WHY = ("throughput: the three rows come out 18-23 % fast alike, a factor they share and the model does not "
             "explain: lab has no A100 recording, so the GEMM plateau (74.5 %) and the attention and element-wise rates "
             "are the H100's scaled by peak, and Table 1 gives no micro-batch sizes (the search chooses them)")
-_L3_DP = ("throughput: the gradients' reduce-scatter over 128 ranks, one per node, is priced at the playbook "
-          "cluster's bus bandwidth for 64 nodes and more (a seventh of the NICs', NCCL's flat ring on 25 MiB "
-          "buckets) and outlasts the cooldown by 2.5 s; Meta's NCCLX fabric hid it: the paper puts the 43 -> 41 % "
-          "drop from 8K to 16K GPUs down to the smaller batch per DP group alone (§3.3.2)")
 
 RUNS: tuple[Run, ...] = (
     Run("titan-8b-8gpu-eager", "llama3-8b", 8, 8192, 16, _8B_FSDP, "eager", _T1, 5762, ac="op", memory_gib=82.4),
@@ -288,12 +293,13 @@ RUNS: tuple[Run, ...] = (
     Run("titan-405b-3d-interleaved", "llama3-405b", 512, 8192, 256, {**_405B, "pp_schedule": "interleaved"},
         "compiled-fp8", _T5, 128, memory_gib=72.7, tp_overlap=ASYNC_TP, overrides={"n_layers": 128},),
     # Table 4 gives no schedule depth: 4 chunks a rank, the deepest Llama 3's split allows (2 layers a chunk)
+    # on the cluster they ran on (lab.calc.network's llama3-roce, from the paper's §3.3.1), not the playbook's
     Run("llama3-405b-8k-gpus", "llama3-405b", 8192, 8192, 2048, _L3_PINS, "compiled", _L3, mfu=0.43,
-        hardware="h100", framework="llama3"),
+        hardware="h100", system="llama3-roce", framework="llama3"),
     Run("llama3-405b-16k-gpus", "llama3-405b", 16384, 8192, 2048, {**_L3_PINS, "dp": 128}, "compiled", _L3,
-        mfu=0.41, hardware="h100", framework="llama3", goal_error=0.24, why=_L3_DP),
+        mfu=0.41, hardware="h100", system="llama3-roce", framework="llama3"),
     Run("llama3-405b-16k-gpus-128k", "llama3-405b", 16384, 131072, 128, {**_L3_PINS, "dp": 8, "cp": 16},
-        "compiled", _L3, mfu=0.38, hardware="h100", framework="llama3"),
+        "compiled", _L3, mfu=0.38, hardware="h100", system="llama3-roce", framework="llama3"),
     Run("megatron-18b", "megatron-18b", 256, 2048, 1024, {"dp": 32, "tp": 8, "pp": 1, "zero": 0, "recompute": "full"},
         "megatron-2021", f"{_MEG}: 135 TFLOP/s per GPU", megatron_tokens_per_s(135e12, "megatron-18b"),
         hardware="a100", framework="megatron", goal_error=0.20, why=_MEG_WHY),

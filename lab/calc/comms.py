@@ -34,8 +34,16 @@ of a node over NVLink and crosses to the next node once, so the rings together u
                          of 2(W-1)), so it wins for small messages and many nodes; with a NIC per GPU a
                          flat multi-rail ring wins for large messages on a few nodes.
 
-What the model leaves out: congestion in the switches and the fabric's topology (leaf/spine, how rails are
-wired), NCCL's choice of protocol and algorithm per size, in-switch reductions (NVLink SHARP), stragglers.
+A system with a `Fabric` (pods of full bisection bandwidth joined at 1:`oversubscription`) prices a group that
+spans `pods` pods, with every group of the job running the same collective at once (data parallelism's
+gradients: one group per model-parallel rank). A ring ordered pod by pod, as a topology-aware library builds it,
+leaves each pod once: of the group's n nodes in a pod, one sends across, so a pod's crossings ask 1/n of what
+its NICs inject, and the uplinks give 1/oversubscription of it: the ring slows, by n/oversubscription, only
+where a group has fewer nodes in a pod than the oversubscription. An all-to-all sends (P-1)/P of its off-node
+bytes to other pods: the uplinks carry them at 1/oversubscription · P/(P-1) of the NICs' rate.
+
+What the model leaves out: congestion in the switches and the fabric's topology beyond pods (leaf/spine, how
+rails are wired), NCCL's choice of protocol and algorithm per size, in-switch reductions (NVLink SHARP), stragglers.
 On 1 and 2 H100 nodes it lands within a few percent of the playbook's measured all-reduce bus bandwidth
 (`network.PLAYBOOK_BUSBW`); from 4 nodes on the measurements fall 2-3x below it.
 
@@ -49,6 +57,7 @@ batch must be for the gradient all-reduce to hide behind the backward (How to Sc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -124,11 +133,23 @@ def multi_rail_link(spec: System, gpus_per_node: int) -> Link:
                 bandwidth, max(spec.intra.latency, spec.nic.latency), spec.source)
 
 
-def _all_to_all_across(nbytes: float, ranks: int, spec: System, g: int) -> CommCost:
+def pod_share(spec: System, ranks: int, gpus_per_node: int, pods: int, op: str = "all_reduce") -> float:
+    """The share of its NICs' bandwidth a group's collective keeps where it crosses between pods (1 inside one
+    pod, or on a system without a `Fabric`): a ring ordered pod by pod sends 1/n of a pod's traffic across
+    (n: the group's nodes in a pod), an all-to-all (P-1)/P of it, and the uplinks carry 1/oversubscription."""
+    if spec.fabric is None or pods == 1:
+        return 1.0
+    if op == "all_to_all":
+        return min(1.0, pods / (pods - 1) / spec.fabric.oversubscription)
+    return min(1.0, ranks / gpus_per_node / pods / spec.fabric.oversubscription)
+
+
+def _all_to_all_across(nbytes: float, ranks: int, spec: System, g: int, pods: int = 1) -> CommCost:
     """Every rank sends B/W to every other: (g-1)/W of B stays on the node (NVLink), (W-g)/W of B leaves it
-    through the rank's share of the node's NICs. Both run at once; no ring shares the NICs out."""
+    through the rank's share of the node's NICs (and of the pods' uplinks, `pod_share`). Both run at once; no
+    ring shares the NICs out."""
     w = ranks
-    per_gpu_nic = rails(spec, g) * spec.nic.bandwidth / g
+    per_gpu_nic = rails(spec, g) * spec.nic.bandwidth / g * pod_share(spec, ranks, g, pods, "all_to_all")
     time = (w - 1) * max(spec.intra.latency, spec.nic.latency) + max(
         (g - 1) / w * nbytes / spec.intra.bandwidth, (w - g) / w * nbytes / per_gpu_nic)
     return CommCost("all_to_all", "ring", w, nbytes, w - 1, (w - 1) / w * nbytes, time,
@@ -136,10 +157,12 @@ def _all_to_all_across(nbytes: float, ranks: int, spec: System, g: int) -> CommC
 
 
 def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None, algorithm: str = "ring",
-                    system: str | System | None = None, gpus_per_node: int | None = None) -> CommCost:
+                    system: str | System | None = None, gpus_per_node: int | None = None,
+                    pods: int = 1) -> CommCost:
     """Cost of one collective. Give a `link` (one network for all ranks) or a `system` (a name, "h100", ...,
     or a `System` of your own) whose nodes of `gpus_per_node` GPUs use the fast link inside and their NICs,
-    multi-rail, between."""
+    multi-rail, between; on a system with a `Fabric`, `pods` is how many of its pods the group spans
+    (`pod_share`)."""
     _validate(op, nbytes, ranks, algorithm, link, system, gpus_per_node)
     if link is not None:
         return _flat(op, nbytes, ranks, link, algorithm)
@@ -149,12 +172,19 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link | None = None
         return _flat(op, nbytes, ranks, spec.intra, algorithm)
     if ranks % g:
         raise ValueError(f"ranks={ranks} must be a multiple of gpus_per_node={g} when it spans nodes")
+    if not isinstance(pods, int) or not 1 <= pods <= ranks // g:
+        raise ValueError(f"pods={pods!r} must be an integer from 1 to the group's {ranks // g} nodes")
     if op == "all_to_all":
-        return _all_to_all_across(nbytes, ranks, spec, g)
+        return _all_to_all_across(nbytes, ranks, spec, g, pods)
+    share = pod_share(spec, ranks, g, pods)
     if algorithm != "hierarchical" or op != "all_reduce":
-        return _flat(op, nbytes, ranks, multi_rail_link(spec, g), algorithm)
-    own_rail = Link(f"{spec.nic.name}, its own rail for each GPU's slice", rails(spec, g) * spec.nic.bandwidth / g,
-                    spec.nic.latency, spec.source)
+        link = multi_rail_link(spec, g)
+        if share < 1:
+            link = dataclasses.replace(link, name=f"{link.name}, {share:.0%} of it across pods",
+                                       bandwidth=link.bandwidth * share)
+        return _flat(op, nbytes, ranks, link, algorithm)
+    own_rail = Link(f"{spec.nic.name}, its own rail for each GPU's slice", rails(spec, g) * spec.nic.bandwidth / g
+                    * share, spec.nic.latency, spec.source)
     inside_rs = _flat("reduce_scatter", nbytes, g, spec.intra, "ring")
     across = _flat("all_reduce", nbytes / g, ranks // g, own_rail, "ring")
     inside_ag = _flat("all_gather", nbytes, g, spec.intra, "ring")

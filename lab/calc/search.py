@@ -323,12 +323,22 @@ def _divisors(n: int) -> list[int]:
 
 # --- step 3's pieces: where groups live, what each parallelism costs -------------------------------------
 
-def _per_node(gpus_per_node: int, dims: tuple[tuple[int, int], ...]) -> int:
-    """Members of rank 0's group on rank 0's node, the group spanning `dims` = ((stride, size), ...)."""
+def _members(dims: tuple[tuple[int, int], ...]) -> list[int]:
+    """The ranks of rank 0's group, the group spanning `dims` = ((stride, size), ...)."""
     members = [0]
     for stride, size in dims:
         members = [m + i * stride for m in members for i in range(size)]
-    return sum(m < gpus_per_node for m in members)
+    return members
+
+
+def _per_node(gpus_per_node: int, dims: tuple[tuple[int, int], ...]) -> int:
+    """Members of rank 0's group on rank 0's node."""
+    return sum(m < gpus_per_node for m in _members(dims))
+
+
+def _pods(pod_gpus: int | None, dims: tuple[tuple[int, int], ...]) -> int:
+    """Pods of `pod_gpus` GPUs (ranks numbered pod by pod) that rank 0's group reaches; 1 without pods."""
+    return len({m // pod_gpus for m in _members(dims)}) if pod_gpus else 1
 
 
 @dataclass(frozen=True)
@@ -336,22 +346,34 @@ class _Network:
     system: str
     gpus_per_node: int
 
+    @property
+    def pod_gpus(self) -> int | None:
+        """GPUs of one pod of the system's `Fabric`; None where the network is one non-blocking fabric."""
+        fabric = SYSTEMS[self.system].fabric
+        return fabric.pod_gpus if fabric else None
+
     @lru_cache(maxsize=4096)  # noqa: B019 - a few hundred distinct messages per search; the object lives as long
-    def collective(self, op: str, nbytes: float, ranks: int, per_node: int) -> float:
+    def collective(self, op: str, nbytes: float, ranks: int, per_node: int, pods: int = 1) -> float:
         """Seconds of one collective on a group of `ranks` with `per_node` members per node (all of them when
-        it stays inside one); all-reduce takes the faster of the flat ring and the hierarchical algorithm."""
+        it stays inside one), spanning `pods` pods of the system's fabric; all-reduce takes the faster of the
+        flat ring and the hierarchical algorithm."""
         if ranks == 1 or nbytes == 0:
             return 0.0
         g = ranks if per_node == ranks else per_node
         algorithms = ("ring", "hierarchical") if op == "all_reduce" and per_node < ranks else ("ring",)
-        modelled = min(collective_time(op, nbytes, ranks, system=self.system, algorithm=a, gpus_per_node=g).time_s
-                       for a in algorithms)
+        modelled = min(collective_time(op, nbytes, ranks, system=self.system, algorithm=a, gpus_per_node=g,
+                                       pods=pods if per_node < ranks else 1).time_s for a in algorithms)
         return modelled / self.efficiency(op, math.ceil(ranks / g))
 
     @lru_cache(maxsize=64)  # noqa: B019 - one per op and node count
     def efficiency(self, op: str, nodes: int) -> float:
         """The share of the modelled bus bandwidth NCCL delivers (`calibration.collective_efficiency`), the
-        model's own busbw computed here at the playbook's message size and node counts, 8 GPUs a node."""
+        model's own busbw computed here at the playbook's message size and node counts, 8 GPUs a node. A system
+        with a `Fabric` of its own (pods of full bisection bandwidth) keeps, at any node count, what NCCL
+        delivered on `calibration.CONSTANTS["fabric_busbw_nodes"]` nodes of the playbook's H100 cluster: its
+        pods' crossings are priced by `comms.pod_share`, not by the playbook's cluster's fall-off."""
+        if SYSTEMS[self.system].fabric is not None:
+            return _Network("h100", 8).efficiency(op, min(nodes, int(CONSTANTS["fabric_busbw_nodes"].value)))
         if op not in ("all_reduce", "all_gather", "reduce_scatter") or self.system not in ("h100", "h200", "a100",
                                                                                            "b200"):
             return 1.0
@@ -362,11 +384,11 @@ class _Network:
                           for n in PLAYBOOK_BUSBW["nodes"]) for o in factor}
         return calibration.collective_efficiency(op, nodes, model)
 
-    def bucketed(self, op: str, nbytes: float, ranks: int, per_node: int, bucket: float) -> float:
+    def bucketed(self, op: str, nbytes: float, ranks: int, per_node: int, bucket: float, pods: int = 1) -> float:
         """`nbytes` of gradients in equal buckets of at most `bucket` bytes, one collective each: every bucket
         pays the collective's latency again, which is what makes many ranks costly for small models."""
         n = math.ceil(nbytes / bucket)
-        return n * self.collective(op, nbytes / n, ranks, per_node) if n else 0.0
+        return n * self.collective(op, nbytes / n, ranks, per_node, pods) if n else 0.0
 
     def neighbour_link(self, per_node: int, ranks: int) -> Link:
         """The link a ring or chain of neighbours waits on: NVLink inside a node, else each GPU's own NIC."""
@@ -492,7 +514,7 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     cp_node = _per_node(g, ((stride["cp"], p.cp),))
     pp_node = _per_node(g, ((stride["pp"], p.pp),))
     dpcp = ((stride["cp"], p.cp), (stride["dp"], p.dp))
-    dpcp_node = _per_node(g, dpcp)
+    dpcp_node, dpcp_pods = _per_node(g, dpcp), _pods(net.pod_gpus, dpcp)
     ep_node = _per_node(g, ((stride["cp"], min(p.cp, p.ep)), (stride["dp"], max(p.ep // p.cp, 1))))
 
     forward_passes = 2 if p.recompute == "full" else 1
@@ -529,8 +551,8 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     z3_mb = 0.0
     if p.zero == 3:
         layer_bytes = (dense + expert) * WIRE_BYTES / layers
-        gather = net.collective("all_gather", layer_bytes, p.dp * p.cp, dpcp_node)
-        scatter = net.collective("reduce_scatter", layer_bytes, p.dp * p.cp, dpcp_node)
+        gather = net.collective("all_gather", layer_bytes, p.dp * p.cp, dpcp_node, dpcp_pods)
+        scatter = net.collective("reduce_scatter", layer_bytes, p.dp * p.cp, dpcp_node, dpcp_pods)
         first = 2 * CONSTANTS["zero3_prefetch_layers"].value * gather
         z3_mb = (first + layers * max(0.0, gather - layer_forward)
                  + layers * max(0.0, gather + scatter - backward / layers))
@@ -541,11 +563,12 @@ def _step_time(cfg: ModelConfig, seq: int, p: ParallelConfig, mbs: int, work: _W
     dp_exposed = 0.0
     if p.dp * p.cp > 1 and p.zero < 3:
         ep_dp, ep_dp_node = p.dp * p.cp // p.ep, max(dpcp_node // ep_node, 1)
-        grads = ((dense * WIRE_BYTES, p.dp * p.cp, dpcp_node), (expert * WIRE_BYTES, ep_dp, ep_dp_node))
+        grads = ((dense * WIRE_BYTES, p.dp * p.cp, dpcp_node, dpcp_pods),
+                 (expert * WIRE_BYTES, ep_dp, ep_dp_node, min(dpcp_pods, max(ep_dp // ep_dp_node, 1))))
         bucket = p.bucket_mb * 2**20
 
         def bucketed(op: str) -> float:
-            return sum(net.bucketed(op, b, n, k, bucket) for b, n, k in grads)
+            return sum(net.bucketed(op, b, n, k, bucket, pods) for b, n, k, pods in grads)
 
         reduce = bucketed("all_reduce" if p.zero == 0 else "reduce_scatter")
         if chip.stack.overlap_grad_reduce:
@@ -854,7 +877,7 @@ def predict_run(run: Run) -> Candidate:
     kept, §3.3.2), it is priced all the same, and its memory is what lab.train would need. Raises ValueError when
     nothing runs."""
     hardware = calibration.TITAN_H100 if run.hardware == "titan" else run.hardware
-    system = "h100" if run.hardware == "titan" else run.hardware
+    system = run.system or ("h100" if run.hardware == "titan" else run.hardware)
     result = search(run_model(run), run.gpus, 8, hardware, run.seq, run.global_batch * run.seq, system=system,
                     fixed=run.pins, tp_overlap=run.tp_overlap, stack=run.stack)
     if not result.candidates:

@@ -42,7 +42,9 @@ it uses is in `lab.calc.calibration`, with its source; `stack` names the softwar
   `gpus_per_node`: a group whose members share a node talks over NVLink, one that spans nodes over the
   NICs, multi-rail (`lab.calc.comms.collective_time` with the group's members per node), at the bus bandwidth
   the playbook measured for that op and node count (`calibration.collective_efficiency`: 55 % of NVLink for an
-  all-gather in a node, a seventh of the NICs' at 64 nodes).
+  all-gather in a node, a seventh of the NICs' at 64 nodes). A system with a `Fabric` of pods (Llama 3's,
+  `llama3-roce`) keeps the playbook's 2-node share at any scale and prices the pods a group spans instead
+  (`comms.pod_share`; GPUs numbered pod by pod).
 * **Tensor parallelism.** Per layer and micro-batch, forward: an all-gather and a reduce-scatter around
   attention and around the MLP (SP; an all-reduce each without SP, same bytes), of mbs·seq/cp·d bf16 values;
   backward the same again; full recomputation repeats the forward's; under fp8 linears the forward's

@@ -12,7 +12,9 @@ bench, in order (each part in a process of its own, with a time limit, so one cr
                training, and every `lab.train` layout the machine has GPUs for under NCCL against one GPU), the
                Triton kernels' tests and the FP8 tests, compiled on this GPU
   mfu          `lab.train` on Llama 3.2 1B on one GPU in bf16: MFU = model FLOPs per step (`lab.calc.flops`, 6N plus
-               attention) / (median steady step time x the device's dense bf16 peak from `lab.calc.hardware`)
+               attention) / (median steady step time x the device's dense bf16 peak from `lab.calc.hardware`), at
+               `lab.train`'s default (--compile auto), then the compile rows: seq 2048 and 8192, eager and with
+               --compile (each block torch.compiled, `lab.parallel.compile`), the same tokens per micro-batch
   nccl         benchmarks/collectives.py on NCCL: bus bandwidth of torch's and lab's collectives (>= 2 GPUs)
   fp8_train    FP8 training against bf16 on an 8B-shaped model (4 layers of Llama 3 8B, seq 2048), blocks compiled:
                lab's tensorwise and rowwise recipes beside torchao's float8 (a line when torchao does not import)
@@ -59,7 +61,7 @@ sys.path.insert(0, str(REPO))
 SCHEMA = "lab-gpu-lane/1"
 STATUSES = ("pass", "fail", "skip", "timeout")
 # part: (time limit in seconds, GPUs it needs)
-BENCH_PARTS = {"correctness": (170, 1), "mfu": (150, 1), "nccl": (150, 2), "kernels": (120, 1),
+BENCH_PARTS = {"correctness": (170, 1), "mfu": (600, 1), "nccl": (150, 2), "kernels": (120, 1),
                "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2), "tp": (150, 2), "fp8_train": (300, 1),
                "decode": (300, 1)}
 RECORD_PARTS = {"memory": (60, 1), "trace": (45, 1), "ddp_trace": (90, 2)}
@@ -168,6 +170,22 @@ def validate(doc: dict) -> list[str]:
             for key in ("mfu", "step_s", "tokens_per_step", "model_flops_per_step", "peak_flops"):
                 if not isinstance(part.get("metrics", {}).get(key), (int, float)):
                     problems.append(f"{where}: metrics.{key} must be a number")
+            problems += _compile_row_problems(where, part.get("metrics", {}).get("compile_rows"))
+    return problems
+
+
+def _compile_row_problems(where: str, rows) -> list[str]:
+    """The mfu part's compile rows: a list of {seq, compile, and mfu + step_s, or the error that stopped it}."""
+    if not isinstance(rows, list):
+        return [f"{where}: metrics.compile_rows must be a list"]
+    problems = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("seq"), int) or row.get("compile") not in \
+                ("eager", "inductor", "aot_eager"):
+            problems.append(f"{where}: metrics.compile_rows[{i}] needs seq (int) and compile (eager or a backend)")
+        elif not (isinstance(row.get("mfu"), (int, float)) and isinstance(row.get("step_s"), (int, float))
+                  or row.get("error")):
+            problems.append(f"{where}: metrics.compile_rows[{i}] needs mfu and step_s, or the error that stopped it")
     return problems
 
 
@@ -207,6 +225,7 @@ def part_mfu(args: argparse.Namespace) -> dict:
     import torch
 
     from lab.config import load_config
+    from lab.parallel.compile import compile_backend
     from lab.train import run
 
     config = load_config(None, [f"model.preset='{args.mfu_model}'", f"train.seq_len={args.mfu_seq}",
@@ -229,10 +248,43 @@ def part_mfu(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
         metrics["device"] = torch.cuda.get_device_name()
     metrics["where_the_time_goes"] = _profiled_steps(config, metrics["step_s"], on_gpu=args.device == "cuda")
+    metrics["compile"] = compile_backend(config.train.compile, torch.device(args.device))[0] or "eager"
+    metrics["compile_rows"] = [_compile_row(config, seq, mode, args.mfu_mbs, peak)
+                               for seq in (args.mfu_seq, args.mfu_long_seq) for mode in ("eager", args.mfu_compile)]
     goal = args.mfu_goal
     status = "pass" if metrics["mfu"] >= goal else "fail"
     reason = None if status == "pass" else f"MFU {metrics['mfu']:.1%} is under the goal of {goal:.0%}"
     return {"status": status, "metrics": metrics, **({"reason": reason} if reason else {})}
+
+
+def _compile_row(config, seq: int, mode: str, micro_batch: int, peak: float) -> dict:
+    """MFU of the same run at `seq` tokens, eager or with `--compile mode`, keeping the micro-batch's tokens
+    (4 x 2048 = 1 x 8192). Dynamo starts afresh for each row: a second sequence length would otherwise make it
+    recompile with dynamic shapes, slower kernels than the static ones a real run gets. An out-of-memory (or any
+    error) is the row's record, not the part's end."""
+    import torch
+
+    from lab.train import run
+
+    micro = max(1, micro_batch * config.train.seq_len // seq)
+    accum = config.parallel.grad_accum
+    row_config = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, seq_len=seq, global_batch=micro * accum, compile=mode))
+    if mode != "eager":
+        torch._dynamo.reset()
+    row = {"seq": seq, "compile": mode, "micro_batch": micro}
+    try:
+        logs = run(row_config, 1, verbose=False)
+    except Exception as err:  # noqa: BLE001 - e.g. torch.OutOfMemoryError at 8192: the row says so
+        return {**row, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    tokens = micro * accum * seq
+    metrics = mfu_of_run([tokens / log.tokens_per_s for log in logs], config.model, seq, tokens, peak)
+    return {**row, "mfu": metrics["mfu"], "step_s": metrics["step_s"], "tokens_per_s": metrics["tokens_per_s"],
+            "peak_memory_bytes": max((log.peak_bytes or 0) for log in logs),
+            "losses": [round(log.loss, 4) for log in logs]}
 
 
 def _profiled_steps(config, step_s: float, on_gpu: bool, active: int = 2) -> dict:
@@ -781,7 +833,8 @@ def _in_child(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
 
 
 def _mfu_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--mfu-model", args.mfu_model, "--mfu-seq", str(args.mfu_seq), "--mfu-mbs", str(args.mfu_mbs),
+    flags = ["--mfu-model", args.mfu_model, "--mfu-seq", str(args.mfu_seq), "--mfu-long-seq", str(args.mfu_long_seq),
+             "--mfu-compile", args.mfu_compile, "--mfu-mbs", str(args.mfu_mbs),
              "--mfu-accum", str(args.mfu_accum), "--mfu-steps", str(args.mfu_steps),
              "--mfu-precision", args.mfu_precision, "--mfu-goal", str(args.mfu_goal)]
     return flags + (["--peak-flops", str(args.peak_flops)] if args.peak_flops else [])
@@ -832,6 +885,9 @@ def _parser() -> argparse.ArgumentParser:
     mfu = parser.add_argument_group("mfu part")
     mfu.add_argument("--mfu-model", default="llama3-1b")
     mfu.add_argument("--mfu-seq", type=int, default=2048)
+    mfu.add_argument("--mfu-long-seq", type=int, default=8192, help="the compile rows' second sequence length")
+    mfu.add_argument("--mfu-compile", default="inductor", choices=("inductor", "aot_eager"),
+                     help="the compile rows' backend (the tests walk the lane on a CPU with aot_eager)")
     mfu.add_argument("--mfu-mbs", type=int, default=4, help="sequences per micro-batch")
     mfu.add_argument("--mfu-accum", type=int, default=4, help="micro-batches per step")
     mfu.add_argument("--mfu-steps", type=int, default=8)
@@ -849,7 +905,7 @@ def check_args(args: argparse.Namespace) -> None:
     for name in args.parts or []:
         if name not in valid:
             raise ValueError(f"--parts {name!r}: {args.command} has {', '.join(valid)}")
-    for flag in ("mfu_seq", "mfu_mbs", "mfu_accum"):
+    for flag in ("mfu_seq", "mfu_long_seq", "mfu_mbs", "mfu_accum"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if args.mfu_steps <= MFU_WARMUP_STEPS:

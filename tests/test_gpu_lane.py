@@ -82,7 +82,9 @@ def _good_document() -> dict:
                         "lab_commit": "abc"}}
     parts = [{"name": "mfu", "status": "pass", "wall_s": 40.0,
               "metrics": {"mfu": 0.41, "step_s": 0.8, "tokens_per_step": 32768, "model_flops_per_step": 3e14,
-                          "peak_flops": 989e12}},
+                          "peak_flops": 989e12,
+                          "compile_rows": [{"seq": 2048, "compile": "eager", "mfu": 0.28, "step_s": 1.1},
+                                           {"seq": 8192, "compile": "inductor", "error": "OutOfMemoryError: ..."}]}},
              {"name": "nccl", "status": "skip", "wall_s": 0.0, "reason": "needs 2 GPUs, this machine has 1"}]
     return gpu_lane.document("bench", env, parts)
 
@@ -91,6 +93,11 @@ def _good_document() -> dict:
     (lambda d: d["parts"][1].pop("reason"), "parts[1] (nccl): a skip part must say why"),
     (lambda d: d["parts"][0].update(status="ok"), "parts[0] (mfu): status 'ok' must be one of"),
     (lambda d: d["parts"][0]["metrics"].pop("mfu"), "parts[0] (mfu): metrics.mfu must be a number"),
+    (lambda d: d["parts"][0]["metrics"].pop("compile_rows"), "parts[0] (mfu): metrics.compile_rows must be a list"),
+    (lambda d: d["parts"][0]["metrics"]["compile_rows"][1].pop("error"),
+     "parts[0] (mfu): metrics.compile_rows[1] needs mfu and step_s, or the error"),
+    (lambda d: d["parts"][0]["metrics"]["compile_rows"][0].update(compile="yes"),
+     "parts[0] (mfu): metrics.compile_rows[0] needs seq (int) and compile"),
     (lambda d: d["environment"]["versions"].pop("nccl"), "environment.versions.nccl: missing"),
     (lambda d: d["parts"][0].update(name="mystery"), "parts[0] (mystery): name must be one of"),
     (lambda d: d.update(schema="lab-gpu-lane/0"), "schema: 'lab-gpu-lane/0' is not"),
@@ -132,6 +139,7 @@ def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
     machine runs, with device="cpu"."""
     tiny = ["--device", "cpu", "--out", str(tmp_path), "--stem", "cpu-test"]
     assert gpu_lane.main(["bench", "--parts", "mfu", *tiny, "--mfu-model", "tiny", "--mfu-seq", "32",
+                          "--mfu-long-seq", "64", "--mfu-compile", "aot_eager",
                           "--mfu-mbs", "2", "--mfu-accum", "2", "--mfu-steps", "4", "--mfu-precision", "fp32",
                           "--peak-flops", "1e11", "--mfu-goal", "1e-6"]) == 0
     assert gpu_lane.main(["record", "--parts", "ddp_trace", *tiny]) == 0
@@ -140,6 +148,12 @@ def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
     assert gpu_lane.validate(bench) == [] and gpu_lane.validate(record) == []
     mfu = bench["parts"][0]["metrics"]
     assert mfu["tokens_per_step"] == 2 * 2 * 32 and 0 < mfu["mfu"] < 1 and len(mfu["losses"]) == 4
+    assert mfu["compile"] == "eager"  # lab.train's default on a CPU
+    rows = mfu["compile_rows"]  # seq x (eager, compiled), the micro-batch's tokens kept: 2 x 32 = 1 x 64
+    assert [(r["seq"], r["compile"], r["micro_batch"]) for r in rows] == [(32, "eager", 2), (32, "aot_eager", 2),
+                                                                          (64, "eager", 1), (64, "aot_eager", 1)]
+    assert all(0 < r["mfu"] < 1 for r in rows), rows
+    assert rows[0]["losses"] == rows[1]["losses"] and rows[2]["losses"] == rows[3]["losses"]  # aot_eager: same sums
     profiled = mfu["where_the_time_goes"]  # two steps recorded after two unrecorded ones: no set-up in the table
     assert profiled["profiled_steps"] == 2 and profiled["kernel_ms_per_step"]["matmul"] > 0
     assert sum(profiled["kernel_share"].values()) == pytest.approx(1, abs=0.01)  # lab.measure.kernel_time's categories

@@ -211,11 +211,13 @@ def _device(config: Config) -> torch.device:
 
 def _compile_backend(config: Config, device: torch.device, verbose: bool) -> str | None:
     """The `torch.compile` backend of `--compile` on this device (None: eager), said once at start-up with what
-    the layout keeps out of the graphs: a run never falls back to eager, or splits a block, without a line."""
+    the layout keeps out of the graphs: a run never falls back to eager, or splits a block, without a line. The
+    default on a CPU (auto: eager) goes without saying."""
     backend, line = compile_backend(config.train.compile, device)
     if backend is not None and (why := graph_breaks(config.model, config.parallel)):
         line += f"; each block in pieces around {why}"
-    if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+    said = config.train.compile != "auto" or device.type == "cuda"
+    if said and verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"compile: {line}", file=sys.stderr, flush=True)
     return backend
 

@@ -26,7 +26,7 @@ lab.layout (pure Python: no torch, no numpy, no package from Pyodide's repositor
 WebAssembly from file://, so the live calculators need the site served over http (`--serve`); opened from disk, a
 page keeps its snapshots and says how to serve it.
 
-Cost, measured in headless Chromium (tests/browser/test_site_runtime.py records it) on a 2-core machine under load:
+Cost, measured in headless Chromium (tests/browser/test_site_live.py records it) on a 2-core machine under load:
 the runtime is ready 4-8 s after the first call on a page, cold or cached, and a calc then takes 55-115 ms. It adds
 13.6 MB to site/: Pyodide's pyodide.asm.wasm 9.6 MB, python_stdlib.zip 2.5 MB, its loader 1.3 MB, lab-calc.zip 0.13 MB.
 

@@ -1,7 +1,8 @@
 """The course site (`make site`, lab/site.py) in headless Chromium, with every request off this machine refused:
 the index lists every chapter (its links all resolve, its exercise pages show no solution), and chapter 01 shows
 its plots, its equations, and the memory calculator drawn by the widgets' html-manager from the saved state
-(widget DOM, not the state's JSON).
+(widget DOM, not the state's JSON), which stays, opened from disk, while the live calculator says in one line how to
+serve the site.
 
 It reads the site/ that `make test` builds after the main suite (whose notebook tests saved the executed
 chapters); skipped when there is none (`make site` builds it).
@@ -87,6 +88,14 @@ def test_a_chapter_shows_its_plots_equations_and_a_widget_snapshot(browser, reco
         loaded = "img => img.complete && img.naturalWidth > 0"
         assert widget.locator("img").first.evaluate(loaded)
         assert page.locator(".site-note", has_text="live in JupyterLab").is_visible()
+        # opened from disk, the live calculator cannot start: it says in one line how to serve the site, and the
+        # snapshot stays
+        live = page.locator('.live-calc[data-calc="memory"]')
+        page.wait_for_function("() => document.querySelector('.live-calc[data-calc=memory]').dataset.state "
+                               "=== 'offline'", timeout=30_000)
+        said = live.inner_text().strip()
+        assert "\n" not in said and "make site-serve" in said and "python -m lab site --serve" in said
+        assert widget.is_visible()
         # the chapter's own matplotlib figures, embedded as PNG
         plots = page.locator('.jp-RenderedImage img[src^="data:image/png"]')
         assert plots.count() >= 2 and plots.first.evaluate(loaded)

@@ -1,11 +1,17 @@
-"""The five live calculators of the course's site (issue 38) in headless Chromium, served over http by lab.site's own
-server, with every request to another host refused and recorded.
+"""The course site's live calculators (issue 38) in headless Chromium, served by `python -m lab site --serve` as a
+learner starts it, with every request to another host refused and recorded.
 
-Each page opens on the notebook cell's defaults; the test reads the numbers the calculator drew (every drawn number
-keeps its exact JSON value in data-value, lab/site_static/live/ui.js) and compares them with `python -m lab calc ...
---json` run here for the argv the page's controls spell; then it changes one control and compares again; then it
-gives one input the CLI refuses and checks that the CLI's one error line shows while the last good drawing stays.
-The selects offer only what the CLI accepts (its argparse choices). No request left the local server.
+Pyodide's start-up is what costs here (~7 s a page on 2 cores), so the calculators' checks share ONE page load of
+site/calculators.html, where all five live; one more page load checks that a chapter's page mounts its calculator in
+place of the notebook's snapshot. The rest loads no Pyodide: live.js with a stand-in runtime (a mount that throws).
+
+- `window.lab.calc` (static/lab-calc.js, Pyodide in a Web Worker) gives the text `python -m lab calc ... --json`
+  prints, and the CLI's one error line.
+- Each calculator opens on its notebook cell's defaults; the test reads the numbers it drew (every drawn number keeps
+  its exact JSON value in data-value, lab/site_static/live/ui.js) and compares them with the CLI run here for the argv
+  its controls spell; it changes one control and compares again; it gives one input the CLI refuses and checks that
+  the CLI's one line shows while the last good drawing stays. The selects offer only what the CLI accepts.
+- No request left the local server.
 
 It reads the site/ that `make test` builds after the main suite; skipped when there is none or it has no Pyodide
 (`make site` vendors it).
@@ -16,8 +22,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import threading
+import re
+import subprocess
+import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,31 +34,38 @@ import pytest
 
 from lab.calc import cli
 from lab.config import PRESETS
-from lab.site import server
+from lab.site import LIVE_CALCULATORS
 
-from .jupyterlab import chromium
+from .jupyterlab import chromium, free_port
 from .test_lab_browser import _missing
 
 REPO = Path(__file__).resolve().parents[2]
 SITE = REPO / "site"
-RUNTIME = ("static/live/ui.js", "static/lab-calc.zip", "static/pyodide/pyodide.asm.wasm")
-LIVE_TIMEOUT_MS = 180_000  # the first page starts Pyodide: ~10 s here, more on a loaded CI machine
+RUNTIME = ("calculators.html", "static/live/ui.js", "static/lab-calc.zip", "static/pyodide/pyodide.asm.wasm")
+LIVE_TIMEOUT_MS = 180_000  # Pyodide starts in ~7 s here, more on a loaded CI machine
 REL = 1e-12  # Pyodide's libm may round a last bit unlike this CPython's (seen: comms, hierarchical)
+NAMES = [calculator.name for entries in LIVE_CALCULATORS.values() for calculator in entries]
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(_missing() is not None, reason=str(_missing())),
               pytest.mark.skipif(not all((SITE / path).exists() for path in RUNTIME),
                                  reason="no site/ with the live calculators' runtime: run `make site`")]
 
 
-def calc(argv: list[str]) -> tuple[dict | None, str]:
-    """`python -m lab calc <argv> --json` in this process: (its JSON, None) or (None, its one error line)."""
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """`python -m lab calc <argv> --json` in this process: its exit status, stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = cli.main([*argv, "--json"])
         except SystemExit as exit:
             code = exit.code
-    return (json.loads(out.getvalue()), "") if code == 0 else (None, err.getvalue().strip())
+    return code, out.getvalue(), err.getvalue()
+
+
+def calc(argv: list[str]) -> tuple[dict | None, str]:
+    """The CLI's JSON and "", or None and its one error line."""
+    code, out, err = run_cli(argv)
+    return (json.loads(out), "") if code == 0 else (None, err.strip())
 
 
 def choices(sub: str) -> dict[str, list[str]]:
@@ -67,23 +83,60 @@ def spell(sub: str, values: dict[str, str | bool]) -> list[str]:
     return out
 
 
-class LiveCalculator:
-    """One live calculator on its page: its controls, what it drew, and what the page asked of the network."""
+@pytest.fixture(scope="module")
+def served() -> Iterator[str]:
+    """`python -m lab site --serve` on a free port, as a learner starts it; its base URL. Killed in the end."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "lab", "site", "--serve", "--port", str(port)], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        said = process.stdout.readline()
+        assert f"http://127.0.0.1:{port}/" in said, said
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        process.kill()
+        process.wait(timeout=10)
 
-    def __init__(self, context, base: str, page: str, name: str) -> None:
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
+
+
+class Tab:
+    """A fresh tab whose every request is routed: those to `allowed` go on (or get the stand-in script `stubs` has
+    for their path's end), any other is refused and kept; and what the page logged as an error."""
+
+    def __init__(self, context, allowed: str, stubs: dict[str, str] | None = None) -> None:
         self.page = context.new_page()
-        self.outside: list[str] = []
-        self.errors: list[str] = []
-        self.page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(base)
-                        else (self.outside.append(route.request.url), route.abort()))
+        self.allowed, self.stubs, self.refused, self.errors = allowed, stubs or {}, [], []
+        self.page.route("**/*", self._route)
         self.page.on("console", lambda message: message.type == "error" and self.errors.append(message.text))
         self.page.on("pageerror", lambda error: self.errors.append(str(error)))
-        start = time.perf_counter()
-        self.page.goto(base + page)
-        self.root = self.page.locator(f'.live-calc[data-calc="{name}"]')
-        self.root.and_(self.page.locator('[data-state="live"]')).wait_for(timeout=LIVE_TIMEOUT_MS)
-        self.live_s = time.perf_counter() - start
-        self.ui = self.root.locator(".live-ui")
+
+    def _route(self, route) -> None:
+        url = route.request.url
+        stub = next((body for end, body in self.stubs.items() if url.endswith(end)), None)
+        if url.startswith(self.allowed) and stub is not None:
+            route.fulfill(body=stub, content_type="text/javascript")
+        elif url.startswith(self.allowed):
+            route.continue_()
+        else:
+            self.refused.append(url)
+            route.abort()
+
+    def live(self, name: str) -> None:
+        """Wait until the calculator `name` has mounted (drawn its defaults)."""
+        self.page.locator(f'.live-calc[data-calc="{name}"][data-state="live"]').wait_for(timeout=LIVE_TIMEOUT_MS)
+
+
+class LiveCalculator:
+    """One live calculator of a page: its controls and what it drew."""
+
+    def __init__(self, tab: Tab, name: str) -> None:
+        self.page = tab.page
+        self.ui = tab.page.locator(f'.live-calc[data-calc="{name}"] .live-ui')
 
     def values(self) -> dict[str, str | bool]:
         return self.ui.evaluate("""ui => Object.fromEntries([...ui.querySelectorAll("[name]")].map(input =>
@@ -123,41 +176,85 @@ class LiveCalculator:
 
 
 @pytest.fixture(scope="module")
-def base() -> Iterator[str]:
-    """lab.site's server (what `python -m lab site --serve` runs) on a free port, serving site/."""
-    httpd = server(SITE, 0)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
-    httpd.server_close()
+def calculators(browser, served: str) -> Iterator[Tab]:
+    """site/calculators.html, once for the module, with all five calculators mounted; `ready_s` (until the runtime
+    answered) and `live_s` (until all five drew their defaults) on the tab."""
+    tab = Tab(browser, served)
+    try:
+        start = time.perf_counter()
+        tab.page.goto(served + "calculators.html")
+        tab.page.evaluate("() => window.lab.ready")
+        tab.ready_s = time.perf_counter() - start
+        for name in NAMES:
+            tab.live(name)
+        tab.live_s = time.perf_counter() - start
+        yield tab
+    finally:
+        tab.page.close()
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
-        yield context
+# One invocation of each calculator, small enough that the search is quick, and one the CLI refuses.
+INVOCATIONS = [
+    ["memory", "--model", "llama3-8b", "--seq", "4096", "--dp", "8", "--zero", "1", "--tp", "2", "--sp",
+     "--recompute", "selective"],
+    ["bubble", "--pp-schedule", "interleaved", "--pp", "4", "--grad-accum", "8", "--pp-chunks", "2"],
+    ["search", "--model", "llama3-8b", "--gpus", "16", "--gpus-per-node", "8", "--hardware", "h100", "--seq", "4096",
+     "--gbs-tokens", "1M"],
+    ["inference", "--model", "llama3-8b", "--hardware", "h100", "--tp", "2", "--seq", "4096", "--batch", "8"],
+    ["comms", "--op", "all_reduce", "--ranks", "16", "--hardware", "h100", "--bytes", "256MiB"],
+    ["params", "--model", "llama3-70b"],
+]
+BAD = ["memory", "--model", "llama3-8b", "--tp", "3"]
+# The search reports its own wall time: the one number two runs of the same command do not share.
+_ELAPSED = re.compile(r'"elapsed_s": [0-9.e+-]+')
+
+
+def same_run(text: str) -> str:
+    return _ELAPSED.sub('"elapsed_s": "(wall time)"', text)
+
+
+def stale_sources() -> list[str]:
+    """The files of site/static/lab-calc.zip that differ from the checkout's (the CLI here runs the checkout)."""
+    with zipfile.ZipFile(SITE / "static" / "lab-calc.zip") as archive:
+        return [name for name in archive.namelist()
+                if not (REPO / name).exists() or archive.read(name) != (REPO / name).read_bytes()]
+
+
+def test_lab_calc_in_the_page_equals_the_cli(calculators: Tab, record_property) -> None:
+    assert stale_sources() == [], "site/ is older than these sources: run `make site`"
+    expected = [run_cli(argv) for argv in INVOCATIONS]
+    assert all(code == 0 for code, _, _ in expected), [err for _, _, err in expected]
+    code, _, bad = run_cli(BAD)
+    assert code == 2 and bad.count("\n") == 1
+    page = calculators.page
+    first = page.evaluate("async (argv) => { const t = performance.now(); await window.lab.calc(argv); "
+                          "return performance.now() - t; }", INVOCATIONS[-1])
+    got = page.evaluate("(calls) => Promise.all(calls.map((argv) => window.lab.calc(argv)))", INVOCATIONS)
+    for argv, text, (_, out, _) in zip(INVOCATIONS, got, expected, strict=True):
+        assert same_run(text) == same_run(out), argv[0]
+        json.loads(text)
+    said = page.evaluate("(argv) => window.lab.calc(argv).then(() => 'resolved', (error) => error.message)", BAD)
+    assert said == bad.strip()
+    assert calculators.refused == [] and calculators.errors == [], (calculators.refused, calculators.errors)
+    record_property("wall_s", ("browser   calculators.html: Pyodide, five calculators live", calculators.live_s))
+    record_property("ready_s", round(calculators.ready_s, 2))
+    record_property("calc_ms", round(first, 1))
 
 
 def approx(expected: object) -> object:
     return pytest.approx(expected, rel=REL, abs=0)
 
 
-# name: (page, sub, the notebook call's arguments, one control changed, one input the CLI refuses)
+# name: (sub, the notebook call's arguments, one control changed, one input the CLI refuses)
 CALCULATORS = {
-    "memory": ("chapters/01_memory_and_compute.html", "memory", {"--model": "llama3-8b", "--seq": "4096"},
-               ("--tp", "2"), ("--tp", "64")),
-    "bubble": ("chapters/06_pipeline_parallel.html", "bubble",
-               {"--pp-schedule": "1f1b", "--pp": "4", "--grad-accum": "8", "--tf": "1", "--tb": "2", "--tw": "1"},
-               ("--pp", "6"), ("--tw", "3")),
-    "search": ("chapters/08_5d_parallelism.html", "search",
-               {"--model": "llama3-70b", "--gpus": "256", "--gpus-per-node": "8", "--seq": "8192",
-                "--gbs-tokens": "4M"}, ("--hardware", "h200"), ("--gpus", "100")),
-    "inference": ("chapters/11_inference.html", "inference",
-                  {"--model": "llama3-8b", "--hardware": "h100", "--batch": "1", "--seq": "4096"},
+    "memory": ("memory", {"--model": "llama3-8b", "--seq": "4096"}, ("--tp", "2"), ("--tp", "64")),
+    "bubble": ("bubble", {"--pp-schedule": "1f1b", "--pp": "4", "--grad-accum": "8", "--tf": "1", "--tb": "2",
+                          "--tw": "1"}, ("--pp", "6"), ("--tw", "3")),
+    "search": ("search", {"--model": "llama3-70b", "--gpus": "256", "--gpus-per-node": "8", "--seq": "8192",
+                          "--gbs-tokens": "4M"}, ("--hardware", "h200"), ("--gpus", "100")),
+    "inference": ("inference", {"--model": "llama3-8b", "--hardware": "h100", "--batch": "1", "--seq": "4096"},
                   ("--batch", "32"), ("--model", "smollm-135m")),
-    "comms": ("chapters/02_collectives.html", "comms",
-              {"--op": "all_reduce", "--bytes": "1GiB", "--ranks": "16", "--hardware": "h100"},
+    "comms": ("comms", {"--op": "all_reduce", "--bytes": "1GiB", "--ranks": "16", "--hardware": "h100"},
               ("--ranks", "64"), ("--bytes", "1XB")),
 }
 
@@ -165,7 +262,7 @@ CALCULATORS = {
 def expected(name: str, live: LiveCalculator) -> dict[str, object]:
     """What `name` must have drawn for its controls' argv, from the CLI here (keys as in drawn())."""
     values = live.values()
-    argv = spell(CALCULATORS[name][1], values)
+    argv = spell(CALCULATORS[name][0], values)
     if name == "inference":  # the sweep's point at the chosen batch, prefill at its roof (--mfu 1) as the widget
         argv += ["--mfu", "1"]
     data, error = calc(argv)
@@ -235,31 +332,73 @@ def check_drawn(name: str, live: LiveCalculator) -> None:
         assert got[key] == approx(value), (name, key)
 
 
-@pytest.mark.parametrize("name", list(CALCULATORS))
-def test_a_live_calculator_draws_the_clis_numbers_and_its_one_line_errors(browser, base, name, record_property):
-    page, sub, defaults, (flag, value), (bad_flag, bad_value) = CALCULATORS[name]
+@pytest.mark.parametrize("name", NAMES)
+def test_a_live_calculator_draws_the_clis_numbers_and_its_one_line_errors(calculators: Tab, name: str,
+                                                                          record_property) -> None:
+    sub, defaults, (flag, value), (bad_flag, bad_value) = CALCULATORS[name]
     start = time.perf_counter()
-    live = LiveCalculator(browser, base, page, name)
-    try:
-        values = live.values()
-        assert {flag: values[flag] for flag in defaults} == defaults  # the notebook cell's call
-        allowed = choices(sub) | {"--model": list(PRESETS)}  # presets are checked by the CLI, not by argparse
-        assert all(set(options) <= set(allowed.get(flag, options)) for flag, options in live.selects().items())
-        assert live.error() == ""
-        check_drawn(name, live)
+    live = LiveCalculator(calculators, name)
+    values = live.values()
+    assert {flag: values[flag] for flag in defaults} == defaults  # the notebook cell's call
+    allowed = choices(sub) | {"--model": list(PRESETS)}  # presets are checked by the CLI, not by argparse
+    assert all(set(options) <= set(allowed.get(flag, options)) for flag, options in live.selects().items())
+    assert live.error() == ""
+    check_drawn(name, live)
 
-        live.change(flag, value)
-        assert live.values()[flag] == value and live.error() == ""
-        check_drawn(name, live)
-        good = live.drawn()
+    live.change(flag, value)
+    assert live.values()[flag] == value and live.error() == ""
+    check_drawn(name, live)
+    good = live.drawn()
 
-        live.change(bad_flag, bad_value)
-        refused, line = calc(live.argv(sub))
-        assert refused is None and line.count("\n") == 0 and line
-        assert live.error() == line
-        assert live.drawn() == good  # the last good answer stays drawn
-        assert live.outside == [] and live.errors == []
-    finally:
-        live.page.close()
+    live.change(bad_flag, bad_value)
+    refused, line = calc(live.argv(sub))
+    assert refused is None and line.count("\n") == 0 and line
+    assert live.error() == line
+    assert live.drawn() == good  # the last good answer stays drawn
+    assert calculators.refused == [] and calculators.errors == [], (calculators.refused, calculators.errors)
     record_property("wall_s", (f"browser   live {name}", time.perf_counter() - start))
-    record_property("live_s", live.live_s)
+
+
+def widget_outputs(tab: Tab, name: str):
+    """The outputs holding a widget in the cell just before the calculator `name` (its snapshot)."""
+    cell = tab.page.locator(".jp-Cell", has=tab.page.locator(".jupyter-widgets")).filter(
+        has=tab.page.locator(f"xpath=following-sibling::*[1][@data-calc='{name}']"))
+    return cell.locator(".jp-OutputArea-child", has=tab.page.locator(".jupyter-widgets"))
+
+
+def test_a_chapter_page_mounts_its_calculator_in_place_of_the_snapshot(browser, served: str, record_property) -> None:
+    start = time.perf_counter()
+    tab = Tab(browser, served)
+    try:
+        tab.page.goto(served + "chapters/06_pipeline_parallel.html")
+        tab.live("bubble")
+        snapshot = widget_outputs(tab, "bubble")
+        assert snapshot.count() == 1 and snapshot.first.is_hidden()
+        check_drawn("bubble", LiveCalculator(tab, "bubble"))
+        link = tab.page.locator(".live-calc-all a")
+        assert link.count() == 1 and link.get_attribute("href") == "../calculators.html#Pipeline-bubble"
+        assert tab.refused == [] and tab.errors == [], (tab.refused, tab.errors)
+    finally:
+        tab.page.close()
+    record_property("wall_s", ("browser   chapters/06_pipeline_parallel.html, live", time.perf_counter() - start))
+
+
+# live.js alone, with stand-ins: a runtime that is ready at once and a calculator whose mount throws.
+FAKE_RUNTIME = "window.lab = {ready: Promise.resolve(), calc: async (argv) => JSON.stringify(argv)};"
+THROWS = 'export function mount() { throw new Error("no such control\\nsecond line"); }'
+
+
+def test_live_js_keeps_the_snapshot_when_a_mount_throws(browser, served: str) -> None:
+    tab = Tab(browser, served, {"static/lab-calc.js": FAKE_RUNTIME, "static/live/bubble.js": THROWS})
+    try:
+        tab.page.goto(served + "chapters/06_pipeline_parallel.html")
+        live = tab.page.locator('.live-calc[data-calc="bubble"]')
+        tab.page.wait_for_function("() => ['live', 'error'].includes("
+                                   "document.querySelector('.live-calc[data-calc=bubble]').dataset.state)")
+        assert live.get_attribute("data-state") == "error"
+        assert live.inner_text().strip() == "the live bubble calculator failed: no such control"
+        snapshot = widget_outputs(tab, "bubble")
+        assert snapshot.count() == 1 and snapshot.first.is_visible()
+        assert tab.refused == [] and tab.errors == [], (tab.refused, tab.errors)
+    finally:
+        tab.page.close()

@@ -197,7 +197,9 @@ def test_the_fp8_training_and_decode_parts_walk_their_rows_on_a_cpu(tmp_path):
     assert decode["status"] == "pass"
     assert [(row["preset"], row["decoder"]) for row in decode["metrics"]["rows"]] == [("tiny", "graph"),
                                                                                       ("tiny", "compile")]
-    assert all(row["tokens_per_s"] > 0 and "hbm_fraction" not in row for row in decode["metrics"]["rows"])
+    # a rate from the difference of two short runs, or (on loaded cores) the line saying it was lost in the noise
+    assert all((row.get("tokens_per_s", 0) > 0) != ("error" in row) and "hbm_fraction" not in row
+               for row in decode["metrics"]["rows"])
     parts = [{"name": name, "wall_s": 1.0, **result} for name, result in (("fp8_train", fp8), ("decode", decode))]
     assert gpu_lane.validate(gpu_lane.document("bench", _good_document()["environment"], parts)) == []
 

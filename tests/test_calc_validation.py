@@ -162,6 +162,14 @@ def test_the_cli_prices_llama3s_own_layout_and_reports_the_ties(capsys):
     assert mfu == pytest.approx(playbook.candidates[0].mfu, abs=0.0006) and "recompute full" in row
     assert mfu < run.mfu < _predicted(run)[0].mfu / (1 - THROUGHPUT_GOAL)
     assert "ties: 1 layout reaches the best one's range" in out and "the calibration's spread" in out
+    # --system prices the same search on another network: Llama 3's own fabric of pods
+    assert main(argv + ["--system", "llama3-roce"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("  1  "))
+    roce = search("llama3-405b", 16384, 8, "h100", 8192, 2048 * 8192, stack="compiled", system="llama3-roce",
+                  fixed={"tp": 8, "pp": 16, "dp": 128, "cp": 1, "pp_schedule": "interleaved", "pp_virtual_stages": 4})
+    assert float(row.split("%")[0].split()[-1]) / 100 == pytest.approx(roce.candidates[0].mfu, abs=0.0006)
+    assert roce.candidates[0].mfu > mfu and "network llama3-roce" in out
 
 
 def test_the_explorer_widget_reports_the_ties():

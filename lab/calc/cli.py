@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
     search.add_argument("--hardware", choices=SEARCH_HARDWARE, default="h100",
                         help="the accelerator and its cluster design (default h100)")
+    search.add_argument("--system", choices=tuple(SYSTEMS), default=None,
+                        help="the network, when not the --hardware's own cluster design (lab.calc.network; e.g. "
+                             "llama3-roce, Llama 3's fabric of pods)")
     search.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     search.add_argument("--gbs-tokens", type=_tokens_arg,
                         help="global batch in tokens, rounded to whole sequences: 4194304, 4e6, 1M, 4M "
@@ -475,13 +478,14 @@ def _search(args: argparse.Namespace) -> int:
             "pp_virtual_stages": args.pp_chunks, "pp_layers": args.pp_layers, "recompute": args.recompute}
     result = search(args.model, args.gpus, args.gpus_per_node, args.hardware, args.seq, args.gbs_tokens,
                     fixed={k: v for k, v in pins.items() if v is not None}, stack=args.stack,
-                    tp_overlap=args.tp_overlap)
+                    tp_overlap=args.tp_overlap, system=args.system)
     if args.json:
         print(json.dumps(result.as_dict(args.top)))
         return 0
     nodes = max(args.gpus // args.gpus_per_node, 1)
     print(f"{result.model.name} on {args.gpus} x {args.hardware} ({nodes} node{'s' if nodes > 1 else ''} of "
-          f"{min(args.gpus, args.gpus_per_node)}); seq {args.seq}; global batch {result.global_batch} sequences = "
+          f"{min(args.gpus, args.gpus_per_node)}{', network ' + args.system if args.system else ''}); seq {args.seq}; "
+          f"global batch {result.global_batch} sequences = "
           f"{result.tokens_per_step:,} tokens (asked {args.gbs_tokens:,}, rounded to whole sequences)")
     print(f"{len(result.candidates):,} layouts fit; large matmuls at {result.efficiency:.1%} of the bf16 peak, "
           f"{result.stack} kernels (lab.calc.calibration); searched in {result.elapsed_s:.2f} s. Times per step, "

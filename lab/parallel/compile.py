@@ -87,14 +87,15 @@ def compile_backend(mode: str, device: torch.device) -> tuple[str | None, str]:
         return mode, f"torch.compile per block, backend {mode}"
     if device.type != "cuda":
         return None, "eager (--compile auto on a CPU; --compile inductor to compile)"
-    works, report = compile_works()
+    works, report = compile_works(device=device)
     return ("inductor", f"torch.compile per block ({report})") if works else (None, f"eager: {report}")
 
 
-def compile_works(backend: str = "inductor") -> tuple[bool, str]:
-    """Compile and run a tiny function once on this machine's device: (True, "torch.compile works (inductor, 4.1
-    s)") or (False, the one-line reason it does not — a missing compiler, an unsupported GPU, ...)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def compile_works(backend: str = "inductor", device: str | torch.device | None = None) -> tuple[bool, str]:
+    """Compile and run a tiny function once on `device` (default: the GPU if there is one): (True, "torch.compile
+    works (inductor, 4.1 s)") or (False, the one-line reason it does not — a missing compiler, an unsupported GPU,
+    ...). A rank passes its own device, so that eight ranks do not all probe GPU 0."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     def rms(x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

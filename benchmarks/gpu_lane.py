@@ -62,8 +62,8 @@ SCHEMA = "lab-gpu-lane/1"
 STATUSES = ("pass", "fail", "skip", "timeout")
 # part: (time limit in seconds, GPUs it needs)
 BENCH_PARTS = {"correctness": (170, 1), "mfu": (600, 1), "nccl": (150, 2), "kernels": (120, 1),
-               "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2), "tp": (150, 2), "fp8_train": (300, 1),
-               "decode": (300, 1)}
+               "fp8": (90, 1), "serving": (90, 1), "dp_zero": (200, 2), "tp": (150, 2), "fp8_train": (480, 1),
+               "decode": (420, 1)}
 RECORD_PARTS = {"memory": (60, 1), "trace": (45, 1), "ddp_trace": (90, 2)}
 ALL_PARTS = {**BENCH_PARTS, **RECORD_PARTS}
 MFU_WARMUP_STEPS = 2  # the first steps build CUDA contexts, cuBLAS plans and the allocator's pools

@@ -15,6 +15,8 @@ API's options), never code an implementation imports. The implementations live i
 * `cpu`: the matmul FLOP/s and copy bandwidth this CPU reaches (the rooflines `lab sweep` and `lab serve` use).
 * `launch`: what an op costs before it does any work (the launch floor, the Python share), the roofline with that
   floor, a step's profile and a recorded GPU trace's kernels and gaps (chapter 09).
+* `kernel_time`: a profile's or a trace's kernel time by category (matmul, attention, elementwise, copy+cast,
+  communication): where a GPU step's time went (`make bench-gpu`).
 
 Import the module you need (`from lab.measure.memory import saved_activation_bytes`): this package imports
 nothing, so an exercise's sandbox can carry one of its modules alone.

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from lab import doctor
 from lab.doctor import Check, format_report, run_checks
 
 
@@ -12,10 +13,16 @@ def _lab(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lab", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_doctor_exercises_each_backend():
+def test_doctor_exercises_each_backend(monkeypatch):
+    # the compile probe as the doctor starts it, with the "eager" backend: inductor's first compile in a fresh
+    # process builds C++ for 20 s of the suite (inductor itself: tests/test_compile.py's CLI test)
+    probe = doctor._COMPILE_PROBE.replace("compile_works()", 'compile_works("eager")')
+    monkeypatch.setattr(doctor, "_COMPILE_PROBE", probe)
     checks = {c.name: c for c in run_checks()}
     assert checks["gloo"].ok and "all_reduce -> [3.0, 3.0]" in checks["gloo"].detail
-    assert {"python", "torch", "cpu", "gloo", "cuda", "notebooks", "triton", "jax", "browser tests"} <= set(checks)
+    assert {"python", "torch", "cpu", "gloo", "cuda", "notebooks", "triton", "jax", "browser tests",
+            "compile"} <= set(checks)
+    assert checks["compile"].ok and checks["compile"].detail.startswith("torch.compile works (eager, ")
     for check in checks.values():
         assert check.ok or check.hint, f"{check.name} failed without saying what to do"
 

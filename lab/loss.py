@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab.config import ModelConfig
+from lab.layout import CHUNK_TOKENS  # one home, which the torch-free memory calculator reads too
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -26,7 +27,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-CHUNK_TOKENS = 1024  # llama3-1b's 128,256-entry vocabulary: 0.5 GB of fp32 logits a chunk, not 4.2 GB for 8192 tokens
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -39,13 +39,16 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     softmax − one-hot, known in the forward, so the forward multiplies it into the hidden states' and the
     weight's gradients and drops it; backward only scales them by the incoming gradient. Liger-Kernel's fused
     linear cross-entropy (src/liger_kernel/ops/fused_linear_cross_entropy.py) works so, without recomputing the
-    logits in backward (what torchtune's chunked loss, which checkpoints each chunk, pays a matmul for).
+    logits in backward (what torchtune's chunked loss, which checkpoints each chunk, pays a matmul for). Not for
+    fp16 weights under loss scaling: the gradients are rounded to the weight's dtype before backward multiplies
+    the scale in, so fp16 flushes the small ones to zero (and a scale above 65504 is inf): `lab.parallel.parallelize`
+    keeps whole logits there.
 
     Memory, with c = chunk_tokens, n tokens, w bytes per weight element: a chunk's logits (c·vocab·(w + 4) in bf16:
     in the weight's dtype and in fp32), the weight's gradient summed in fp32 beside one chunk's share of it
     (vocab·d·(4 + w) — accumulating in the weight's dtype instead would save vocab·d·4 bytes, at up to 1.7x torch's
     own rounding error measured with 16-32 chunks in bf16) and the hidden states' gradient (n·d·w), instead of
-    the 2 x 4·n·vocab bytes of whole logits (`lab.calc.memory.loss_bytes`)."""
+    the 2 x 4·n·vocab bytes of whole logits (`lab.calc.memory.loss_bytes`; `chunked_loss_bytes` counts this one)."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r} must be an integer >= 1")
     if hidden.shape[:-1] != targets.shape or hidden.shape[-1] != weight.shape[-1]:
@@ -97,6 +100,17 @@ def _chunk(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n: i
         grad_rows.copy_(grad_logits @ weight)
         grad_weight.add_(grad_logits.t() @ rows)  # summed in fp32, whatever the weight's dtype
     return loss
+
+
+def model_loss(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+               loss_fn: LossFn | None) -> torch.Tensor:
+    """The loss a training step backpropagates from `model` (the whole model, or a pipeline's last stage) run on
+    `inputs` at `positions`: `loss_fn` on its whole logits, or, `loss_fn` None, the model's own loss from its final
+    hidden states and output weight (`lab.model.Transformer.forward(..., targets=)`: `chunked_cross_entropy`, no
+    fp32 logits of the whole micro-batch). The one seam where a layout chooses between the two."""
+    if loss_fn is None:
+        return model(inputs, positions, targets=targets)
+    return loss_fn(model(inputs, positions), targets)
 
 
 def router_loss(module: nn.Module, cfg: ModelConfig) -> torch.Tensor:

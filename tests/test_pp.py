@@ -34,12 +34,12 @@ def _reference() -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _pipeline(name: str, microbatches: int, chunks: int):
+def _pipeline(name: str, microbatches: int, chunks: int, own_loss: bool = False):
     rank, pp = dist.get_rank(), dist.get_world_size()
     schedule = make_schedule(name, pp, microbatches, chunks)
     stages = [schedule.virtual_stage(rank, c) for c in range(chunks)]
     modules = [build_chunk(CFG, stage, schedule.virtual_stages, seed=1) for stage in stages]
-    pipeline = Pipeline(modules, schedule, None)
+    pipeline = Pipeline(modules, schedule, None, **({"loss_fn": None} if own_loss else {}))
     with count_collectives() as counts:
         loss = pipeline.step(*_batch())
     grads = {n: p.grad for module in modules for n, p in module.named_parameters()}
@@ -69,6 +69,21 @@ def test_every_schedule_equals_one_process(name, pp, microbatches, chunks):
     # one activation forward and one gradient back per micro-batch and boundary between virtual stages
     sends = sum(count for *_, count in results)
     assert sends == 2 * microbatches * (pp * chunks - 1)
+
+
+@pytest.mark.parametrize("name, pp, microbatches, chunks", [("1f1b", 2, 3, 1), ("interleaved", 2, 4, 2),
+                                                           ("zb-h1", 2, 3, 1)])
+def test_the_last_stages_chunked_loss_equals_one_process(name, pp, microbatches, chunks):
+    """`loss_fn=None`, what `parallelize` passes at tp = 1: the last stage's own chunked cross-entropy, which never
+    calls the output layer — under zero-bubble its weight's gradient, computed in the loss's forward, is asked for
+    in B and accumulated in W — gives the whole-logits single-process loss and gradients."""
+    ref_loss, ref_grads = _reference()
+    results = run(_pipeline, pp, name, microbatches, chunks, True)
+    assert [loss for loss, *_ in results if loss is not None] == [pytest.approx(ref_loss, rel=1e-6)]
+    seen = {n: g for _, grads, _, _ in results for n, g in grads.items()}
+    assert set(seen) == set(ref_grads)
+    for name_, grad in seen.items():
+        torch.testing.assert_close(grad, ref_grads[name_], rtol=1e-5, atol=1e-6, msg=lambda m, n=name_: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("pp, microbatches", [(2, 6), (4, 12), (4, 2)])

@@ -40,7 +40,7 @@ from lab.calc.schedules import make_schedule
 from lab.config import ModelConfig, ParallelConfig
 from lab.data import shard_rows
 from lab.distributed import Mesh
-from lab.loss import LossFn, cross_entropy, router_loss
+from lab.loss import LossFn, cross_entropy, model_loss, router_loss
 from lab.model import MoE, Transformer, build_model, init_tensor, set_recompute
 from lab.parallel.compile import apply_compile, graph_breaks
 from lab.parallel.cp import apply_context_parallel, layout_of, sequence_positions, shard_sequence
@@ -138,8 +138,10 @@ class MoEStats:
 @dataclass
 class Parallelized:
     """What `parallelize` gives a rank: its part of the model, the pipeline driving it (None when pp = 1), the
-    data-parallel engine, the master weights the optimizer updates, the loss function, how to cut its batch, and
-    (a mixture of experts) the router's record. A training loop needs only its methods."""
+    data-parallel engine, the master weights the optimizer updates, the loss function on whole logits, how to cut
+    its batch, (a mixture of experts) the router's record, and whether training takes the model's own chunked loss
+    (`chunked_loss`: `lab.loss.chunked_cross_entropy`, never the whole micro-batch's fp32 logits) instead of
+    `loss_fn` on its logits. A training loop needs only its methods."""
 
     model: nn.Module
     pipeline: Pipeline | None
@@ -151,6 +153,7 @@ class Parallelized:
     precision: PrecisionScheme
     micro_batches: int = 1  # per optimizer step: gradient accumulation's, or the pipeline schedule's
     moe: MoEStats | None = None
+    chunked_loss: bool = False
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, grad_scale: float = 1.0
                          ) -> tuple[torch.Tensor, dict | None]:
@@ -177,7 +180,8 @@ class Parallelized:
         for i, (micro_in, micro_tgt) in enumerate(pairs):
             # no gradient communication until the last micro-batch's backward
             with self.engine.backward_context(last_micro_batch=i == len(pairs) - 1):
-                micro_loss = self.loss_fn(self.model(micro_in, positions), micro_tgt)
+                micro_loss = model_loss(self.model, micro_in, positions, micro_tgt,
+                                        None if self.chunked_loss else self.loss_fn)
                 objective = micro_loss + (self.moe.router_loss(self.model) if self.moe is not None else 0.0)
                 (objective * (grad_scale / self.micro_batches)).backward()
             loss += micro_loss.detach() / self.micro_batches
@@ -295,10 +299,16 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
                 precision: PrecisionScheme | None = None, compile: str | None = None) -> Parallelized:
     """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process).
     `loss` is the loss on whole logits (a fused kernel may replace torch's); tensor parallelism, whose logits
-    are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead. `precision` (default
-    fp32) says what the model computes in; the weights are the fp32 single-process values, rounded, and their fp32
-    masters those values themselves. `compile` names a `torch.compile` backend for each block (None: eager): after
-    the blocks are final, before the engine, whose ZeRO-3 hooks then run around each compiled forward, outside it."""
+    are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead. With lab's own
+    `cross_entropy` and tp = 1, training (gradient accumulation and the pipeline's last stage) computes it chunk by
+    chunk from the final hidden states instead (`chunked_loss`): the same loss within rounding, without the
+    micro-batch's fp32 logits (4.2 GB for llama3-1b's 8192 tokens). FP8 leaves the output layer in the compute
+    dtype (`convert_to_fp8` converts the blocks' linears only), so FP8 runs take the chunked path too; fp16 keeps
+    whole logits, which its loss scale reaches before they are cast down.
+    `precision` (default fp32) says what the model computes in; the weights are the fp32 single-process values,
+    rounded, and their fp32 masters those values themselves. `compile` names a `torch.compile` backend for each
+    block (None: eager): after the blocks are final, before the engine, whose ZeRO-3 hooks then run around each
+    compiled forward, outside it."""
     precision = precision or precision_scheme("fp32")
     policy = precision.policy
     schedule = None
@@ -328,14 +338,18 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
     if policy.output_dtype is not None:  # the log-sum-exp over the vocabulary, in fp32
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return loss_on_whole_logits(logits.to(policy.output_dtype), targets)
+    # Not a Triton kernel's fused loss, not split logits, and not fp16: the chunked loss forms its gradients in its
+    # forward, in the weights' dtype, before backward multiplies in the loss scale, where fp16 would flush them.
+    chunked = parallel.tp == 1 and loss is cross_entropy and not policy.needs_loss_scaling
     moe = MoEStats(cfg, parallel.tp) if cfg.is_moe else None
     pipeline = None
     if schedule is not None:
         boundary = Boundary(cfg.d_model, parallel.tp if parallel.sp else 1, next(model.parameters()).dtype)
-        pipeline = Pipeline(stages, schedule, mesh.pp_group, loss_fn, boundary=boundary,
+        pipeline = Pipeline(stages, schedule, mesh.pp_group, None if chunked else loss_fn, boundary=boundary,
                             extra_loss=moe.router_loss if moe is not None else None)  # each stage's MoE layers
     engine = _engine(model, mesh, parallel, policy.reduce_dtype)  # after the pipeline: ZeRO's hooks see its calls
     masters = MasterWeights(engine.parameters(), policy, initial_values(engine, fp32) if fp32 else None)
     coords = (mesh.dp_rank, mesh.dp, mesh.cp_rank, mesh.cp) if mesh is not None else (0, 1, 0, 1)
     batch = LocalBatch(*coords, layout_of(parallel.cp_impl), device, seq_len)
-    return Parallelized(model, pipeline, engine, loss_fn, batch, mesh, masters, precision, parallel.grad_accum, moe)
+    return Parallelized(model, pipeline, engine, loss_fn, batch, mesh, masters, precision, parallel.grad_accum, moe,
+                        chunked)

@@ -42,7 +42,7 @@ from torch import nn
 from lab.calc.schedules import B, Op, Schedule, W, virtual_stage_layers
 from lab.collectives.p2p import group_info
 from lab.config import ModelConfig
-from lab.loss import LossFn, cross_entropy
+from lab.loss import LossFn, cross_entropy, model_loss
 from lab.model import RMSNorm, Transformer, build_model, materialize
 
 
@@ -119,6 +119,10 @@ class _Stash:
     extra: torch.Tensor | None  # the stage's own loss terms (`extra_loss`), backpropagated with the output
     calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # split only
     output_grads: list[torch.Tensor] = field(default_factory=list)
+    # split only: parameters no recorded call covers (the output weight of the last stage's own chunked loss) and
+    # their gradients from B, accumulated in W
+    direct: list[nn.Parameter] = field(default_factory=list)
+    direct_grads: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -138,10 +142,14 @@ class Pipeline:
         pipeline = Pipeline(chunks, schedule, mesh.pp_group)
         loss = pipeline.step(tokens, targets)   # every micro-batch's forward and backward; the loss on the
                                                 # last stage (None elsewhere); grads in the chunks' .grad
+
+    `loss_fn` is the last stage's loss on its whole logits; None: the stage's own loss from its final hidden
+    states and output weight (`lab.loss.model_loss`: the chunked cross-entropy, no fp32 logits of the whole
+    micro-batch), what `lab.parallel.parallelize` passes when tp = 1.
     """
 
     def __init__(self, chunks: list[Transformer], schedule: Schedule, group: dist.ProcessGroup | None,
-                 loss_fn: LossFn = cross_entropy, op_delay: dict[str, float] | None = None,
+                 loss_fn: LossFn | None = cross_entropy, op_delay: dict[str, float] | None = None,
                  boundary: Boundary | None = None,
                  extra_loss: Callable[[nn.Module], torch.Tensor | None] | None = None) -> None:
         if schedule.bidirectional:
@@ -234,10 +242,12 @@ class Pipeline:
         calls: list = []
         self._recording = calls if self.schedule.split_backward else None
         try:
-            output = self.chunks[op.chunk](inputs, self._positions)
             if stage == last:
-                output = self.loss_fn(output, self._targets[op.microbatch]) / self.schedule.microbatches
+                output = model_loss(self.chunks[op.chunk], inputs, self._positions, self._targets[op.microbatch],
+                                    self.loss_fn) / self.schedule.microbatches
                 self._loss += output.detach()
+            else:
+                output = self.chunks[op.chunk](inputs, self._positions)
             extra = self.extra_loss(self.chunks[op.chunk]) if self.extra_loss else None
             extra = None if extra is None else extra / self.schedule.microbatches
         finally:
@@ -245,7 +255,10 @@ class Pipeline:
         self._synthetic_work("F")
         if stage < last:
             self._send(output, op.microbatch, stage + 1, backward=False)
-        self._stash[(op.microbatch, op.chunk)] = _Stash(inputs, output, extra, calls)
+        # the chunked loss multiplies the output weight itself, outside any recorded call
+        own_loss = self.schedule.split_backward and stage == last and self.loss_fn is None
+        direct = [self.chunks[op.chunk].output.weight] if own_loss else []
+        self._stash[(op.microbatch, op.chunk)] = _Stash(inputs, output, extra, calls, direct=direct)
         self.peak_in_flight = max(self.peak_in_flight, len(self._stash))
 
     def _backward(self, op: Op) -> None:
@@ -263,11 +276,15 @@ class Pipeline:
         if self.schedule.split_backward:
             # Only the gradients other stages wait for, and those at the output of every weighted module;
             # autograd skips the weight-gradient products (no parameter is asked for). W does those.
-            targets = ([stash.inputs] if wants_input else []) + [out for _, _, out in stash.calls]
+            # A parameter used outside any recorded call (the output weight, whose gradient the chunked loss
+            # computed in its forward) is asked for here and accumulated in W.
+            targets = ([stash.inputs] if wants_input else []) + [out for _, _, out in stash.calls] + stash.direct
             grads = torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
             grads = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads, strict=True)]
             input_grad = grads[0] if wants_input else None
-            stash.output_grads = grads[1:] if wants_input else grads
+            grads = grads[1:] if wants_input else grads
+            split = len(grads) - len(stash.direct)
+            stash.output_grads, stash.direct_grads = grads[:split], grads[split:]
         else:
             torch.autograd.backward(roots, root_grads)
             input_grad = stash.inputs.grad if wants_input else None
@@ -280,6 +297,8 @@ class Pipeline:
         stash = self._stash.pop((op.microbatch, op.chunk))
         for (module, inputs, _), grad_output in zip(stash.calls, stash.output_grads, strict=True):
             weight_gradients(module, inputs, grad_output)
+        if stash.direct:  # accumulated by autograd, as `weight_gradients` does: the engines' hooks fire
+            torch.autograd.backward(stash.direct, stash.direct_grads)
         self._synthetic_work(W)
 
 

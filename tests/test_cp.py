@@ -215,14 +215,15 @@ def _measured_activations(seq: int, recompute: str) -> dict[str, int]:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_activation_bytes_per_rank_are_one_over_cp_and_equal_the_calculator(cp):
     """Saved-tensor hooks on each CP rank vs `calc.memory`'s exact model with cp: every region holds seq/cp
-    tokens, and ring attention keeps what a flash kernel keeps (no s x s scores)."""
+    tokens, and ring attention keeps what a flash kernel keeps (no s x s scores). The hooks measure the loss on
+    whole logits (`saved_activation_bytes`), so calc is asked for that loss."""
     from lab.calc.memory import estimate_memory
 
     for recompute in ("none", "selective", "full"):
         predicted = estimate_memory(CFG, 64, 2, ParallelConfig(cp=cp, recompute=recompute), precision="fp32",
-                                    activation_model="exact").activations_breakdown
+                                    activation_model="exact", loss="whole").activations_breakdown
         alone = estimate_memory(CFG, 64, 2, ParallelConfig(recompute=recompute), precision="fp32",
-                                activation_model="exact", flash=True).activations_breakdown
+                                activation_model="exact", flash=True, loss="whole").activations_breakdown
         for measured in run(_measured_activations, cp, 64, recompute):
             assert {k: measured[k] for k in predicted} == predicted, recompute
             assert sum(predicted.values()) == pytest.approx(sum(alone.values()) / cp, rel=0.02)

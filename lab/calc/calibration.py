@@ -136,6 +136,10 @@ class Stack:
     source: str
     flash_attention: bool = True  # else the s x s scores go through HBM (`unfused_softmax_bytes`)
     overlap_grad_reduce: bool = True  # the gradients' reduction overlaps the last micro-batch's backward
+    # the loss's memory (`lab.calc.memory.estimate_memory`'s `loss`): every stack here computed it on the whole
+    # micro-batch's fp32 logits (TorchTitan's and Megatron's, and lab's 1B run before `lab.train` took the chunked
+    # cross-entropy), so their measured peaks are priced so
+    loss: str = "whole"
 
 
 STACKS: dict[str, Stack] = {

@@ -19,7 +19,8 @@ Activations have two models:
   tensor parallelism leaves 10·s·b·h replicated (s·b·h·(10 + 24/t + 5·a·s/(h·t))) unless sequence
   parallelism splits it too (everything /t); context parallelism gives each rank s/cp queries, which still
   see all s keys (everything /cp). Outside the layers: the embedding's dropout mask s·b·h, and
-  4·s·b·h + 4·s·b·v for the final norm, the output layer's input and fp32 logits.
+  4·s·b·h + 4·s·b·v for the final norm, the output layer's input and fp32 logits (the chunked loss keeps
+  w·(s·b·h + v·h) instead of the logits, the hidden states' and the output weight's gradients, w bytes each).
 * "exact": what autograd really keeps for `lab.model` in fp32 (derived in `_exact_layer`); it matches
   saved-tensor hooks byte for byte on the grid of tests/test_measure.py, which holds it to 2%.
 
@@ -30,9 +31,13 @@ much as without pipelining (Korthikanti §4.2.3). The counts are replayed from t
 of one under 1F1B; interleaving keeps more embeddings on the first stage than min(m, pp). Stages hold the layers
 `lab.layout.stage_layers` gives them (equal, Llama 3's lighter first and last, or counts per stage).
 
-The loss needs more than what it keeps: at its backward the fp32 gradients of the (B, T, vocab) log-probabilities
-sit beside them, two more copies of the fp32 logits (`loss_bytes`). That working set is the `loss` entry, on the
-last stage; with it calc.memory's total is the step's peak on a GPU, not only what lasts from forward to backward.
+The loss needs more than what it keeps. On whole logits (`loss="whole"`, and always under tensor parallelism) at
+its backward the fp32 gradients of the (B, T, vocab) log-probabilities sit beside them, two more copies of the
+fp32 logits (`loss_bytes`). lab.train at tp = 1 takes the chunked cross-entropy (`loss="chunked"`, the default:
+`lab.loss.chunked_cross_entropy`), which keeps the hidden states' and the output weight's gradients instead of
+the logits and works on one chunk of tokens' logits at a time (`chunked_loss_bytes`). That working set is the
+`loss` entry, on the last stage; with it calc.memory's total is the step's peak on a GPU, not only what lasts from
+forward to backward.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from functools import lru_cache
 from lab.calc.params import count_params
 from lab.calc.schedules import B, F, W, make_schedule, rank_layers
 from lab.config import ModelConfig, ParallelConfig
-from lab.layout import check_sequence, experts_per_rank, kv_heads_per_rank, stage_layers
+from lab.layout import CHUNK_TOKENS, check_sequence, experts_per_rank, kv_heads_per_rank, stage_layers
 
 # Bytes per parameter: (weights, gradients, optimizer states).
 PRECISIONS = {
@@ -69,6 +74,7 @@ def training_precision(precision: str, reduce_dtype: str = "fp32") -> tuple[str,
         return "fp32", False
     return ("mixed-fp32-grads", False) if reduce_dtype == "fp32" else ("mixed", True)
 ACTIVATION_MODELS = ("korthikanti", "exact")
+LOSSES = ("chunked", "whole")  # lab.train's loss at tp = 1 (`lab.loss.chunked_cross_entropy`), or F.cross_entropy
 PARAM_CONVENTIONS = ("exact", "playbook")
 
 
@@ -321,15 +327,35 @@ def loss_bytes(tokens: int, vocab: int, tp: int = 1, logits_bytes: int = 4) -> i
 
     It lives once (only one micro-batch's loss runs at a time), on the stage that computes the loss, the last,
     while every activation of that micro-batch is still held: a step's peak, what `torch.cuda.max_memory_allocated`
-    reports. tests/test_calc_memory.py measures it on the CPU."""
+    reports. tests/test_calc_memory.py measures it on the CPU. At tp = 1 lab.train's loss is the chunked one
+    (`chunked_loss_bytes`)."""
     n = tokens * vocab // tp
     if tp == 1:
         return 8 * n
     return (logits_bytes + (4 if logits_bytes < 4 else 0) + 8) * n
 
 
+def chunked_loss_bytes(tokens: int, vocab: int, d_model: int, weight_bytes: int = 4,
+                       chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """Bytes `lab.loss.chunked_cross_entropy` holds at its peak (the last chunk of its forward) beyond what the
+    activations count for it (the hidden states' gradient, tokens·d·w, and the output weight's, vocab·d·w, kept
+    for backward: the `logits` term), with c = min(chunk_tokens, tokens) and w = `weight_bytes`:
+
+    * one chunk's logits: c·vocab·w in the weight's dtype, and their fp32 copy, which the log-sum-exp and the
+      gradient (softmax - one-hot) overwrite in place: c·vocab·(4 + w), or c·vocab·4 in fp32 (one tensor);
+    * the weight's gradient summed in fp32 (vocab·d·4; in fp32 it is the kept one, and the chunk's share of it,
+      vocab·d·w, sits beside it then) and the chunk's share: vocab·d·4 beyond the kept gradient either way;
+    * the chunk's hidden-state gradient before it is copied into its rows: c·d·w.
+
+    For llama3-1b (vocab 128,256, d 2048) in bf16 with 8192 tokens: 1.9 GB (0.8 of it the chunk's logits),
+    instead of whole logits' 8.4 GB (`loss_bytes`). tests/test_calc_memory_loss.py measures it on the CPU."""
+    c = min(chunk_tokens, tokens)
+    logits = c * vocab * (4 + (weight_bytes if weight_bytes < 4 else 0))
+    return logits + 4 * vocab * d_model + c * d_model * weight_bytes
+
+
 def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, precision: str,
-           fp32_grad_accum: bool, activation_model: str, param_convention: str, stage: int | None) -> None:
+           fp32_grad_accum: bool, activation_model: str, param_convention: str, stage: int | None, loss: str) -> None:
     def require(ok: bool, message: str) -> None:
         if not ok:
             raise ValueError(message)
@@ -339,7 +365,8 @@ def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, preci
                 f"{name}={value!r} must be an integer >= 1")
     for name, value, allowed in (("precision", precision, tuple(PRECISIONS)),
                                  ("activation_model", activation_model, ACTIVATION_MODELS),
-                                 ("param_convention", param_convention, PARAM_CONVENTIONS)):
+                                 ("param_convention", param_convention, PARAM_CONVENTIONS),
+                                 ("loss", loss, LOSSES)):
         require(value in allowed, f"{name}={value!r} must be one of {', '.join(map(repr, allowed))}")
     require(not fp32_grad_accum or precision == "mixed",
             f"fp32_grad_accum=True needs precision='mixed' (got precision={precision!r})")
@@ -357,8 +384,11 @@ def _check(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, preci
 
 
 def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, stage: int, flash: bool,
-                 activation_model: str) -> dict[str, int]:
+                 activation_model: str, chunked: bool = False, weight_bytes: int = 4) -> dict[str, int]:
     tp, sp, cp, recompute = parallel.tp, parallel.sp, parallel.cp, parallel.recompute
+    # the chunked loss keeps the gradients of the hidden states and of the output weight (in the weight's dtype),
+    # not the output layer's input and the logits: at tp = 1, where it runs (`chunked`)
+    kept_by_chunked = weight_bytes * (seq // cp * mbs * cfg.d_model + cfg.vocab_size * cfg.d_model)
     s, b, h = seq // cp, mbs, cfg.d_model
     layers_held, chunks_held, embedding_micro_batches, logits_micro_batches = _in_flight(cfg, parallel, stage)
     first, last = stage == 0, stage == parallel.pp - 1
@@ -373,7 +403,9 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
         embedding = 8 * s * b + (s * b if tp > 1 else 0)
         d, vocab = cfg.d_model, cfg.vocab_size // tp
         norm = 4 * s * b * ((2 * d + 1) / tp + d if sp else 3 * d + 1)  # the final norm (sp: and the gather)
-        if tp == 1:  # log-softmax, targets, and a scalar of F.cross_entropy
+        if chunked:  # the norm's input, output and rstd (its output: the hidden states' gradient's size)
+            logits = norm + kept_by_chunked - 4 * s * b * d
+        elif tp == 1:  # log-softmax, targets, and a scalar of F.cross_entropy
             logits = norm + 4 * s * b * vocab + 8 * s * b + 4
         else:  # vocab_parallel_cross_entropy: the local softmax, local targets (int64) and a bool mask
             logits = norm + 4 * s * b * vocab + 9 * s * b
@@ -383,7 +415,7 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
                                             s_kv=seq)
         layers = layers_held * per_layer
         embedding = s * b * h / split  # dropout mask of the embedding output
-        logits = 4 * s * b * h / split + 4 * s * b * cfg.vocab_size / tp
+        logits = 4 * s * b * h / split + (kept_by_chunked if chunked else 4 * s * b * cfg.vocab_size / tp)
     return {"layers": round(layers), "embedding": round(embedding * embedding_micro_batches) if first else 0,
             "logits": round(logits * logits_micro_batches) if last else 0}
 
@@ -391,7 +423,7 @@ def _activations(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig,
 def estimate_memory(cfg: ModelConfig, seq: int, mbs: int = 1, parallel: ParallelConfig | None = None, *,
                     precision: str = "mixed", fp32_grad_accum: bool = False, flash: bool = False,
                     activation_model: str = "korthikanti", param_convention: str = "exact",
-                    stage: int | None = None, zero_rank: int = 0) -> MemoryEstimate:
+                    stage: int | None = None, zero_rank: int = 0, loss: str = "chunked") -> MemoryEstimate:
     """Per-GPU bytes of training `cfg` on micro-batches of `mbs` sequences of `seq` tokens with `parallel`
     (dp, zero, tp, sp, pp, cp, ep, recompute, grad_accum, pp schedule). Invalid input raises ValueError.
 
@@ -399,10 +431,13 @@ def estimate_memory(cfg: ModelConfig, seq: int, mbs: int = 1, parallel: Parallel
     precision="fp32" and recompute it reproduces the plots of its §2.1; the parallelism chapters' plots use
     the exact count, precision="bf16" and recompute="selective". With ZeRO, `zero_rank` is the rank's place in
     its dp x cp group: the last places hold fewer elements when padding falls on them (`static_bytes`); the
-    default, 0, is the fullest.
+    default, 0, is the fullest. `loss` is "chunked" (lab.train's at tp = 1: `chunked_loss_bytes`, and the
+    gradients it keeps instead of the logits) or "whole" (fp32 logits of the micro-batch: `loss_bytes`); tensor
+    parallelism's vocabulary-parallel loss is always on whole (split) logits.
     """
     parallel = parallel or ParallelConfig()
-    _check(cfg, seq, mbs, parallel, precision, fp32_grad_accum, activation_model, param_convention, stage)
+    _check(cfg, seq, mbs, parallel, precision, fp32_grad_accum, activation_model, param_convention, stage, loss)
+    chunked, weight_bytes = loss == "chunked" and parallel.tp == 1, 4 if precision == "fp32" else 2
     replicas = parallel.dp * parallel.cp
     if not (isinstance(zero_rank, int) and not isinstance(zero_rank, bool) and 0 <= zero_rank < replicas):
         raise ValueError(f"zero_rank={zero_rank!r} must be in 0..{replicas - 1} (a place among dp*cp = {replicas})")
@@ -422,10 +457,12 @@ def estimate_memory(cfg: ModelConfig, seq: int, mbs: int = 1, parallel: Parallel
             kw["zero_rank"] = zero_rank // parallel.ep  # its place among the ranks holding the same experts
             for key, value in static_bytes([e for _, e in units], dp=replicas // parallel.ep, **kw).items():
                 static[key] += value
-        acts = _activations(cfg, seq, mbs, parallel, k, flash, activation_model)
+        acts = _activations(cfg, seq, mbs, parallel, k, flash, activation_model, chunked, weight_bytes)
         last = k == parallel.pp - 1
-        loss = loss_bytes(seq // parallel.cp * mbs, cfg.vocab_size, parallel.tp, 4 if precision == "fp32" else 2)
-        per_gpu = {**static, "activations": sum(acts.values()), "loss": loss if last else 0}
+        tokens = seq // parallel.cp * mbs
+        working = chunked_loss_bytes(tokens, cfg.vocab_size, cfg.d_model, weight_bytes) if chunked else \
+            loss_bytes(tokens, cfg.vocab_size, parallel.tp, weight_bytes)
+        per_gpu = {**static, "activations": sum(acts.values()), "loss": working if last else 0}
         per_gpu["total"] = sum(per_gpu.values())
         estimates.append((per_gpu["total"], k, per_gpu, acts, dense + expert))
     _, k, per_gpu, acts, on_gpu = max(estimates, key=lambda e: (e[0], e[1]))

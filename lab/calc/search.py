@@ -773,17 +773,18 @@ def search(model: ModelConfig | str, gpus: int, gpus_per_node: int = 8, hardware
                         time.perf_counter() - started, efficiency, stack)
 
 
-def fullest_stage(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig) -> MemoryEstimate:
+def fullest_stage(cfg: ModelConfig, seq: int, mbs: int, parallel: ParallelConfig, loss: str = "chunked"
+                  ) -> MemoryEstimate:
     """`estimate_memory` of the fullest GPU, looking only at the first and the last pipeline stage when the
     stages hold equal layers: the first also holds the embedding and the most micro-batches in flight (1F1B,
     interleaved and ZB-H1 hold fewer further down), the last the output layer and the logits. The same answer
     as `estimate_memory(stage=None)`, which walks every stage (tests/test_calc_search.py checks it), at a cost
     that does not grow with pp. Llama 3's split also looks at stage 1, the first with a whole stage of
-    layers; a split given as counts walks every stage."""
+    layers; a split given as counts walks every stage. `loss` as `estimate_memory`'s: the stack's."""
     stages = {0, parallel.pp - 1} | ({1} if parallel.pp_layers == "llama3" and parallel.pp > 2 else set())
     if parallel.pp_layers not in ("even", "llama3"):
         stages = set(range(parallel.pp))
-    estimates = [estimate_memory(cfg, seq, mbs, parallel, precision=PRECISION, flash=True, stage=k)
+    estimates = [estimate_memory(cfg, seq, mbs, parallel, precision=PRECISION, flash=True, stage=k, loss=loss)
                  for k in sorted(stages)]
     return max(estimates, key=lambda e: (e.per_gpu["total"], e.stage))
 
@@ -838,7 +839,7 @@ def _fit(ctx: _Context, base: ParallelConfig, options: list, why: Rejections, fi
             except ValueError as err:
                 invalid = invalid or str(err)
                 continue
-            memory = fullest_stage(ctx.cfg, ctx.seq, mbs, parallel)
+            memory = fullest_stage(ctx.cfg, ctx.seq, mbs, parallel, ctx.chip.stack.loss)
             if memory.headroom(ctx.capacity) < 0:
                 smallest = smallest or memory.per_gpu["total"]
                 break
@@ -911,7 +912,7 @@ def reported_memory(run: Run, candidate: Candidate) -> dict[str, int]:
 
 def _reported_memory(run: Run, candidate: Candidate, k: int) -> dict[str, int]:
     cfg, p, seq, mbs = run_model(run), candidate.parallel, run.seq // candidate.parallel.cp, candidate.mbs
-    mem = estimate_memory(cfg, run.seq, mbs, p, precision=PRECISION, flash=True, stage=k)
+    mem = estimate_memory(cfg, run.seq, mbs, p, precision=PRECISION, flash=True, stage=k, loss=STACKS[run.stack].loss)
     units = [dense + expert for dense, expert in zero_units(cfg, p, k)]
     if run.framework == "torchtitan":
         states = sum(static_bytes(units, "mixed", zero=3, dp=p.dp * p.cp).values())

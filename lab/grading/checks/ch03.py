@@ -52,7 +52,8 @@ from lab.grading.checks import (
     shown,
 )
 
-RANKS = {"modules": ("lab.config", "lab.model", "lab.distributed"), "packages": ("tomli_w", "torch"), "memory_mb": 4096}
+RANKS = {"modules": ("lab.config", "lab.model", "lab.loss", "lab.distributed"), "packages": ("tomli_w", "torch"),
+         "memory_mb": 4096}
 SEQ_LEN = 8
 
 

@@ -29,8 +29,10 @@ lands one bf16 step apart); `torch_worker(rounded_masters=True)` plants that, an
 What still differs between the two sides, and what it does to the loss:
 
 - FSDP2 casts every floating input of a wrapped module to param_dtype (`cast_forward_inputs`): each block's RoPE
-  cos/sin would be rounded to bf16, which lab keeps in fp32 (the rotation is computed in fp32). The blocks here
-  are wrapped with cast_forward_inputs=False; with FSDP2's default the step-1 losses differ by ~2e-5.
+  cos/sin are rounded to bf16 — as lab's model now rounds them itself (RoPE in the compute dtype, its tables cast
+  once per forward), so FSDP2's default and cast_forward_inputs=False give the same numbers here.
+- lab.train's default loss is chunked (`lab.loss.chunked_cross_entropy`), which forms the output layer's bf16
+  gradients in another order than autograd on whole logits; lab's side runs `--loss whole`, the reference's recipe.
 - Gradient accumulation is left out: FSDP2 without gradient sync accumulates unsharded gradients in bf16 before
   its fp32 reduction, lab sums micro-batches in fp32.
 
@@ -182,9 +184,11 @@ def run_torch(config: Config, **options) -> list[dict]:
 
 
 def run_lab(config: Config, precision: str) -> list[dict]:
-    """lab.train on the config's ranks with --precision `precision`."""
+    """lab.train on the config's ranks with --precision `precision` and --loss whole: the reference takes the loss
+    on FSDP2's fp32 logits of the whole micro-batch, and what is compared is the precision recipe (lab's chunked
+    loss, its default, forms the bf16 gradients of the output layer in another order: 8e-5 apart by step 3)."""
     data = config.to_dict()
-    config = Config.from_dict({**data, "train": {**data["train"], "precision": precision}})
+    config = Config.from_dict({**data, "train": {**data["train"], "precision": precision, "loss": "whole"}})
     return [{"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm}
             for s in lab_train(config, config.parallel.world_size, verbose=False)]
 

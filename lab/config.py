@@ -32,6 +32,9 @@ KERNEL_MODES = ("eager", "triton")  # torch's own ops, or lab.kernels' Triton ke
 # torch.compile per block (lab.parallel.compile): "auto" compiles on a GPU where `lab doctor`'s check passes and
 # stays eager on a CPU; "eager" never compiles; a backend name always does ("aot_eager": graphs, no code generated)
 COMPILE_MODES = ("auto", "eager", "inductor", "aot_eager")
+# the LM loss at tp = 1 (lab.loss): "chunked" never holds the micro-batch's fp32 logits (fp16 runs and tensor
+# parallelism always take whole logits); "whole" is torch's cross-entropy on them, FSDP2's output_dtype recipe
+LOSS_MODES = ("chunked", "whole")
 # The numbers a run computes in (lab.precision.scheme): fp32; bf16/fp16 compute with fp32 master weights (fp16 with
 # dynamic loss scaling); bf16 with the linears' three GEMMs in FP8, scaled per tensor or in DeepSeek-V3's tiles.
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-tilewise")
@@ -260,6 +263,7 @@ class TrainConfig:
     device: str = "auto"
     kernels: str = "eager"  # "triton": RMSNorm, SwiGLU, attention and the loss run as lab.kernels' Triton kernels
     compile: str = "auto"  # one of COMPILE_MODES: torch.compile each block after the parallelisms are applied
+    loss: str = "chunked"  # one of LOSS_MODES: the loss chunk by chunk, or on the micro-batch's whole logits
     precision: str = "fp32"  # one of PRECISIONS: the model's compute dtype (FSDP2's param_dtype) and FP8 recipe
     reduce_dtype: str = "fp32"  # FSDP2's reduce_dtype: gradients summed over micro-batches and ranks in this
     # the accelerator the layout is sized for: `--dry-run` says whether its fullest rank fits, and checks the name
@@ -283,6 +287,7 @@ class TrainConfig:
         _one_of("device", self.device, ("auto", "cpu", "cuda"))
         _one_of("kernels", self.kernels, KERNEL_MODES)
         _one_of("compile", self.compile, COMPILE_MODES)
+        _one_of("loss", self.loss, LOSS_MODES)
         _require(self.kernels == "eager" or self.compile in ("auto", "eager"),
                  f"compile={self.compile!r} with kernels={self.kernels!r}: lab.kernels' Triton kernels are launched "
                  f"by hand (in Triton's interpreter on a CPU), not traced; compile writes its own fused kernels — "

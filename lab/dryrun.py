@@ -166,7 +166,7 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
         mesh = build_mesh(p)
         scheme = precision_scheme(config.train.precision, config.train.reduce_dtype)
         par = parallelize(config.model, mesh, p, torch.device("meta"), config.train.seed, config.train.seq_len,
-                          precision=scheme)
+                          precision=scheme, whole_logits=config.train.loss == "whole")
         measured = measure_static(par, p.zero)
         coords = {**mesh.coords(rank), "ep": mesh.ep_rank}
         groups = {axis: mesh.group_ranks(axis) for axis in GROUPS}
@@ -175,7 +175,9 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
     seconds = time.perf_counter() - start
     mbs = micro_batch(config.train.global_batch, p.dp, p.grad_accum)
     precision, fp32_grad_accum = training_precision(config.train.precision, config.train.reduce_dtype)
-    kw = {"precision": precision, "fp32_grad_accum": fp32_grad_accum, "flash": True}  # SDPA's fused kernel on a GPU
+    whole = config.train.loss == "whole" or config.train.precision == "fp16"  # fp16 keeps whole logits (lab.train)
+    kw = {"precision": precision, "fp32_grad_accum": fp32_grad_accum, "flash": True,  # SDPA's fused kernel on a GPU
+          "loss": "whole" if whole else "chunked"}
     estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, stage=coords["pp"],
                                zero_rank=groups["dp_cp"].index(rank), **kw)
     fullest = estimate_memory(config.model, config.train.seq_len, mbs, p, **kw)  # the fullest stage, ZeRO place 0

@@ -251,7 +251,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
     scheme = precision_scheme(train.precision, train.reduce_dtype)
     mesh = build_mesh(parallel)  # its dp x cp group holds the replicas --sdc-check compares
     backend = _compile_backend(config, device, verbose)
-    par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len, loss, scheme, backend)
+    par = parallelize(config.model, mesh, parallel, device, train.seed, train.seq_len, loss, scheme, backend,
+                      whole_logits=train.loss == "whole")
     if train.kernels == "triton":
         kernels.patch(par.model)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16

@@ -129,6 +129,9 @@ def test_the_verdict_names_the_excess_of_the_fullest_rank():
     assert result.headroom == 80 * 2**30 - result.fullest.per_gpu["total"] < 0
     bigger = load_config(ROOT / "configs" / "llama3-8b.toml", [*before, "train.hardware='b200'"])
     assert dry_run(bigger, 0).verdict().startswith("fits on b200: 87.9 of 192 GiB")
+    # --loss whole: the fp32 logits among the activations, two more copies while the loss runs (issue 37's numbers)
+    whole = dry_run(load_config(ROOT / "configs" / "llama3-8b.toml", [*before, "train.loss='whole'"]), 3).verdict()
+    assert whole.startswith("does not fit on h100: 26.8 GiB over") and whole.endswith(" + 15.7 GiB for the loss)")
 
 
 def test_the_cli_prints_coordinates_and_groups():

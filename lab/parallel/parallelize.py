@@ -296,7 +296,8 @@ def initial_values(engine: DataParallel, fp32: dict[nn.Parameter, torch.Tensor])
 
 def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, device: torch.device,
                 seed: int, seq_len: int, loss: LossFn = cross_entropy,
-                precision: PrecisionScheme | None = None, compile: str | None = None) -> Parallelized:
+                precision: PrecisionScheme | None = None, compile: str | None = None,
+                whole_logits: bool = False) -> Parallelized:
     """This rank's part of the model with every parallelism of `parallel` applied (None mesh: one process).
     `loss` is the loss on whole logits (a fused kernel may replace torch's); tensor parallelism, whose logits
     are split along the vocabulary, uses the vocabulary-parallel cross-entropy instead. With lab's own
@@ -340,7 +341,8 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
             return loss_on_whole_logits(logits.to(policy.output_dtype), targets)
     # Not a Triton kernel's fused loss, not split logits, and not fp16: the chunked loss forms its gradients in its
     # forward, in the weights' dtype, before backward multiplies in the loss scale, where fp16 would flush them.
-    chunked = parallel.tp == 1 and loss is cross_entropy and not policy.needs_loss_scaling
+    # `whole_logits` asks for torch's loss on them anyway (`--loss whole`: FSDP2's fp32-output recipe, bit for bit).
+    chunked = parallel.tp == 1 and loss is cross_entropy and not policy.needs_loss_scaling and not whole_logits
     moe = MoEStats(cfg, parallel.tp) if cfg.is_moe else None
     pipeline = None
     if schedule is not None:

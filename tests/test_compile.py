@@ -105,6 +105,7 @@ def test_blocks_are_one_graph_or_a_few_pieces_around_what_runs_eagerly(compiled_
         assert 1 < rank["tp+sp"]["graphs"] <= 8 and 1 < rank["cp"]["graphs"] <= 8, rank
 
 
+@pytest.mark.slow  # inductor's C++ builds: 25-60 s with a cold cache
 def test_cli_compile_equals_eager_within_rounding(tmp_path, capsys, monkeypatch, eager_losses):
     """`python -m lab.train --config configs/tiny.toml --compile`: inductor's C++ kernels reorder and fuse the
     fp32 reductions (RMSNorm's mean of squares, softmax's sums, the matmuls' accumulation), so the losses agree

@@ -357,22 +357,6 @@ def _fp8_shape(device: str):
     return ModelConfig.from_preset("llama3-8b", n_layers=4, max_seq_len=2048), 2048, 1
 
 
-def _random_model(cfg, device: str, dtype=None):
-    """Random weights made on the device in `dtype` (bf16 by default; std 0.02, norms at 1), as
-    benchmarks/serving.py's random_model does for a preset: a speed measurement needs no per-name initialisation
-    (tens of seconds for 2B parameters on the host)."""
-    import torch
-
-    from lab.model import build_model
-
-    model = build_model(cfg).to(dtype or torch.bfloat16).to_empty(device=device)
-    model.tie_weights()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02)
-    return model
-
-
 def _fp8_convert(model, variant: str) -> None:
     """FP8 on the block linears, lab's (`lab.precision.scheme.convert_to_fp8`) or torchao's, with the same rule:
     the linears inside the blocks, not the output layer nor a router."""
@@ -422,7 +406,7 @@ def _fp8_row(variant: str, cfg, seq: int, micro_batch: int, device: str) -> dict
                                                "seconds of the suite's walk-through)"}
     if variant.startswith("torchao") and (why := _torchao_missing()):
         return {"variant": variant, "skipped": why}
-    model = _random_model(cfg, device)
+    model = _benchmark_module("serving").random_model(cfg, device).train()
     try:
         _fp8_convert(model, variant)
         if device == "cuda":  # TorchTitan's way: each block compiled on its own, the casts fused into its kernels
@@ -485,7 +469,7 @@ def _decode_row(cfg, decoder: str, device: str) -> dict:
     serving = _benchmark_module("serving")
     cuda = device == "cuda"
     prompt_len, lengths, repeats = (128, (32, 288), 3) if cuda else (8, (4, 12), 1)
-    model = _random_model(cfg, device, torch.bfloat16 if cuda else torch.float32).eval()
+    model = serving.random_model(cfg, device, torch.bfloat16 if cuda else torch.float32)
     prompt = torch.randint(cfg.vocab_size, (1, prompt_len), device=device)
     max_len = prompt_len + max(*lengths, serving.WARM_UP)
     try:

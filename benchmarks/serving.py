@@ -406,11 +406,12 @@ def latency_sweep(model: nn.Module, rates: list[float], max_num_seqs: list[int],
 
 # --- GPU lane -----------------------------------------------------------------------------------------------------
 
-def random_model(preset: str, device: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A preset's shapes with random weights made on the device in `dtype` (std 0.02, norms at 1): what a
-    bandwidth measurement needs, without lab.model's per-name initialisation on the CPU (minutes for 8B
-    parameters) or a float32 copy on the device."""
-    model = build_model(ModelConfig.from_preset(preset)).to(dtype).to_empty(device=device)
+def random_model(model: str | ModelConfig, device: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A preset's (or a config's) shapes with random weights made on the device in `dtype` (std 0.02, norms at 1):
+    what a speed or bandwidth measurement needs, without lab.model's per-name initialisation on the CPU (minutes
+    for 8B parameters) or a float32 copy on the device."""
+    cfg = model if isinstance(model, ModelConfig) else ModelConfig.from_preset(model)
+    model = build_model(cfg).to(dtype).to_empty(device=device)
     model.tie_weights()
     with torch.no_grad():
         for p in model.parameters():

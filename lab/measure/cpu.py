@@ -9,15 +9,37 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 
-def matmul_flops(m: int, k: int, n: int, repeats: int = 50) -> float:
-    """FLOP/s of an (m x k) @ (k x n) fp32 matmul on one thread (every CPU rank runs one): the median timing."""
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Time on one thread, as every CPU rank runs: a pool of threads adds its own wake-up cost to each op."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timings after one warm-up: a loaded core can only add time, never remove it."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_flops(m: int, k: int, n: int, repeats: int = 50) -> float:
+    """FLOP/s of an (m x k) @ (k x n) fp32 matmul on one thread (every CPU rank runs one): the median timing."""
+    with one_thread():
         a, b = torch.randn(m, k), torch.randn(k, n)
         for _ in range(5):
             a @ b
@@ -26,8 +48,6 @@ def matmul_flops(m: int, k: int, n: int, repeats: int = 50) -> float:
             start = time.perf_counter()
             a @ b
             times.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
     return 2 * m * k * n / statistics.median(times)
 
 
@@ -36,9 +56,4 @@ def copy_bandwidth(nbytes: int = 1 << 27) -> float:
     """Bytes per second this CPU moves in a large copy (read + write), the best of 5: its memory roofline.
     Measured once per process."""
     src, dst = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), 5)

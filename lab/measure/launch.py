@@ -23,37 +23,14 @@ import gzip
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lab.calc.roofline import Op
-from lab.measure.cpu import copy_bandwidth, matmul_flops
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Time on one thread, as every CPU rank runs: a pool of threads adds its own wake-up cost to each op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` timings after one warm-up: a loaded core can only add time, never remove it."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from lab.measure.cpu import best_seconds, copy_bandwidth, matmul_flops, one_thread
 
 
 def _check_count(name: str, value: int) -> None:
@@ -74,8 +51,8 @@ def per_op_s(numel: int, n_ops: int = 200, repeats: int = 5) -> float:
             y = y.add(1.0)
         return y
 
-    with _one_thread():
-        return _best(chain, repeats) / n_ops
+    with one_thread():
+        return best_seconds(chain, repeats) / n_ops
 
 
 def chain_vs_one(numel: int = 64, n_ops: int = 200, repeats: int = 5) -> tuple[float, float]:
@@ -83,8 +60,8 @@ def chain_vs_one(numel: int = 64, n_ops: int = 200, repeats: int = 5) -> tuple[f
     `numel * n_ops` elements): the same bytes read and written, `n_ops` launches against one."""
     chain = per_op_s(numel, n_ops, repeats) * n_ops
     x = torch.ones(numel * n_ops)
-    with _one_thread():
-        return chain, _best(lambda: x.add(1.0), repeats)
+    with one_thread():
+        return chain, best_seconds(lambda: x.add(1.0), repeats)
 
 
 def launch_floor(sweep: Sequence[tuple[int, float]]) -> float:
@@ -109,9 +86,9 @@ def python_share(numel: int = 16, n_ops: int = 200, repeats: int = 5) -> tuple[f
     def one_by_one() -> list[torch.Tensor]:
         return [t.add(1.0) for t in tensors]
 
-    with _one_thread():
-        return (_best(one_by_one, repeats) / n_ops,
-                _best(lambda: torch._foreach_add(tensors, 1.0), repeats) / n_ops)
+    with one_thread():
+        return (best_seconds(one_by_one, repeats) / n_ops,
+                best_seconds(lambda: torch._foreach_add(tensors, 1.0), repeats) / n_ops)
 
 
 @dataclass(frozen=True)
@@ -179,7 +156,7 @@ def profile_step(step: Callable[[], object], top: int = 8) -> StepProfile:
     and `key_averages()` are those of `torch.profiler.profile(activities=[ProfilerActivity.CPU])`; its CPU-only path
     without Kineto is used because Kineto takes seconds to start in a fresh process (3.5 s on 2 busy cores), and CPU
     ops need none of it."""
-    unprofiled = _best(step, 3)
+    unprofiled = best_seconds(step, 3)
     with torch.autograd.profiler.profile(use_kineto=False) as prof:
         start = time.perf_counter()
         step()

@@ -27,8 +27,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-
-
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """The mean next-token loss of the logits `hidden @ weightᵀ` (hidden (..., d), weight (vocab, d), targets

@@ -48,11 +48,7 @@ _require = layout.require
 
 def _positive(obj: Any, *names: str, minimum: int = 1) -> None:
     for name in names:
-        value = getattr(obj, name)
-        _require(
-            isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-            f"{name}={value!r} must be an integer >= {minimum}",
-        )
+        layout.check_count(name, getattr(obj, name), minimum)
 
 
 def _one_of(name: str, value: Any, allowed: tuple) -> None:

@@ -6,7 +6,8 @@ one-line message (the bad value, what is allowed) that `lab.config` validation, 
 widgets and the JAX track all show. What belongs here: divisibility rules of the five degrees against the model,
 the batch and the sequence; how the layers split over pipeline stages; the numbers they fix (KV heads per rank,
 experts per rank, an expert's capacity, micro-batch size); the defaults a layout resolves (interleaved chunks, dp
-from the world size); the mesh's axis order and strides; and `describe`, the one-line summary of a layout.
+from the world size); the mesh's axis order and strides; `describe`, the one-line summary of a layout; and
+`check_count`, the rule that a degree, batch or length is a whole number >= 1.
 Costs (bytes, seconds) live in `lab.calc`.
 
 Torch-free and free of lab imports, so that `lab.config` can call it without a cycle and a browser kernel can run it.
@@ -31,6 +32,13 @@ def require(ok: bool, message: str) -> None:
     """Raise ValueError(message) unless `ok`: every rule's one line."""
     if not ok:
         raise ValueError(message)
+
+
+def check_count(name: str, value: object, minimum: int = 1) -> None:
+    """Refuse anything but an integer >= `minimum` (a bool is not a count, though Python calls it an int): the
+    one line every degree, batch, length and count of the config, the calculators and the measurements shows."""
+    require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+            f"{name}={value!r} must be an integer >= {minimum}")
 
 
 # Tensor parallelism: heads, KV heads, FFN width and vocabulary split over tp ranks (lab.parallel.tp).

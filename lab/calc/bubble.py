@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lab.calc.schedules import B, F, Op, Schedule, W, make_schedule
-from lab.layout import pp_chunks
+from lab.layout import check_count, pp_chunks
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,8 @@ def min_microbatches(pp: int, target: float, chunks: int = 1) -> int:
     The global batch then has to hold m micro-batches per data-parallel replica: the real constraint."""
     if not (isinstance(target, int | float) and 0 < target < math.inf):
         raise ValueError(f"target={target!r} must be a bubble ratio > 0")
-    for name, value in (("pp", pp), ("chunks", chunks)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    check_count("pp", pp)
+    check_count("chunks", chunks)
     m = max(1, math.ceil((pp - 1) / (chunks * target) - 1e-9))  # 21 / 0.35 = 60.00000000000001
     return m if chunks == 1 else math.ceil(m / pp) * pp
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from lab.calc.hardware import get_accelerator
 from lab.calc.params import param_breakdown
 from lab.config import RECOMPUTE_MODES, ModelConfig
+from lab.layout import check_count
 
 COUNTINGS = ("6N", "exact")
 
@@ -94,9 +95,8 @@ def training_flops(cfg: ModelConfig, seq: int, tokens: int | None = None, *, rec
                    counting: str = "6N") -> FlopsEstimate:
     """FLOPs of training on `tokens` tokens per step (default: one sequence) in sequences of `seq`."""
     tokens = seq if tokens is None else tokens
-    for name, value in (("seq", seq), ("tokens", tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    check_count("seq", seq)
+    check_count("tokens", tokens)
     if counting not in COUNTINGS:
         raise ValueError(f"counting={counting!r} must be one of {', '.join(map(repr, COUNTINGS))}")
     if recompute not in RECOMPUTE_MODES:
@@ -109,8 +109,7 @@ def utilization(flops: float, step_time_s: float, n_gpus: int, peak_flops: float
     """flops / (step_time · n_gpus · peak); `peak_flops` in FLOP/s or a name from `lab.calc.hardware`."""
     if not step_time_s > 0:
         raise ValueError(f"step_time={step_time_s!r} must be > 0 seconds")
-    if not isinstance(n_gpus, int) or n_gpus < 1:
-        raise ValueError(f"n_gpus={n_gpus!r} must be an integer >= 1")
+    check_count("n_gpus", n_gpus)
     peak = get_accelerator(peak_flops).peak_flops(dtype) if isinstance(peak_flops, str) else peak_flops
     return flops / (step_time_s * n_gpus * peak)
 

@@ -70,6 +70,7 @@ from lab.calc.network import SYSTEMS
 from lab.calc.params import param_breakdown
 from lab.calc.roofline import DTYPE_BYTES, peak_flops, ridge_point
 from lab.config import ModelConfig, ParallelConfig
+from lab.layout import check_count
 
 STORAGE_BYTES = {**DTYPE_BYTES, "int4": 0.5}  # what weights and the KV cache may be stored in
 ACTIVATION_BYTES = 2  # bf16 activations: what tensor parallelism's all-reduces carry
@@ -83,18 +84,13 @@ def _chip(hardware: str | Accelerator) -> Accelerator:
     return hardware if isinstance(hardware, Accelerator) else get_accelerator(hardware)
 
 
-def _count(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-
-
 def _positive(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
 
 
 def _context(cfg: ModelConfig, context: int, name: str = "context") -> None:
-    _count(name, context)
+    check_count(name, context)
     if context > cfg.max_seq_len:
         raise ValueError(f"{name}={context} must be <= max_seq_len={cfg.max_seq_len} of {cfg.name!r}")
 
@@ -129,7 +125,7 @@ def weight_bytes_read(model: ModelConfig | str, batch: int, weight_bytes: float 
     only the experts some token of the batch routes to, E·(1 - (1 - k/E)^B) of them on average under uniform
     routing: k at batch 1 (the active parameters), all E once B·k is well above E."""
     cfg = _model(model)
-    _count("batch", batch)
+    check_count("batch", batch)
     _positive("weight_bytes", weight_bytes)
     parts = param_breakdown(cfg)
     touched = 1 - (1 - cfg.top_k / cfg.n_experts) ** batch if cfg.is_moe else 1.0
@@ -214,8 +210,8 @@ def step_time(batch: int, weight_bytes: float, kv_bytes: float, linear_flops: fl
     """A decode step from one chip's share: the weight and KV bytes it reads, the FLOPs it does (`precision`:
     the weight matmuls' compute dtype, whose peak prices `linear_flops`; `attention_precision` the same for
     `attention_flops`)."""
-    _count("batch", batch)
-    _count("chips", chips)
+    check_count("batch", batch)
+    check_count("chips", chips)
     for name, value in (("weight_bytes", weight_bytes), ("linear_flops", linear_flops)):
         _positive(name, value)
     for name, value in (("kv_bytes", kv_bytes), ("attention_flops", attention_flops), ("comms_s", comms_s)):
@@ -233,8 +229,8 @@ def tp_comms_s(model: ModelConfig | str, batch: int, tp: int, hardware: str) -> 
     bf16 activations over the tp GPUs' NVLink, the faster of a ring and a tree (`lab.calc.comms`); small
     messages, so mostly latency."""
     cfg = _model(model)
-    _count("batch", batch)
-    _count("tp", tp)
+    check_count("batch", batch)
+    check_count("tp", tp)
     if tp == 1:
         return 0.0
     if not isinstance(hardware, str) or hardware not in SYSTEMS:
@@ -252,7 +248,7 @@ def decode_step(model: ModelConfig | str, hardware: str | Accelerator, batch: in
     `weight_bytes` / `kv_bytes` per stored element; `precision` the weight matmuls' compute dtype ("bf16":
     weight-only quantisation, "fp8": W8A8 at the FP8 peak)."""
     cfg = _model(model)
-    _count("batch", batch)
+    check_count("batch", batch)
     heads, batch_ways = kv_sharding(cfg, tp)
     kv = math.ceil(batch / batch_ways) * kv_bytes_per_sequence(cfg, context, kv_bytes) / heads
     linear, attention = forward_flops_per_token(cfg, context)
@@ -426,8 +422,8 @@ def ep_decode(model: ModelConfig | str, batch: int, ep: int, hardware: str = "h1
     schedule, ep − 1 messages one after the other: kernels that post every message at once over RDMA (DeepEP's
     low-latency mode) pay fewer α."""
     cfg = _model(model)
-    _count("batch", batch)
-    _count("ep", ep)
+    check_count("batch", batch)
+    check_count("ep", ep)
     ParallelConfig(dp=ep, ep=ep).check_model(cfg)  # a mixture of experts, ep dividing n_experts
     _positive("dispatch_bytes", dispatch_bytes)
     _positive("combine_bytes", combine_bytes)
@@ -451,7 +447,7 @@ def ep_counts_exchange(model: ModelConfig | str, ep: int, hardware: str = "h100"
     almost all latency, that `ep_decode` leaves out — DeepEP's low-latency kernels send into buffers sized for the
     worst case instead and skip it."""
     cfg = _model(model)
-    _count("ep", ep)
+    check_count("ep", ep)
     ParallelConfig(dp=ep, ep=ep).check_model(cfg)
     if hardware not in SYSTEMS:
         raise ValueError(f"hardware={hardware!r} must be one of {', '.join(SYSTEMS)}")

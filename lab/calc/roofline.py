@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from lab.calc.hardware import Accelerator, get_accelerator
 from lab.config import ModelConfig
+from lab.layout import check_count
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 ATTENTION_CORES = ("naive", "flash")
@@ -119,7 +120,7 @@ def matmul(name: str, m: int, k: int, n: int, dtype: str = "bf16", batch: int = 
     """`batch` independent (m, k) x (k, n) products, each reading both operands and writing the result once:
     2mkn FLOPs over (mk + kn + mn) elements (scaling book ch. 1: 2BDF / (2BD + 2DF + 2BF) in bf16)."""
     for label, value in (("m", m), ("k", k), ("n", n), ("batch", batch)):
-        _check_count(label, value)
+        check_count(label, value)
     return Op(name, 2.0 * batch * m * k * n, float(dtype_bytes(dtype) * batch * (m * k + k * n + m * n)), "matmul")
 
 
@@ -127,11 +128,6 @@ def elementwise(name: str, flops_per_element: float, elements: int, read: int, w
                 dtype: str = "bf16") -> Op:
     """An op over `elements` outputs that reads `read` and writes `written` elements of `dtype`."""
     return Op(name, float(flops_per_element * elements), float(dtype_bytes(dtype) * (read + written)), "elementwise")
-
-
-def _check_count(name: str, value: int) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
 
 def llama_block_ops(cfg: ModelConfig, batch: int, seq: int, dtype: str = "bf16",
@@ -142,8 +138,8 @@ def llama_block_ops(cfg: ModelConfig, batch: int, seq: int, dtype: str = "bf16",
     `attention="naive"` writes the (B, H, T, T) scores, softmaxes them into probabilities and multiplies those
     by v, three kernels; `"flash"` is one kernel that reads q, k, v once and writes the output (its minimum
     traffic: a real kernel re-reads K/V once per query tile, mostly from L2)."""
-    _check_count("batch", batch)
-    _check_count("seq", seq)
+    check_count("batch", batch)
+    check_count("seq", seq)
     if attention not in ATTENTION_CORES:
         raise ValueError(f"attention={attention!r} must be one of {', '.join(map(repr, ATTENTION_CORES))}")
     if cfg.attention != "gqa" or cfg.is_moe:
@@ -210,8 +206,8 @@ def rms_norm_fusion(tokens: int, d_model: int, dtype: str = "bf16") -> Fusion:
     """RMSNorm as eager PyTorch runs `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w`: six
     kernels, the two full-size temporaries (x², x·r) written and read back, against reading x and w and
     writing y once."""
-    _check_count("tokens", tokens)
-    _check_count("d_model", d_model)
+    check_count("tokens", tokens)
+    check_count("d_model", d_model)
     b, n, rows = dtype_bytes(dtype), tokens * d_model, tokens
     kernels = (("pow", n, n), ("mean", n, rows), ("add_eps", rows, rows), ("rsqrt", rows, rows),
                ("mul_rsqrt", n + rows, n), ("mul_weight", n + d_model, n))
@@ -220,8 +216,8 @@ def rms_norm_fusion(tokens: int, d_model: int, dtype: str = "bf16") -> Fusion:
 
 def softmax_fusion(rows: int, cols: int, dtype: str = "bf16") -> Fusion:
     """Row softmax as five kernels (max, x − max, exp, sum, divide) against one that reads x and writes y."""
-    _check_count("rows", rows)
-    _check_count("cols", cols)
+    check_count("rows", rows)
+    check_count("cols", cols)
     b, n = dtype_bytes(dtype), rows * cols
     kernels = (("max", n, rows), ("subtract", n + rows, n), ("exp", n, n), ("sum", n, rows), ("divide", n + rows, n))
     return Fusion("softmax", tuple((k, b * r, b * w) for k, r, w in kernels), b * n, b * n)
@@ -229,8 +225,8 @@ def softmax_fusion(rows: int, cols: int, dtype: str = "bf16") -> Fusion:
 
 def swiglu_fusion(tokens: int, d_ff: int, dtype: str = "bf16") -> Fusion:
     """silu(gate) · up as two kernels (silu, multiply) against one that reads gate and up and writes the product."""
-    _check_count("tokens", tokens)
-    _check_count("d_ff", d_ff)
+    check_count("tokens", tokens)
+    check_count("d_ff", d_ff)
     b, n = dtype_bytes(dtype), tokens * d_ff
     return Fusion("swiglu", (("silu", b * n, b * n), ("mul", 2 * b * n, b * n)), 2 * b * n, b * n)
 
@@ -240,7 +236,7 @@ def tp_mlp_matmuls(tokens: int, d_model: int, d_ff: int, tp: int, dtype: str = "
     h[T, F/tp] · W2[F/tp, D] (row). TP divides the FLOPs by tp but not the T·D activation each reads or writes, so
     the per-GPU matmuls get thinner and their arithmetic intensity falls: at large tp they slide down the roofline
     as well as waiting on the all-reduce."""
-    _check_count("tp", tp)
+    check_count("tp", tp)
     if d_ff % tp:
         raise ValueError(f"tp={tp} must divide d_ff={d_ff}")
     local = d_ff // tp

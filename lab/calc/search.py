@@ -125,7 +125,7 @@ from lab.config import (
     TrainConfig,
     check_supported,
 )
-from lab.layout import INTERLEAVED_CHUNKS, pp_chunks, stage_layers, strides
+from lab.layout import INTERLEAVED_CHUNKS, check_count, pp_chunks, stage_layers, strides
 
 COMPUTE_EFFICIENCY = CONSTANTS["matmul_efficiency"].value  # the plateau of large bf16 GEMMs (calibration)
 PRECISION = "mixed"  # bf16 weights and gradients, fp32 master weights and Adam states: 16 bytes per parameter
@@ -619,8 +619,7 @@ def _check_inputs(cfg: ModelConfig, gpus: int, gpus_per_node: int, hardware: str
 
     for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("seq", seq),
                         ("global_batch_tokens", global_batch_tokens)):
-        require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                f"{name}={value!r} must be an integer >= 1")
+        check_count(name, value)
     require(gpus <= gpus_per_node or gpus % gpus_per_node == 0,
             f"gpus={gpus} must be a multiple of gpus_per_node={gpus_per_node} (whole nodes) or fit in one node")
     require(system in SYSTEMS, f"system={system!r} must be one of {', '.join(SYSTEMS)} (the network; "
@@ -653,8 +652,8 @@ def _check_fixed(fixed: dict) -> None:
         elif key == "zero":
             if value not in (0, 1, 2, 3):
                 raise ValueError(f"zero={value!r} must be one of 0, 1, 2, 3")
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key}={value!r} must be an integer >= 1")
+        else:
+            check_count(key, value)
 
 
 def _split(n_layers: int, virtual_stages: int, fixed: dict) -> str | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from lab.layout import kv_heads_per_rank
+from lab.layout import check_count, kv_heads_per_rank
 
 Spec = tuple[str | None, str | None]  # one mesh-axis name (or None) per dimension of a matrix
 
@@ -138,8 +138,7 @@ def _positive(**values: float) -> None:
 
 
 def _degree(tp: int) -> None:
-    if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
-        raise ValueError(f"tp={tp!r} must be an integer >= 1")
+    check_count("tp", tp)
 
 
 def tp_max_degree(d_ff: float, peak_flops: float, bandwidth: float, n_axes: int = 1) -> float:

@@ -30,19 +30,15 @@ from pathlib import Path
 import torch
 
 from lab.calc.roofline import Op
+from lab.layout import check_count
 from lab.measure.cpu import best_seconds, copy_bandwidth, matmul_flops, one_thread
-
-
-def _check_count(name: str, value: int) -> None:
-    if not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
 
 def per_op_s(numel: int, n_ops: int = 200, repeats: int = 5) -> float:
     """Seconds per op of a chain of `n_ops` eager adds on a tensor of `numel` fp32 elements, each op reading the
     previous op's output and allocating its own, as an unfused elementwise chain does."""
-    _check_count("numel", numel)
-    _check_count("n_ops", n_ops)
+    check_count("numel", numel)
+    check_count("n_ops", n_ops)
     x = torch.ones(numel)
 
     def chain() -> torch.Tensor:
@@ -79,8 +75,8 @@ def launch_sweep(sizes: Sequence[int] = (1, 64, 1024, 16384, 262144), n_ops: int
 def python_share(numel: int = 16, n_ops: int = 200, repeats: int = 5) -> tuple[float, float]:
     """(seconds per add called from Python, seconds per add dispatched from C++ by one `torch._foreach_add` over
     `n_ops` tensors): both pay the dispatcher, the allocation and the kernel; the difference is the interpreter."""
-    _check_count("numel", numel)
-    _check_count("n_ops", n_ops)
+    check_count("numel", numel)
+    check_count("n_ops", n_ops)
     tensors = [torch.ones(numel) for _ in range(n_ops)]
 
     def one_by_one() -> list[torch.Tensor]:

@@ -120,6 +120,8 @@ def test_configs_are_valid_and_used():
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for configs in (mm.CONFIGS, mm.PERSISTENT_CONFIGS):
             assert mm.prune_configs(configs, {"A": torch.empty(0, dtype=dtype)}), f"nothing left for {dtype}"
+    too_big = mm._config(256, 256, 64, 4, 8)  # 4 stages of 64 KiB of A and B tiles, and a 128 KiB C tile
+    assert mm.prune_configs([too_big], {"A": torch.empty(0, dtype=torch.float16)}) == []
     # the interpreter's pinned config is what the interpreter launches: autotune never built there
     assert mm.interpreted() == (DEVICE == "cpu")
 

@@ -185,6 +185,7 @@ def _matmul_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_torch(x: torch.Tensor) -> torch.Tensor:
+    """One function for the four softmax rows, so that they share its compiled graphs (`compiled_op`)."""
     return torch.softmax(x, -1)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab.kernels import MODE  # before triton: it decides how triton's own @jit functions run
+from lab.kernels import DEVICE, MODE  # before triton: it decides how triton's own @jit functions run
 
 if MODE == "unavailable":
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -64,7 +64,8 @@ def test_online_row_wider_than_one_block():
     """A row wider than any single-block kernel takes (MAX_ROW), at the interpreter's own chunk: 5 chunks."""
     x = randn(1, MAX_ROW + 100, dtype=torch.float32, scale=3.0, shift=-6.0)
     compare(f"online softmax (1, {MAX_ROW + 100})", softmax, softmax_reference, [x])
-    with pytest.raises(ValueError, match=f"x's last dim {MAX_ROW + 100} is out of range: a row-wise kernel takes"):
+    with pytest.raises(ValueError, match=f"x's last dim {MAX_ROW + 100} is out of range for online=False: the "
+                       f"one-block kernel takes 1 to {MAX_ROW} columns"):
         softmax(x, online=False)
 
 
@@ -92,6 +93,7 @@ def test_the_kernel_is_chosen_by_width(monkeypatch):
         assert [kernel.fn.__name__ for kernel in launched] == expected, (width, choice)
 
 
-def test_online_refuses_an_empty_row():
+@pytest.mark.parametrize("online", [None, True, False])
+def test_refuses_an_empty_row(online):
     with pytest.raises(ValueError, match="x's last dim 0 is out of range: softmax takes rows of at least 1"):
-        softmax(torch.zeros(3, 0), online=True)
+        softmax(torch.zeros(3, 0, device=DEVICE), online=online)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lab.kernels.runtime import check_input, check_row, interpreted, next_power_of_2, row_launch
+from lab.kernels.runtime import MAX_ROW, check_input, interpreted, next_power_of_2, row_launch
 
 ONLINE_ABOVE = 1 << 14
 """Rows wider than this many columns take the online kernel. Why 16384: `row_launch` gives a one-block program of
@@ -199,11 +199,11 @@ def softmax(x: torch.Tensor, *, online: bool | None = None) -> torch.Tensor:
     if x.dim() == 0:
         raise ValueError("x is a scalar: softmax needs at least one dim")
     width = x.shape[-1]
+    if width < 1:
+        raise ValueError(f"x's last dim {width} is out of range: softmax takes rows of at least 1 column")
     if online is None:
         online = width > ONLINE_ABOVE
-    if online:
-        if width < 1:
-            raise ValueError(f"x's last dim {width} is out of range: softmax takes rows of at least 1 column")
-    else:
-        check_row(width, "x's last dim")
+    if not online and width > MAX_ROW:
+        raise ValueError(f"x's last dim {width} is out of range for online=False: the one-block kernel takes 1 to "
+                         f"{MAX_ROW} columns (online=True or None takes any width)")
     return _Softmax.apply(x, online)

@@ -94,8 +94,8 @@ GPU_ELEMENTS = 2048
 """Elements per program of a row-wise kernel on a GPU, for rows narrower than this: enough work to hide latency."""
 
 MAX_ROW = 1 << 16
-"""The widest row a single-block kernel (softmax, RMSNorm) takes; wider rows need a loop over chunks, as
-`lab.kernels.cross_entropy` does."""
+"""The widest row a single-block kernel (RMSNorm, softmax's one-block kernel) takes; wider rows need a loop over
+chunks, as `lab.kernels.cross_entropy` and softmax's online kernel do."""
 
 
 def next_power_of_2(n: int) -> int:

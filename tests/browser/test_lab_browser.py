@@ -1,8 +1,11 @@
 """The course's widgets work for a learner: in real JupyterLab, in a real browser, against a real kernel.
 
 The notebook lane (tests/test_notebooks.py) proves the cells run; only a browser proves that a widget
-renders and that moving it reaches the kernel and comes back. One short test per widget: open its
-notebook with `open_notebook`, `run_all()`, check there are no errors, drive the widget, check its output.
+renders and that moving it reaches the kernel and comes back. One short test per widget: open a notebook with
+`open_notebook`, `run_all()`, check there are no errors, drive the widget, check its output. The welcome chapter
+runs whole, as a learner's first "Run All"; every other chapter's widget runs in a notebook of its own made by
+`widget_notebook` from the chapter's own cell, since re-running the whole chapter here (up to a minute each)
+would only check again what the notebook lane checks: that no cell raises.
 
 Needs Debian's /usr/bin/chromium and the playwright package (no `playwright install`); skipped otherwise.
 """
@@ -16,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from .jupyterlab import CHROMIUM, LabServer, NotebookPage, chromium, open_notebook
@@ -60,6 +64,21 @@ def browser(lab_server: LabServer, tmp_path_factory: pytest.TempPathFactory):
         yield context
 
 
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
+def widget_notebook(server: LabServer, chapter: str, cell: str, imports: str | None = None) -> str:
+    """A notebook beside `chapter` in the server's root holding `imports` (what the chapter imported for the
+    widget in an earlier cell, if anything) and then the chapter's own widget cell `cell`, which the chapter
+    must hold verbatim: the browser drives exactly what a learner runs. Its path relative to the root."""
+    sources = [c.source for c in nbformat.read(REPO / chapter, as_version=4).cells if c.cell_type == "code"]
+    assert cell in sources, f"{chapter} has no code cell that is exactly {cell!r}"
+    cells = [nbformat.v4.new_code_cell(source) for source in (imports, cell) if source is not None]
+    path = Path(chapter).with_name(f"{Path(chapter).stem}-widget.ipynb")  # the chapter's folder: its working dir
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": KERNELSPEC}), server.root_dir / path)
+    return path.as_posix()
+
+
 def _rows(notebook: NotebookPage) -> int:
     return notebook.page.locator("table.lab-hello-ranks tbody tr").count()
 
@@ -92,8 +111,10 @@ def test_welcome_hello_ranks_widget(browser, lab_server: LabServer, record_prope
 
 def test_memory_calculator_reacts_to_the_sequence_slider(browser, lab_server: LabServer, record_property) -> None:
     start = time.perf_counter()
-    with open_notebook(browser, lab_server, "chapters/01_memory_and_compute.ipynb", ARTIFACTS) as notebook:
-        notebook.run_all(timeout_s=240)
+    chapter = widget_notebook(lab_server, "chapters/01_memory_and_compute.ipynb",
+                              "from lab.widgets.memory import memory_calculator\n\nmemory_calculator()")
+    with open_notebook(browser, lab_server, chapter, ARTIFACTS) as notebook:
+        notebook.run_all()
         notebook.assert_no_errors()
         widget = notebook.output(".lab-memory-total")
         total = widget.locator(".lab-memory-total")
@@ -111,7 +132,7 @@ def test_memory_calculator_reacts_to_the_sequence_slider(browser, lab_server: La
         gib = lambda text: float(text.split(" GiB")[0].replace(",", ""))  # noqa: E731
         assert gib(after) > gib(before), (before, after)
         notebook.assert_no_errors()
-    record_property("wall_s", ("browser   chapters/01_memory_and_compute.ipynb", time.perf_counter() - start))
+    record_property("wall_s", (f"browser   {chapter}", time.perf_counter() - start))
 
 
 def _wait_for_change(locator, before: str, timeout_s: float = 30.0, attribute: str | None = None) -> str:
@@ -127,8 +148,10 @@ def _wait_for_change(locator, before: str, timeout_s: float = 30.0, attribute: s
 def test_ring_attention_explorer_follows_the_step_slider_and_the_layout(browser, lab_server: LabServer,
                                                                         record_property) -> None:
     start = time.perf_counter()
-    with open_notebook(browser, lab_server, "chapters/05_context_parallel.ipynb", ARTIFACTS) as notebook:
-        notebook.run_all(timeout_s=240)
+    chapter = widget_notebook(lab_server, "chapters/05_context_parallel.ipynb", "ring_attention_explorer()",
+                              imports="from lab.widgets.cp import ring_attention_explorer")
+    with open_notebook(browser, lab_server, chapter, ARTIFACTS) as notebook:
+        notebook.run_all()
         notebook.assert_no_errors()
         # the output area holding the widget, found by a control's label (the summary vanishes on an error)
         widget = notebook.output(".widget-label", "ring step")
@@ -166,14 +189,16 @@ def test_ring_attention_explorer_follows_the_step_slider_and_the_layout(browser,
         widget.locator(".widget-output img").wait_for(timeout=30_000)
         assert error.count() == 0
         notebook.assert_no_errors()
-    record_property("wall_s", ("browser   chapters/05_context_parallel.ipynb", time.perf_counter() - start))
+    record_property("wall_s", (f"browser   {chapter}", time.perf_counter() - start))
 
 
 def test_zero_ladder_follows_the_stage_and_the_number_of_ranks(browser, lab_server: LabServer,
                                                                record_property) -> None:
     start = time.perf_counter()
-    with open_notebook(browser, lab_server, "chapters/03_data_parallel_zero.ipynb", ARTIFACTS) as notebook:
-        notebook.run_all(timeout_s=300)
+    chapter = widget_notebook(lab_server, "chapters/03_data_parallel_zero.ipynb",
+                              "from lab.widgets.zero import zero_ladder\n\nzero_ladder()")
+    with open_notebook(browser, lab_server, chapter, ARTIFACTS) as notebook:
+        notebook.run_all()
         notebook.assert_no_errors()
         widget = notebook.output(".widget-label", "ZeRO stage")
         total = widget.locator(".lab-zero-total")
@@ -205,16 +230,18 @@ def test_zero_ladder_follows_the_stage_and_the_number_of_ranks(browser, lab_serv
         widget.locator(".widget-output img").wait_for(timeout=30_000)
         assert widget.locator(".lab-error").count() == 0
         notebook.assert_no_errors()
-    record_property("wall_s", ("browser   chapters/03_data_parallel_zero.ipynb", time.perf_counter() - start))
+    record_property("wall_s", (f"browser   {chapter}", time.perf_counter() - start))
 
 
 def test_pipeline_explorer_redraws_for_each_schedule(browser, lab_server: LabServer, record_property) -> None:
     start = time.perf_counter()
-    with open_notebook(browser, lab_server, "chapters/06_pipeline_parallel.ipynb", ARTIFACTS) as notebook:
-        notebook.run_all(timeout_s=240)
+    chapter = widget_notebook(lab_server, "chapters/06_pipeline_parallel.ipynb", "pipeline_explorer()",
+                              imports="from lab.widgets.pipeline import pipeline_explorer")
+    with open_notebook(browser, lab_server, chapter, ARTIFACTS) as notebook:
+        notebook.run_all()
         notebook.assert_no_errors()
-        # the chapter shows the explorer twice; the first opens on the playbook's exercise: 1F1B, p = 4, m = 8
-        widget = notebook.output(".widget-label", "pp (ranks)").first
+        # the chapter's first explorer opens on the playbook's exercise: 1F1B, p = 4, m = 8
+        widget = notebook.output(".widget-label", "pp (ranks)")
         bubble, activations = widget.locator(".lab-pp-bubble"), widget.locator(".lab-pp-activations")
         assert "bubble ratio (idle / useful) 0.375" in bubble.inner_text()  # (p-1)/m
         assert "rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1" in activations.inner_text()
@@ -255,16 +282,18 @@ def test_pipeline_explorer_redraws_for_each_schedule(browser, lab_server: LabSer
         widget.locator(".widget-output img").wait_for(timeout=30_000)
         assert error.count() == 0
         notebook.assert_no_errors()
-    record_property("wall_s", ("browser   chapters/06_pipeline_parallel.ipynb", time.perf_counter() - start))
+    record_property("wall_s", (f"browser   {chapter}", time.perf_counter() - start))
 
 
 def test_capacity_explorer_drops_more_as_the_capacity_shrinks(browser, lab_server: LabServer,
                                                              record_property) -> None:
     start = time.perf_counter()
-    with open_notebook(browser, lab_server, "chapters/07_expert_parallel.ipynb", ARTIFACTS) as notebook:
-        notebook.run_all(timeout_s=240)
+    chapter = widget_notebook(lab_server, "chapters/07_expert_parallel.ipynb", "moe_explorer()",
+                              imports="from lab.widgets.moe import moe_explorer")
+    with open_notebook(browser, lab_server, chapter, ARTIFACTS) as notebook:
+        notebook.run_all()
         notebook.assert_no_errors()
-        widget = notebook.output(".widget-label", "capacity factor").first
+        widget = notebook.output(".widget-label", "capacity factor")
         dropped = widget.locator(".lab-moe-dropped")
 
         def count() -> int:
@@ -282,20 +311,17 @@ def test_capacity_explorer_drops_more_as_the_capacity_shrinks(browser, lab_serve
         assert count() > before, (before, count())
         assert _wait_for_change(widget.locator(".widget-output img"), drawn, attribute="src") != drawn
         notebook.assert_no_errors()
-    record_property("wall_s", ("browser   chapters/07_expert_parallel.ipynb", time.perf_counter() - start))
+    record_property("wall_s", (f"browser   {chapter}", time.perf_counter() - start))
 
 
 def test_config_explorer_reranks_when_the_gpu_count_changes(browser, lab_server: LabServer, record_property) -> None:
     """The chapter 08 explorer, alone in a one-cell notebook (the chapter also trains on 8 ranks: slow to run
     here): it renders the search's ranking, and 256 GPUs instead of 8 put another layout on top."""
-    import nbformat
-
     from lab.calc.search import search
 
     start = time.perf_counter()
     cell = nbformat.v4.new_code_cell("from lab.widgets.search import config_explorer\n\nconfig_explorer()")
-    notebook_file = nbformat.v4.new_notebook(cells=[cell], metadata={"kernelspec": {
-        "display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}})
+    notebook_file = nbformat.v4.new_notebook(cells=[cell], metadata={"kernelspec": KERNELSPEC})
     nbformat.write(notebook_file, lab_server.root_dir / "config_explorer.ipynb")
     on_8, on_256 = (search("llama3-8b", gpus).top(1)[0].layout for gpus in (8, 256))
     assert on_8 != on_256

@@ -4,6 +4,8 @@ Each case runs the kernel, torch's own op in the same dtype, and a float64 refer
 output and on dq, dk, dv must be at most 2x torch's. The shape zoo: one row (T=1), head dims that are not powers
 of two (24, 40), lengths that are not a multiple of the 64-row tile (37, 65, 70, 90, 100: several key blocks, so
 the online rescale runs), grouped-query heads (H=4, Hkv=2 and H=2, Hkv=1), Dv != D (MLA), causal and not.
+Both backwards (single pass with atomic dQ, the default; two kernels, the deterministic one) are held to the same
+rule, and which one runs, with how many block matmuls, is observed by counting launches and tl.dot calls.
 The paged decode kernel: shuffled blocks, a one-token sequence, a last block cut short, a block size that is not
 a power of two; its baseline is torch's SDPA on the gathered cache.
 Kernels run in Triton's interpreter here (fp32 and fp16; bf16 only on a GPU).
@@ -69,7 +71,8 @@ def test_flash_attention_matches_torch(shape, dtype):
 @pytest.mark.parametrize("dtype, D, causal", [(torch.float16, 24, True), (torch.float32, 24, False),
                                                (torch.float32, 80, True)], ids=["fp16-D24-c", "fp32-D24", "fp32-D80-c"])
 def test_flash_attention_gpu_tiles_in_interpreter(monkeypatch, dtype, D, causal):
-    """The tiles a GPU launch picks (128×64 forward, 64×32, 32×32 backward: BLOCK_M != BLOCK_N) give the same
+    """The tiles a GPU launch picks (128×64 forward, 64×32; 32×128, 32×64 single-pass backward: BLOCK_M !=
+    BLOCK_N) give the same
     answer: the kernels assume no particular tile shape. Run through the interpreter by pretending to compile."""
     import lab.kernels.flash_attention as fa
 
@@ -85,6 +88,85 @@ def test_flash_attention_gpu_tiles_in_interpreter(monkeypatch, dtype, D, causal)
     ref = _run(lambda *a: attention_reference(*a, causal=causal), q.double(), k.double(), v.double(), do.double())
     for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref, strict=True):
         assert_error_ratio(f"flash_attention (GPU tiles) {name}", g, b, r, dot_product_ratio(g.dtype))
+
+
+#               B  H  Hkv  T    S   D   Dv  causal  dtype          GPU tiles
+BACKWARD_CASES = [(1, 4, 2, 100, 100, 16, 16, True, torch.float16, False),  # GQA, two query blocks, causal skip
+                  (1, 2, 1, 70, 90, 24, 40, False, torch.float32, True)]    # T != S, Dv != D, 32×128 / 64×64
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "two-kernel"])
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=["fp16-gqa-c", "fp32-dv40-gpu-tiles"])
+def test_flash_attention_backward_paths(monkeypatch, case, deterministic):
+    """Each backward path, asked for by name, against the float64 reference: q, k, v gradients within 2x torch's
+    error. The second case runs the launch configs a GPU picks (through the interpreter, pretending to compile)."""
+    import lab.kernels.flash_attention as fa
+
+    B, H, Hkv, T, S, D, Dv, causal, dtype, gpu_tiles = case
+    if gpu_tiles:
+        monkeypatch.setattr(fa, "interpreted", lambda: False)
+    gen = torch.Generator().manual_seed(T + D)
+    q, k, v, do = (torch.randn(*s, generator=gen).to(dtype=dtype, device=DEVICE)
+                   for s in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv), (B, H, T, Dv)))
+    got = _run(lambda *a: flash_attention(*a, causal=causal, deterministic=deterministic), q, k, v, do)
+    base = _run(lambda *a: _torch_attention(*a, causal), q, k, v, do)
+    ref = _run(lambda *a: attention_reference(*a, causal=causal), q.double(), k.double(), v.double(), do.double())
+    for name, g, b, r in zip(("dq", "dk", "dv"), got[1:], base[1:], ref[1:], strict=True):
+        assert g.dtype == dtype
+        assert_error_ratio(f"flash_attention {name} (deterministic={deterministic})", g, b, r,
+                           dot_product_ratio(g.dtype))
+
+
+def test_flash_attention_atomic_dq_sums_in_fp32():
+    """The single pass's dQ equals the two-kernel dQ (one fp32 sum per element, rounded once) to 2 ulps of each
+    element, plus 1/64 ulp of the largest for elements that cancel: the fp32 sums differ only in order (bit-equal
+    in the interpreter). Summed in fp16, four key blocks' partials each round: 3.5x past that bound (measured),
+    where the error-ratio rule cannot see it (both paths measured 0.03x the error of torch's CPU fp16 attention)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(*s, generator=gen).to(dtype=torch.float16, device=DEVICE)
+                   for s in ((1, 2, 16, 16), (1, 1, 256, 16), (1, 1, 256, 16), (1, 2, 16, 16)))
+    atomic, two = (_run(lambda *a, d=d: flash_attention(*a, causal=False, deterministic=d), q, k, v, do)[1].float()
+                   for d in (False, True))
+    eps = torch.finfo(torch.float16).eps
+    excess = float(((atomic - two).abs() / (2 * eps * two.abs() + eps * two.abs().max() / 64)).max())
+    assert excess <= 1, f"single-pass dq differs from the two-kernel dq by {excess:.2g}x the 2-ulp bound"
+
+
+def test_flash_attention_backward_path_choice(monkeypatch):
+    """The single pass is the default; deterministic=True or torch's global flag
+    (torch.use_deterministic_algorithms(True), read by torch.are_deterministic_algorithms_enabled: patched here,
+    as setting it for real imports inductor's config, 2 s) take the two kernels; an explicit deterministic=False
+    wins over the flag. Observed by logging each kernel launch, and in the interpreter by counting tl.dot calls
+    on one (query block, key block) pair: 5 (S, dV, dP, dK, dQ) against 7 (S and dP again in the dQ kernel)."""
+    import lab.kernels.flash_attention as fa
+
+    launches, dots = [], []
+
+    class Logged:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_bwd_preprocess", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        monkeypatch.setattr(fa, name, Logged(name, getattr(fa, name)))
+    if DEVICE == "cpu":
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        create_dot = InterpreterBuilder.create_dot
+        monkeypatch.setattr(InterpreterBuilder, "create_dot", lambda self, *a: dots.append(1) or create_dot(self, *a))
+    q, k, v = (torch.randn(1, 1, 16, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    single, two = ["_bwd_preprocess", "_bwd_dkdv_kernel"], ["_bwd_preprocess", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
+    for flag, kwargs, want_launches, want_dots in ((False, {}, single, 5), (False, dict(deterministic=True), two, 7),
+                                                   (True, {}, two, 7), (True, dict(deterministic=False), single, 5)):
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda flag=flag: flag)
+        out = flash_attention(q, k, v, causal=False, **kwargs)
+        launches.clear(), dots.clear()
+        out.backward(torch.ones_like(out))
+        assert launches == want_launches, (flag, kwargs, launches)
+        assert DEVICE != "cpu" or len(dots) == want_dots, (flag, kwargs, len(dots))
 
 
 def _check_core(module, cfg, wants_scale):

@@ -13,11 +13,21 @@ o = acc / l, and the log-sum-exp m + log l is saved per row: the backward recomp
 exactly, without a second pass for the max. Exponentials are taken base 2 (exp2 is the hardware instruction):
 scores are multiplied by scale·log2(e) once and the saved lse is in log2 units.
 
-Backward (FlashAttention-2). With dP = dO vᵀ and D_i = Σ_j P_ij dP_ij = rowsum(dO ∘ O) (a small preprocess
-kernel), the softmax backward is dS = P ∘ (dP - D); then dV = Pᵀ dO, dK = scale · dSᵀ q, dQ = scale · dS k.
-Two kernels avoid atomics: one program per key block accumulates dK, dV over every query block (and over every
-query head of its group, so grouped-query attention's sum over heads happens in registers), and one program per
-query block accumulates dQ over the key blocks.
+Backward (FlashAttention-2, paper §3.2, Algorithm 2). The backward reads q, k, v, o, the saved lse and dO, and
+recomputes P = exp2(s - lse) block by block, exactly (the forward saves nothing else). With dP = dO vᵀ and
+D_i = Σ_j P_ij dP_ij = rowsum(dO ∘ O) (a small preprocess kernel), the softmax backward is dS = P ∘ (dP - D); then
+dV = Pᵀ dO, dK = scale · dSᵀ q, dQ = scale · dS k. Two paths, both one program per (key block, batch, kv head)
+accumulating dK, dV over every query block of every query head of its group (grouped-query attention's sum over
+heads happens in registers):
+- single pass (the default): the same program also forms dQ_partial = scale · dS k for each query block it
+  visits and adds it into an fp32 dQ buffer with `tl.atomic_add`, as FA2's own CUDA code does (§3.2 uses atomic
+  adds to gather dQ across thread blocks); dQ is cast to the input dtype at the end. 5 block matmuls per (query
+  block, key block) pair: S, dV, dP, dK, dQ. Atomics add in whatever order the programs reach them, so dQ's fp32
+  sums differ in their last bits from run to run on a GPU.
+- two kernels (deterministic): the key-block program leaves dQ out, and a second kernel, one program per query
+  block, recomputes S and dP to accumulate dQ over the key blocks in a fixed order: 7 block matmuls per pair
+  (S and dP twice), no atomics, bit-reproducible. `flash_attention(..., deterministic=None)` takes it when
+  `torch.use_deterministic_algorithms(True)` is on, as torch's own non-deterministic kernels do.
 
 Shapes: q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv). Query head h reads key/value head h // (H // Hkv)
 through its strides (no copy). Dv may differ from D (DeepSeek MLA). Head dims that are not powers of two are
@@ -108,13 +118,15 @@ def _bwd_preprocess(Out, DO, DELTA, sob, soh, sot, sod, sdb, sdh, sdt, sdd, H, T
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_, DQ,
                      sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sdb, sdh, sdt, sdd,
                      H, HKV, GROUP, T, S, D, DV, scale, qk_scale,
-                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One program per (key block, batch, kv head): dV = Σ Pᵀ dO and dK = scale · Σ dSᵀ q over the query
-    blocks of every query head that reads this kv head. dK/dV are contiguous (B, Hkv, S, ·)."""
+    blocks of every query head that reads this kv head. dK/dV are contiguous (B, Hkv, S, ·). With ATOMIC_DQ it
+    also adds this key block's share of dQ, scale · dS k, into DQ (fp32, contiguous (B, H, T, D)) with relaxed
+    atomics: the sum is only read after the kernel ends, so no ordering between programs is needed."""
     pid_n, pid_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     b, hk = pid_bh // HKV, pid_bh % HKV
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -150,8 +162,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_,
             p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)  # the forward's P, recomputed exactly
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
+            ds = (p * (dp - delta[:, None])).to(q.dtype)
+            dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
+            if ATOMIC_DQ:
+                dq = tl.dot(ds, k, input_precision="ieee") * scale
+                tl.atomic_add(DQ + ((b * H + h) * T + rows[:, None]) * D + offs_d[None, :], dq,
+                              mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
 
     out = pid_bh * S + cols[:, None]
     tl.store(DK + out * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
@@ -204,25 +220,47 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _config(D: int, Dv: int, dtype: torch.dtype, backward: bool = False) -> dict:
-    """Block sizes and launch options. tl.dot needs every dim >= 16 on a GPU, so head dims are padded to at least
-    16 (and to a power of two, for tl.arange). Interpreted: one pinned config of 64×64 tiles (the cost is per
-    program and per block op, never per element). Compiled, forward: 128 query rows × 64 keys, 8 warps, 3
-    pipeline stages for 16-bit heads up to 128 wide (q tile 32 KiB + 3 stages of k and v tiles, 96 KiB, fit the
-    ~228 KiB of shared memory of an H100); half the rows and stages for fp32 or wider heads. Backward: 64×64
-    tiles, 32×32 for wide rows (each program holds k, v, q, dO and the fp32 dk, dv where the forward holds q, k,
-    v). Chosen from the shapes and the H100's budget, not tuned: the GPU lane's benchmark says how close it is."""
+def _config(D: int, Dv: int, dtype: torch.dtype, kind: str = "forward") -> dict:
+    """Block sizes and launch options of `kind`: "forward", "backward" (the two-kernel, deterministic backward)
+    or "backward_atomic" (the single-pass backward). tl.dot needs every dim >= 16 on a GPU, so head dims are
+    padded to at least 16 (and to a power of two, for tl.arange). Interpreted: one pinned config of 64×64 tiles
+    (the cost is per program and per block op, never per element).
+
+    Compiled, forward: 128 query rows × 64 keys, 8 warps, 3 pipeline stages for 16-bit heads up to 128 wide (q
+    tile 32 KiB + 3 stages of k and v tiles, 96 KiB, fit the ~228 KiB of shared memory of an H100); half the rows
+    and stages for fp32 or wider heads. Two-kernel backward: 64×64 tiles, 32×32 for wide rows (each program holds
+    k, v, q, dO and the fp32 dk, dv where the forward holds q, k, v).
+
+    Single-pass backward: each key-block program streams every query block of its heads past its k, v tiles, and
+    for each adds a BLOCK_M × D fp32 dQ partial into memory with atomics: per head that is S/BLOCK_N read-modify-
+    writes of 4 bytes for every element of dQ, twice the bytes of re-reading q and dO (2 + 2 bytes in 16-bit).
+    BLOCK_N, the keys a program owns, is what divides that traffic, so it is the large side: 128 keys × 32 query
+    rows for 16-bit heads up to 128 wide, 8 warps (the tiles of Triton's python/tutorials/06-fused-attention.py
+    dk/dv loop, 32 × 128, plus the fp32 dQ partial the extra warps hold), 3 stages: k and v 2 × 32 KiB stay
+    resident, each stage of q and dO is 2 × 8 KiB, and P, dS pass through shared memory for their transposes
+    (2 × 8 KiB): ~130 KiB of the ~228. Registers bound it before shared memory does: the fp32 dk, dv
+    accumulators (2 × 128 × 128 × 4 B = 128 KiB, 128 per thread of 8 warps) beside the 32 × 128 fp32 s, dP and
+    dQ tiles. Past 256 bytes a row (fp32 beyond 64 wide, 16-bit beyond 128), half the keys and 2 stages. The
+    dQ buffer of one head (T × D × 4 B, 2 MiB at T = 4096, D = 128) stays in the H100's 50 MiB L2, where the
+    atomics resolve. Chosen from the shapes and the H100's budget, not tuned: the GPU lane's benchmark says how
+    close it is."""
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(Dv))
     blocks = dict(BLOCK_D=block_d, BLOCK_DV=block_dv)
+    if kind not in ("forward", "backward", "backward_atomic"):
+        raise ValueError(f"kind {kind!r} must be one of 'forward', 'backward', 'backward_atomic'")
     if interpreted():
         return dict(BLOCK_M=64, BLOCK_N=64, **blocks)
-    narrow_16bit = max(block_d, block_dv) <= 128 and dtype != torch.float32
-    if backward:  # rows of q, do, k, v in bytes: halve the tiles past 256 B (fp32 beyond 64, 16-bit beyond 128)
-        tile = 64 if max(block_d, block_dv) * torch.finfo(dtype).bits // 8 <= 256 else 32
+    row_bytes = max(block_d, block_dv) * torch.finfo(dtype).bits // 8  # a row of q, dO, k or v
+    if kind == "backward_atomic":
+        if row_bytes <= 256:
+            return dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3, **blocks)
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2, **blocks)
+    if kind == "backward":  # halve the tiles past 256 B (fp32 beyond 64, 16-bit beyond 128)
+        tile = 64 if row_bytes <= 256 else 32
         return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4 if max(block_d, block_dv) <= 64 else 8, num_stages=2,
                     **blocks)
-    if narrow_16bit:
+    if max(block_d, block_dv) <= 128 and dtype != torch.float32:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, **blocks)
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2, **blocks)
 
@@ -251,10 +289,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> N
 
 
 class FlashAttention(torch.autograd.Function):
-    """forward saves q, k, v, o and the per-row log-sum-exp; backward recomputes P block by block from them."""
+    """forward saves q, k, v, o and the per-row log-sum-exp (nothing else: the backward recomputes P from them);
+    backward runs the single-pass kernel (5 block matmuls per block pair, dQ by fp32 atomics) or, when
+    `deterministic`, the two-kernel pair (7, no atomics)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                deterministic: bool) -> torch.Tensor:
         B, H, T, D = q.shape
         Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
         cfg = _config(D, Dv, q.dtype)
@@ -264,7 +305,7 @@ class FlashAttention(torch.autograd.Function):
         _fwd_kernel[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                           H, H // Hkv, T, S, D, Dv, scale * LOG2E, CAUSAL=causal, **cfg)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
         return o
 
     @staticmethod
@@ -272,36 +313,45 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         B, H, T, D = q.shape
         Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-        cfg = _config(D, Dv, q.dtype, backward=True)
+        atomic = not ctx.deterministic
+        cfg = _config(D, Dv, q.dtype, "backward_atomic" if atomic else "backward")
         strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
         delta = torch.empty_like(lse)
         _bwd_preprocess[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
             o, do, delta, *o.stride(), *do.stride(), H, T, Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=cfg["BLOCK_DV"])
-        dq = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+        # the atomics' target is fp32 whatever the inputs: S/BLOCK_N partials summed in 16 bits would each round
+        dq = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
         dk = torch.empty(B, Hkv, S, D, dtype=k.dtype, device=k.device)
         dv = torch.empty(B, Hkv, S, Dv, dtype=v.dtype, device=v.device)
         scale = ctx.scale
         _bwd_dkdv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, *strides, H, Hkv, H // Hkv, T, S, D, Dv, scale, scale * LOG2E,
-            CAUSAL=ctx.causal, **cfg)
+            q, k, v, do, lse, delta, dk, dv, dq if atomic else None, *strides, H, Hkv, H // Hkv, T, S, D, Dv,
+            scale, scale * LOG2E, CAUSAL=ctx.causal, ATOMIC_DQ=atomic, **cfg)
+        if atomic:
+            return dq.to(q.dtype), dk, dv, None, None, None
         _bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
             q, k, v, do, lse, delta, dq, *strides, H, H // Hkv, T, S, D, Dv, scale, scale * LOG2E,
             CAUSAL=ctx.causal, **cfg)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                    causal: bool = True) -> torch.Tensor:
+                    causal: bool = True, *, deterministic: bool | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale [+ causal mask]) v for q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv).
 
     A drop-in `Attention.core` (core(q, k, v)) and `LatentAttention.core` (core(q, k, v, scale)); differentiable.
-    scale defaults to 1/sqrt(D)."""
+    scale defaults to 1/sqrt(D). `deterministic` picks the backward: False, the single pass (5 block matmuls per
+    block pair, dQ summed by fp32 atomics, so its last bits vary run to run on a GPU); True, the two-kernel
+    backward (7 matmuls, bit-reproducible); None (the default), True exactly when
+    `torch.are_deterministic_algorithms_enabled()`, as torch decides for its own non-deterministic kernels."""
     _check(q, k, v, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     if 0 in q.shape[:3]:
         return q.new_empty(*q.shape[:3], v.shape[3])
-    return FlashAttention.apply(q, k, v, float(scale), bool(causal))
+    return FlashAttention.apply(q, k, v, float(scale), bool(causal), bool(deterministic))
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

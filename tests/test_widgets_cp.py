@@ -63,7 +63,13 @@ def test_zigzag_balances_and_no_mask_is_balanced():
     assert len(set(widget.work)) == 1 and not any(b["kind"] == "skip" for b in widget.blocks)
 
 
-def test_every_control_redraws_across_its_range():
+def test_every_control_redraws_across_its_range(monkeypatch):
+    """Each view is checked on the figure the widget built (`widget.figure`); its PNG for the output widget, which
+    costs about as much again as building it, is left out here: test_the_chart_is_the_output_widgets_state_and_
+    follows_every_redraw checks that one, and `_png` renders the views this test compares."""
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr("lab.widgets.cp.show_figure", lambda output, fig: plt.close(fig))
     widget = ring_attention_explorer()
     seen = {_png(widget)}
     for cp in range(2, 9):

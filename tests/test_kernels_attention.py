@@ -71,8 +71,8 @@ def test_flash_attention_matches_torch(shape, dtype):
 @pytest.mark.parametrize("dtype, D, causal", [(torch.float16, 24, True), (torch.float32, 24, False),
                                                (torch.float32, 80, True)], ids=["fp16-D24-c", "fp32-D24", "fp32-D80-c"])
 def test_flash_attention_gpu_tiles_in_interpreter(monkeypatch, dtype, D, causal):
-    """The tiles a GPU launch picks (128×64 forward, 64×32; 32×128, 32×64 single-pass backward: BLOCK_M !=
-    BLOCK_N) give the same
+    """The tiles a GPU launch picks (forward 128×64 and 64×32, single-pass backward 32×128 and 32×64: BLOCK_M
+    != BLOCK_N) give the same
     answer: the kernels assume no particular tile shape. Run through the interpreter by pretending to compile."""
     import lab.kernels.flash_attention as fa
 

@@ -239,11 +239,11 @@ def _config(D: int, Dv: int, dtype: torch.dtype, kind: str = "forward") -> dict:
     dk/dv loop, 32 × 128, plus the fp32 dQ partial the extra warps hold), 3 stages: k and v 2 × 32 KiB stay
     resident, each stage of q and dO is 2 × 8 KiB, and P, dS pass through shared memory for their transposes
     (2 × 8 KiB): ~130 KiB of the ~228. Registers bound it before shared memory does: the fp32 dk, dv
-    accumulators (2 × 128 × 128 × 4 B = 128 KiB, 128 per thread of 8 warps) beside the 32 × 128 fp32 s, dP and
-    dQ tiles. Past 256 bytes a row (fp32 beyond 64 wide, 16-bit beyond 128), half the keys and 2 stages. The
-    dQ buffer of one head (T × D × 4 B, 2 MiB at T = 4096, D = 128) stays in the H100's 50 MiB L2, where the
-    atomics resolve. Chosen from the shapes and the H100's budget, not tuned: the GPU lane's benchmark says how
-    close it is."""
+    accumulators (2 × 128 × 128 × 4 B = 128 KiB, 128 registers a thread at 8 warps) beside the 32 × 128 fp32
+    s, dP and dQ tiles. Past 256 bytes a row (fp32 beyond 64 wide, 16-bit beyond 128), half the keys and 2
+    stages. The dQ buffer of one head is T × D × 4 B (2 MiB at T = 4096, D = 128): those of the heads in flight
+    at once stay in the H100's 50 MiB L2, where the atomics resolve. Chosen from the shapes and the H100's
+    budget, not tuned: the GPU lane's benchmark says how close it is."""
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(Dv))
     blocks = dict(BLOCK_D=block_d, BLOCK_DV=block_dv)

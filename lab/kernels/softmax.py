@@ -26,8 +26,8 @@ twice:
 That is 2 reads and 1 write of the row from HBM when the second read hits L2, where the safe softmax done in three
 passes (max; sum; normalise) reads it 3 times; rows of any width work (a 128k-vocabulary row too). The second read
 hits L2 when the rows in flight fit there: a program rereads its own row right after the first read, and at
-4096×32768 fp16 (64 KiB rows, one program per row, ~6 resident per SM on 132 SMs) that is ~50 MB, about the L2
-of an H100 or H200. Pass 2 walks the chunks last to first, so that what it reads first is what pass 1 read last,
+4096×32768 fp16 (64 KiB rows, one program per row, 3 resident per SM on 132 SMs) that is ~26 MB, half the 50 MB
+L2 of an H100 or H200. Pass 2 walks the chunks last to first, so that what it reads first is what pass 1 read last,
 the part of the row most likely still in L2 when the whole row no longer fits (a 131072-wide fp16 row is 256 KiB:
 then part of pass 2 comes from HBM, and the kernel moves up to 3 reads, the three-pass count, still without
 spilling registers). The backward dx = y · (dy − Σ dy·y) streams likewise: pass 1 sums dy·y over the chunks,
@@ -42,19 +42,25 @@ import triton.language as tl
 
 from lab.kernels.runtime import MAX_ROW, check_input, interpreted, next_power_of_2, row_launch
 
-ONLINE_ABOVE = 1 << 14
-"""Rows wider than this many columns take the online kernel. Why 16384: `row_launch` gives a one-block program of
-that width 16 warps (512 threads), and the kernel keeps two fp32 values per element live (x and exp(x − m)), so
-2 · 16384 / 512 = 64 registers per thread of data. At 32768 columns that doubles to 128: with addresses and
-masks on top, one 512-thread program no longer fits in 128 registers per thread (65,536 per SM / 512), and the
-compiler spills or runs a single program per SM, which is what the recorded 55 % at 32768 shows. A guess from the
-register count, not a measurement: `softmax(x, online=...)` forces either kernel so that the GPU benchmark can
-place the crossover."""
+ONLINE_ABOVE = 1 << 13
+"""Rows wider than this many columns take the online kernel. Why 8192: a one-block program holds its row in
+registers, BLOCK_COLS / (32 · num_warps) elements per thread, several fp32 values each (x, exp(x − m), addresses),
+and `row_launch` gives it 8 warps up to 8192 elements and 16 above. At 16 warps (512 threads) a thread may have at
+most 65,536 / 512 = 128 registers, and past that the compiler spills to local memory. Compiled for an H100
+(sm_90a) by Triton 3.9 on a machine without a GPU (`triton.compile` with `GPUTarget("cuda", 90, 32)`, the cubin
+read by `cuobjdump --dump-resource-usage`), fp16, registers per thread and stack (spill) bytes, forward and
+backward (fp32 and bf16 at 8192 columns: the same, 100-127 registers, no stack):
+    one block  8192 cols, 8 warps:  forward 100 registers, backward 127, no stack
+               16384, 16 warps:     128 and 128 (the cap), 8 and 32 stack bytes: spilling starts
+               32768, 16 warps:     128 and 32, 464 and 1728 stack bytes (the recorded 55 % of HBM on an H100)
+    online     4096-column chunks, 8 warps: 68 and 60 registers, no stack (fp32, 2048 columns, 4 warps: 66, 56)
+So the one-block kernel stops at the widest row that compiles without spilling. A count, not a timing:
+`softmax(x, online=...)` forces either kernel so that the GPU benchmark can place the crossover."""
 
 GPU_CHUNK_BYTES = 8192
 """Bytes of a row per chunk of the online kernel on a GPU: 4096 16-bit or 2048 fp32 columns. `row_launch` gives
-such a chunk 8 or 4 warps, 16 fp32 values per thread after the upcast: few registers, so many programs fit an SM,
-and each thread's loads are 16-byte vectors."""
+such a chunk 8 or 4 warps, 16 fp32 values per thread after the upcast: 56-68 registers and no spills (see
+`ONLINE_ABOVE`), so that 3 programs fit an SM, and each thread's loads are 16-byte vectors."""
 
 INTERPRETED_CHUNK = 1 << 14
 """Columns per chunk of the online kernel in Triton's interpreter, whose cost is per block op: large chunks, few

@@ -57,6 +57,7 @@ from lab.dryrun import dry_run
 from lab.faults import USAGE, InjectedFailure
 from lab.layout import describe, infer_dp
 from lab.model import build_model, num_params
+from lab.precision.fp8 import NonFiniteAmax
 from lab.precision.scheme import precision_scheme
 from lab.preemption import EXIT_STOPPED, StoppedBySignal
 from lab.trainer import (
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"{parser.prog}: {err}", file=sys.stderr)
         return EXIT_STOPPED
-    except NonFiniteLoss as err:  # a run that diverged did not succeed: one line, and a failing exit status
+    except (NonFiniteLoss, NonFiniteAmax) as err:  # a run that diverged did not succeed: one line, exit status 1
         _error_once(parser.prog, str(err))
         return 1
     except lab_dist.RankError as err:

@@ -37,6 +37,8 @@ from lab.outputs import check_output_dir, check_output_file
 from lab.parallel.compile import compile_backend, graph_breaks
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import build_mesh, parallelize
+from lab.precision.fp8 import raise_if_nonfinite
+from lab.precision.fp8_linear import nonfinite_flags
 from lab.precision.loss_scale import DynamicLossScaler
 from lab.precision.scheme import precision_scheme
 from lab.preemption import StopOnSignal, StoppedBySignal, checkpoint_now
@@ -85,7 +87,9 @@ def run(config: Config, nproc: int = 1, log_path: str | None = None, verbose: bo
     after `time_limit_s` if given: a run that progresses has no time limit (`lab.distributed.run`).
     `sdc_check` N > 0 compares the data-parallel replicas' parameters and optimizer states every N steps
     (`lab.distributed.health`): a mismatch raises `SilentDataCorruption`, or with `sdc_stop=False` is logged.
-    Every output path is checked first, and a non-finite loss or gradient norm stops the run (`NonFiniteLoss`)."""
+    Every output path is checked first, and a non-finite loss or gradient norm stops the run (`NonFiniteLoss`), as
+    does a non-finite amax in an FP8 linear (`lab.precision.fp8.NonFiniteAmax`, naming the tensor): both before
+    the step's update."""
     check_supported(config)
     _check_faults(config, checkpoint, inject, max_restarts, collective_timeout_s)
     _check_sdc(config, sdc_check)
@@ -255,6 +259,7 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
                       whole_logits=train.loss == "whole")
     if train.kernels == "triton":
         kernels.patch(par.model)
+    fp8_flags = nonfinite_flags(par.model)  # the FP8 linears' records of a non-finite amax (none: empty)
     optimizer = adamw(par.parameters(), train.lr, train.weight_decay)  # fp32 master weights under bf16/fp16
     replicas = functools.partial(replicated_state, par.model, par.parameters(), optimizer)
     scaler = DynamicLossScaler(enabled=scheme.policy.needs_loss_scaling)
@@ -297,6 +302,9 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             scaler.unscale_(par.parameters())  # fp16: divide by the scale; all ranks agree on any inf/nan
             norm = clip_grad_norm(par.parameters(), train.grad_clip)
             lr = scheduler.get_last_lr()[0]
+            # FP8: one read of the amax flags, where the loss and norm below are read anyway (no extra wait);
+            # NonFiniteAmax names the tensor, and the update below is not made
+            raise_if_nonfinite(fp8_flags, step + 1)
             if non_finite(loss.item(), norm.item(), scaler.enabled) is not None:  # every rank holds the same two
                 logs.append(StepLog(step + 1, loss.item(), lr, norm.item(), math.nan, None))
                 break  # before the update, which would write nan into every weight: `run` says so

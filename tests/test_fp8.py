@@ -15,14 +15,18 @@ import lab.precision.fp8_linear as fp8_linear
 from lab.model import Linear
 from lab.precision.fp8 import (
     FP8_DTYPES,
+    STANDALONE,
     AmaxHistory,
+    NonFiniteAmax,
     Scaling,
     _scaled_mm_works,
     amax,
     dequantize,
     fp8_matmul,
     fp8_max,
+    nonfinite_sites,
     quantize,
+    raise_if_nonfinite,
     scale_from_amax,
     scaled_mm_supported,
     sqnr,
@@ -103,16 +107,43 @@ def test_amax_zero_gives_scale_one() -> None:
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
-def test_inf_or_nan_input_raises_one_line(bad: float) -> None:
+def test_inf_or_nan_input_raises_one_line_naming_the_tensor_when_the_flags_are_read(bad: float) -> None:
+    # Nothing is read while quantising (the flag is set on the device); raise_if_nonfinite reads the flags once,
+    # names the tensor, and clears them: the next clean check passes (a flag never cleared would fail it).
+    nonfinite_sites([STANDALONE])                                        # whatever an earlier test left
     x = _randn(4, 8)
     x[2, 3] = bad
-    with pytest.raises(ValueError, match="not finite") as err:
-        quantize(x, Scaling(granularity="row"))
+    quantize(x, Scaling(granularity="row"))
+    with pytest.raises(NonFiniteAmax, match=r"^amax of quantize's input is not finite: .*lower the learning rate, "
+                       r"use current scaling .*check the data") as err:
+        raise_if_nonfinite()
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="not finite"):
-        FP8Matmul("tensorwise")(x, _randn(3, 8))
-    with pytest.raises(ValueError, match="not finite"):
-        AmaxHistory(4).update(torch.tensor(bad))
+    raise_if_nonfinite()                                                 # cleared by the read
+    AmaxHistory(4).update(torch.tensor(bad))
+    with pytest.raises(NonFiniteAmax, match="amax of AmaxHistory's amax is not finite"):
+        raise_if_nonfinite([STANDALONE])
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_non_finite_operand_of_an_fp8_linear_is_named_by_layer_and_operand(recipe: str) -> None:
+    # The forward's input and, separately, the backward's output gradient; in every recipe (the delayed one
+    # records through its amax history). Each read clears, so the second case names only its own tensor.
+    mm = FP8Matmul(retile(RECIPES[recipe], 4), name="layers.3.attn.wq")
+    x, w = _randn(4, 8).requires_grad_(), _randn(6, 8, seed=1).requires_grad_()
+    mm(x, w).sum().backward()
+    raise_if_nonfinite([mm.nonfinite])                                  # clean: nothing set
+    bad = x.detach().clone()
+    bad[1, 2] = math.inf
+    mm(bad, w)
+    with pytest.raises(NonFiniteAmax, match=r"^step 7: amax of layers\.3\.attn\.wq's input is not finite: "
+                       r".*stopped before its update"):
+        raise_if_nonfinite([mm.nonfinite], step=7)
+    dy = torch.ones(4, 6)
+    dy[0, 0] = math.nan
+    mm(x, w).backward(dy)
+    with pytest.raises(NonFiniteAmax, match=r"^amax of layers\.3\.attn\.wq's output gradient is not finite"):
+        raise_if_nonfinite([mm.nonfinite])                               # (and its transpose, re-quantised)
+    raise_if_nonfinite([mm.nonfinite])
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -1,11 +1,18 @@
 """lab.precision.fp8_monitor: an activation outlier under delayed scaling saturates the FP8 cast, spikes the loss
 and wipes out the step's gradient; the checks fire at that step and at no other, and current scaling on the same
-data neither spikes nor fires."""
+data neither spikes nor fires. And an inf reaching an FP8 linear in lab.train stops the step before its update,
+in one line naming the tensor and the step (lab.precision.fp8.NonFiniteFlags, read once per step)."""
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+
+import lab.trainer as trainer
+from lab.config import load_config
+from lab.precision.fp8 import NonFiniteAmax
 from lab.precision.fp8_monitor import CastCheck, StepReport, outlier_run
 
 OUTLIER_STEP = 16
@@ -50,3 +57,39 @@ def test_a_cast_check_flags_a_jump_with_saturation_and_non_finite_steps():
     assert report.alarms() == ["step 3: loss is nan", "step 3: grad norm is inf"]
     with pytest.raises(ValueError, match=r"outlier_step=30: expected None or an int in \[0, 24\)"):
         outlier_run(None, outlier_step=30)
+
+
+def test_an_inf_reaching_an_fp8_linear_stops_the_trainer_before_the_update_naming_tensor_and_step(monkeypatch):
+    # From step 2 on, layers.0.attn.wq's input holds an inf (a forward pre-hook, armed after step 1). The step must
+    # stop with the FP8 line (not "loss nan", which says nothing of where), and neither the bf16 weights nor the
+    # fp32 masters may differ from what step 1 left: the flags are read after the backward, before the update.
+    built, armed, after_step_1 = [], [], {}
+    parallelize = trainer.parallelize
+
+    def poison(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        return (args[0].index_fill(-1, torch.tensor([3]), math.inf),) if armed else None
+
+    def parallelize_and_hook(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 — parallelize's own arguments
+        par = parallelize(*args, **kwargs)
+        par.model.get_submodule("layers.0.attn.wq").register_forward_pre_hook(poison)
+        built.append(par)
+        return par
+
+    def on_step(log: trainer.StepLog) -> None:
+        par = built[0]
+        after_step_1.update({name: t.detach().clone() for name, t in par.model.state_dict().items()})
+        after_step_1.update({f"master {i}": p.detach().clone() for i, p in enumerate(par.parameters())})
+        armed.append(log.step)
+
+    monkeypatch.setattr(trainer, "parallelize", parallelize_and_hook)
+    config = load_config("configs/tiny.toml", ["model.n_layers=2", "train.steps=3", "train.global_batch=2",
+                                               "train.precision='fp8-tensorwise'"])
+    with pytest.raises(NonFiniteAmax, match=r"^step 2: amax of layers\.0\.attn\.wq's input is not finite "
+                       r"\(and \d+ more\): .*stopped before its update: lower the learning rate") as err:
+        trainer.run(config, verbose=False, on_step=on_step)
+    assert "\n" not in str(err.value) and armed == [1]
+    par = built[0]
+    now = {name: t for name, t in par.model.state_dict().items()}
+    now.update({f"master {i}": p for i, p in enumerate(par.parameters())})
+    changed = [name for name, t in after_step_1.items() if not torch.equal(now[name], t)]
+    assert changed == [], f"updated after the non-finite amax: {changed[:3]}"

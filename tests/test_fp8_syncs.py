@@ -7,7 +7,8 @@ the synchronisations the code would make on a GPU: `_local_scalar_dense` (what `
 dispatch to), `equal`, `is_nonzero`, every op whose output shape depends on values (`nonzero`, `masked_select`,
 a tensor-count `repeat_interleave`: torch tags them `dynamic_output_shape`), and `tolist`/`numpy`, which on CPU
 read memory without an ATen op and so are caught at the Tensor method.
-`torch._assert_async` is not one: on CUDA it asserts on the device without waiting.
+`torch._assert_async` is not one: on CUDA it asserts on the device without waiting (but a failed assert kills the
+process without naming anything, so lab records a non-finite amax in device-side flags instead, read once a step).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lab.precision.fp8 import AmaxHistory, fp8_max, scale_from_amax
+from lab.precision.fp8 import AmaxHistory, NonFiniteAmax, fp8_max, nonfinite_sites, raise_if_nonfinite, scale_from_amax
 from lab.precision.fp8_linear import RECIPES, FP8Matmul, retile
 
 _READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.equal, torch.ops.aten.is_nonzero,
@@ -173,3 +174,29 @@ def test_torch_compile_traces_an_fp8_linear_as_one_graph() -> None:
     w = torch.randn(48, 64).bfloat16().requires_grad_()
     explained = torch._dynamo.explain(lambda x, w: mm(x, w))(x, w)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_the_non_finite_flags_of_many_linears_are_read_in_one_host_read() -> None:
+    # The trainer's step reads the flags of every FP8 linear of the model: one copy to the host for all of them
+    # (a read per linear would be one wait per layer on a GPU).
+    linears = [FP8Matmul("tensorwise", name=f"layers.{i}.ffn.w1") for i in range(3)]
+    for mm in linears:
+        _linear_step(mm)
+    with HostReads() as reads:
+        assert nonfinite_sites([mm.nonfinite for mm in linears]) == []
+    assert reads.ops == ["Tensor.tolist"]
+
+
+def test_a_compiled_fp8_linear_still_records_a_non_finite_amax() -> None:
+    # Under torch.compile the flag is an in-place update of a tensor the graph takes as an input (made with the
+    # linear, before tracing): the graph must keep that mutation, forward and backward (aot_eager: the same
+    # functionalised graphs inductor gets, without its C++ build).
+    mm = FP8Matmul("tensorwise", name="layers.0.attn.wo")
+    compiled = torch.compile(lambda x, w: mm(x, w), backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(8, 16), torch.randn(4, 16, requires_grad=True)
+    compiled(x, w).sum().backward()
+    raise_if_nonfinite([mm.nonfinite])
+    x[3, 5] = math.nan
+    compiled(x, w).sum().backward()
+    with pytest.raises(NonFiniteAmax, match=r"^amax of layers\.0\.attn\.wo's input is not finite"):
+        raise_if_nonfinite([mm.nonfinite])

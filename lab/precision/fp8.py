@@ -19,12 +19,18 @@ On CPU, float8 tensors can be cast and `torch._scaled_mm` accepts tensorwise and
 else computes in float8 (torch 2.13's CPU backend): amax, scaling and the blockwise GEMM run in float32 on
 dequantised values, whose products float32 rounds at 2^-24 (FP8 itself rounds at 2^-4 or 2^-3), and the one
 thing float32 does better than the hardware — accumulation — is degraded on purpose (see `fp8_matmul`).
+
+An inf or nan in a tensor makes its amax non-finite, and no scale brings it into FP8. That is recorded on the
+device, never read while quantising (`NonFiniteFlags`), and read once per training step by `raise_if_nonfinite`,
+which names the tensor in one line — the same on CPU and on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -120,12 +126,13 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, power_of_2: bool = False) -> t
 
     Computed in float64 (torchao does the same so that eager and compiled code agree to the bit), then kept
     inside float32's range: a subnormal amax would otherwise give an infinite scale. amax == 0 (an all-zero
-    group) gets scale 1 rather than inf: any scale quantises zeros exactly. A non-finite amax raises: the
-    tensor already holds inf or nan, which no scale can bring into FP8, and silently saturating it (what a
-    clamp would do) would hide a diverged step. `power_of_2` rounds the scale *down* to a power of two, so
-    the scaled amax still fits under fp8_max and multiplying by the scale changes only the exponent. There is
-    no epsilon floor under amax (torchao 1e-12, DeepGEMM 1e-4): only an exact zero needs care, and a floor
-    would push the values of a legitimately tiny group (a small gradient tile) down into the subnormals.
+    group) gets scale 1 rather than inf: any scale quantises zeros exactly. A non-finite amax (the tensor already
+    holds inf or nan, which no scale can bring into FP8) gives a scale of 0 or nan here, and is caught where the
+    amax is measured: `quantize` and `AmaxHistory.update` record it in a `NonFiniteFlags`, which the trainer
+    reads before the step's update. `power_of_2` rounds the scale *down* to a power of two, so the scaled amax
+    still fits under fp8_max and multiplying by the scale changes only the exponent. There is no epsilon floor
+    under amax (torchao 1e-12, DeepGEMM 1e-4): only an exact zero needs care, and a floor would push the values
+    of a legitimately tiny group (a small gradient tile) down into the subnormals.
 
     Everything here is a tensor op, with no value brought back to Python (no `.item()`, no `if` on a tensor):
     on a GPU, reading a value waits for the device to finish all queued work, once per quantised operand,
@@ -133,7 +140,6 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, power_of_2: bool = False) -> t
     counts those reads during an FP8 linear's forward and backward: zero.
     """
     a = amax.detach().double()
-    check_finite(a, "amax")
     scale = torch.where(a > 0, fp8_max(fmt) / a, torch.ones_like(a))
     scale = scale.clamp(max=torch.finfo(torch.float32).max)
     if power_of_2:
@@ -141,15 +147,95 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, power_of_2: bool = False) -> t
     return scale.float()
 
 
-def check_finite(t: torch.Tensor, name: str) -> None:
-    """Refuse inf or nan in `t` without reading it on the host: `torch._assert_async` checks on the tensor's
-    device. On CPU it raises at once (turned into one ValueError line here); on CUDA a failure is a device-side
-    assert that stops the process at its next synchronisation, the price of not waiting on every cast."""
-    message = f"{name} is not finite: the tensor holds inf or nan, which no FP8 scale can represent"
-    try:
-        torch._assert_async(torch.isfinite(t).all(), message)
-    except RuntimeError:
-        raise ValueError(message) from None
+class NonFiniteAmax(RuntimeError):
+    """An amax was inf or nan: the tensor it was measured on cannot be represented in FP8 at any scale."""
+
+
+ADVICE = ("lower the learning rate, use current scaling (a delayed scale lags a spike), or check the data for "
+          "inf/nan")
+
+
+_LIVE: weakref.WeakValueDictionary[int, NonFiniteFlags] = weakref.WeakValueDictionary()  # by creation
+_COUNTER = itertools.count()
+
+
+class NonFiniteFlags:
+    """Which amaxes held inf or nan, recorded on the device and read on the host only when asked.
+
+    Raising at once would need the amax's value on the host: a synchronisation per quantised operand (what
+    `scale_from_amax` avoids), and `torch._assert_async`, the device-side alternative, kills a CUDA process with
+    an opaque "device-side assert triggered" that names nothing. Instead each measured amax ORs
+    `~isfinite(amax)` into its own slot of a small bool tensor on the amax's device (a few tensor ops, no read);
+    the names of the slots (`sites`, e.g. "layers.3.attn.wq's input") live on the host, so one read of the
+    tensor, once per step, says which ones went bad: `raise_if_nonfinite`.
+
+    The tensor of a device is made by `on(device)`: for `devices` at once, for any other at its first use. Make it
+    before `torch.compile` traces code that records into it: a compiled graph then only updates it in place,
+    whereas a tensor made inside the traced forward and updated in the traced backward fails to compile (torch
+    2.13's partitioner: "Node select_scatter was invalid, but is output").
+    """
+
+    def __init__(self, sites: tuple[str, ...], devices: tuple[torch.device | str, ...] = ()) -> None:
+        if not sites or len(set(sites)) != len(sites):
+            raise ValueError(f"NonFiniteFlags sites={sites!r}: expected distinct names, at least one")
+        self.sites = sites
+        self.flags: dict[torch.device, torch.Tensor] = {}
+        for device in devices:
+            self.on(torch.device(device))
+        _LIVE[next(_COUNTER)] = self
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The flags of `device`, all clear when first made."""
+        if device not in self.flags:
+            self.flags[device] = torch.zeros(len(self.sites), dtype=torch.bool, device=device)
+        return self.flags[device]
+
+    def record(self, site: str, amax: torch.Tensor) -> None:
+        """Set `site`'s flag if any element of `amax` is inf or nan (a tensor op: nothing is read)."""
+        flags = self.on(amax.device)
+        i = self.sites.index(site)
+        flags[i] |= ~torch.isfinite(amax).all()
+
+
+# Where `quantize` and `AmaxHistory.update` record when no caller passes flags of its own (a learner calling them
+# in a notebook); `FP8Matmul` records in its own, named after its layer.
+STANDALONE = NonFiniteFlags(("quantize's input", "AmaxHistory's amax"), ("cpu",))
+
+
+def nonfinite_sites(flag_sets: list[NonFiniteFlags]) -> list[str]:
+    """The sites whose flag is set, in order, and those flags cleared: one host read per device (the flags of
+    all the sets are concatenated first), which waits for the device's queued work like any read."""
+    tensors: dict[torch.device, list[tuple[NonFiniteFlags, torch.Tensor]]] = {}
+    for flag_set in flag_sets:
+        for device, flags in flag_set.flags.items():
+            tensors.setdefault(device, []).append((flag_set, flags))
+    bad = []
+    for pairs in tensors.values():
+        hits = torch.cat([flags for _, flags in pairs]).tolist()          # the one read
+        if not any(hits):
+            continue
+        for flag_set, flags in pairs:
+            hit, hits = hits[: len(flags)], hits[len(flags):]
+            bad += [site for site, h in zip(flag_set.sites, hit, strict=True) if h]
+            flags.zero_()
+    return bad
+
+
+def raise_if_nonfinite(flag_sets: list[NonFiniteFlags] | None = None, step: int | None = None) -> None:
+    """Raise `NonFiniteAmax`, one line naming the first bad amax (and how many more), if any flag is set; the
+    flags are cleared either way. `flag_sets` None: every `NonFiniteFlags` alive in this process, in the order
+    they were made (each FP8 linear's, and `STANDALONE`'s for `quantize` called on its own).
+
+    `lab.trainer.train_worker` calls this (with its model's `fp8_linear.nonfinite_flags`) once per optimizer step,
+    after the backward and before the update, right beside its read of the loss and the gradient norm: the
+    device has to finish the step's work for that read anyway, so this read waits for nothing more. A learner
+    calling an FP8 linear directly calls it after the backward: `raise_if_nonfinite()`."""
+    bad = nonfinite_sites(list(_LIVE.values()) if flag_sets is None else flag_sets)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        at, stopped = (f"step {step}: ", "stopped before its update: ") if step is not None else ("", "")
+        raise NonFiniteAmax(f"{at}amax of {bad[0]} is not finite{more}: the tensor holds inf or nan, which no FP8 "
+                            f"scale can represent; {stopped}{ADVICE}")
 
 
 def _expand(scale: torch.Tensor, scaling: Scaling, shape: torch.Size) -> torch.Tensor:
@@ -163,17 +249,20 @@ def _expand(scale: torch.Tensor, scaling: Scaling, shape: torch.Size) -> torch.T
     return s
 
 
-def quantize(x: torch.Tensor, scaling: Scaling,
-             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, scaling: Scaling, scale: torch.Tensor | None = None,
+             flags: NonFiniteFlags = STANDALONE, site: str = "quantize's input") -> tuple[torch.Tensor, torch.Tensor]:
     """Scale, saturate and cast x to FP8; returns (x_fp8, scale), x ≈ x_fp8 / scale.
 
     Without `scale`, it is computed now from x's amax (current scaling); a caller doing delayed scaling passes
     the history's scale instead. The clamp to ±fp8_max is what makes the cast *saturating*: a value above the
     range (a delayed scale that lags a spike; float32 rounding of fp8_max/amax) becomes fp8_max instead of inf
-    (e5m2 casts in torch 2.13 overflow to inf; e4m3fn casts saturate only since torch 2.12).
+    (e5m2 casts in torch 2.13 overflow to inf; e4m3fn casts saturate only since torch 2.12). The amax measured
+    here is recorded as `site` in `flags` (see `NonFiniteFlags`); a given scale was checked where it was made.
     """
     if scale is None:
-        scale = scale_from_amax(amax(x, scaling), scaling.fmt, scaling.power_of_2)
+        a = amax(x, scaling)
+        flags.record(site, a)
+        scale = scale_from_amax(a, scaling.fmt, scaling.power_of_2)
     top = fp8_max(scaling.fmt)
     x_scaled = x.detach().float() * _expand(scale, scaling, x.shape)
     return x_scaled.clamp(-top, top).to(scaling.dtype).contiguous(), scale
@@ -211,11 +300,12 @@ class AmaxHistory:
             raise ValueError("AmaxHistory is empty: update it with a first amax before asking for a scale")
         return scale_from_amax(self.window.max(), fmt, power_of_2)
 
-    def update(self, amax: torch.Tensor) -> None:
-        """Push one per-tensor amax (after the tensor it came from was quantised), dropping the oldest."""
+    def update(self, amax: torch.Tensor, flags: NonFiniteFlags = STANDALONE, site: str = "AmaxHistory's amax") -> None:
+        """Push one per-tensor amax (after the tensor it came from was quantised), dropping the oldest; a
+        non-finite one is recorded as `site` in `flags` (the step that made it must not be applied)."""
         if amax.numel() != 1:
             raise ValueError(f"AmaxHistory takes one amax per tensor, got shape {tuple(amax.shape)}")
-        check_finite(amax, "amax")
+        flags.record(site, amax)
         window = self.window.to(amax.device)                  # kept where the amaxes are: a copy, never a read
         self.window = torch.roll(window, 1)
         self.window[0] = amax.detach().reshape(())

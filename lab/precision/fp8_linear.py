@@ -24,6 +24,7 @@ import torch
 from lab.precision.fp8 import (
     ACCUM_BITS,
     AmaxHistory,
+    NonFiniteFlags,
     Scaling,
     amax,
     dequantize,
@@ -34,6 +35,11 @@ from lab.precision.fp8 import (
 )
 
 Pair = tuple[Scaling, Scaling]
+
+# The operands a linear quantises, by the key its history and flag go under, and what a message calls each.
+OPERANDS = {"output.x": "input", "output.w": "weight", "grad_input.dy": "output gradient",
+            "grad_input.wt": "weight (transposed)", "grad_weight.dyt": "output gradient (transposed)",
+            "grad_weight.xt": "input (transposed)"}
 
 
 @dataclass(frozen=True)
@@ -133,12 +139,17 @@ class FP8Matmul:
     """y = x @ weight.T with its three GEMMs in FP8: a drop-in for F.linear without bias.
 
     One instance per linear layer: it owns that layer's amax histories (delayed scaling), one per quantised
-    operand of each GEMM, keyed like "output.x" or "grad_weight.dyt". `promote_every`, `accum_bits` and
+    operand of each GEMM, keyed like "output.x" or "grad_weight.dyt", and its `nonfinite` flags, one per operand,
+    named after the layer (`name`, e.g. "layers.3.attn.wq": `scheme.convert_to_fp8` passes the module's name)
+    so that `fp8.raise_if_nonfinite` can say "amax of layers.3.attn.wq's input is not finite"; they are made on
+    `device` now (`scheme.convert_to_fp8` passes the weight's), on another device at its first eager call: a
+    linear compiled to run on a GPU needs `device=` (see `NonFiniteFlags`). `promote_every`, `accum_bits` and
     `backend` are passed to `fp8_matmul`.
     """
 
     def __init__(self, recipe: FP8Recipe | str = "tensorwise", promote_every: int | None = 128, *,
-                 accum_bits: int | None = ACCUM_BITS, backend: str = "auto") -> None:
+                 accum_bits: int | None = ACCUM_BITS, backend: str = "auto", name: str = "an FP8 linear",
+                 device: torch.device | str = "cpu") -> None:
         if isinstance(recipe, str):
             if recipe not in RECIPES:
                 raise ValueError(f"FP8 recipe {recipe!r}: expected one of {sorted(RECIPES)}")
@@ -146,24 +157,29 @@ class FP8Matmul:
         self.recipe = recipe
         self.promote_every, self.accum_bits, self.backend = promote_every, accum_bits, backend
         self.histories: dict[str, AmaxHistory] = {}
+        self.name = name
+        self.nonfinite = NonFiniteFlags(tuple(f"{name}'s {operand}" for operand in OPERANDS.values()), (device,))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
             raise ValueError(f"FP8Matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                              "(expected x (..., K), weight (N, K))")
+        self.nonfinite.on(x.device)  # made here, not inside the autograd function compile traces as a whole
         return _FP8MatmulFunction.apply(x, weight, self)
 
     def quantize(self, key: str, t: torch.Tensor, scaling: Scaling) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantise one operand; for delayed scaling, with the scale of its history, which is then updated
-        with this tensor's amax (the first use bootstraps from its own amax)."""
+        with this tensor's amax (the first use bootstraps from its own amax). Either way the amax measured
+        now is recorded in `nonfinite` under this operand's name."""
+        site = f"{self.name}'s {OPERANDS[key]}"
         if scaling.timing == "current":
-            return quantize(t, scaling)
+            return quantize(t, scaling, flags=self.nonfinite, site=site)
         history = self.histories.setdefault(key, AmaxHistory(scaling.history))
         now = amax(t, scaling)
         scale = history.scale(scaling.fmt, scaling.power_of_2).to(t.device) if len(history) else \
             scale_from_amax(now, scaling.fmt, scaling.power_of_2)
         q = quantize(t, scaling, scale)
-        history.update(now)
+        history.update(now, self.nonfinite, site)
         return q
 
     def matmul(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
@@ -174,6 +190,12 @@ class FP8Matmul:
 
     def __repr__(self) -> str:
         return f"FP8Matmul({self.recipe})"
+
+
+def nonfinite_flags(model: torch.nn.Module) -> list[NonFiniteFlags]:
+    """The `nonfinite` flags of every FP8 linear in `model` (a `lab.model.Linear` whose kernel is an
+    `FP8Matmul`), for `fp8.raise_if_nonfinite`; empty when the model has none."""
+    return [m.kernel.nonfinite for m in model.modules() if isinstance(getattr(m, "kernel", None), FP8Matmul)]
 
 
 class DoubleQuantization(NamedTuple):

@@ -53,13 +53,14 @@ def precision_scheme(name: str, reduce_dtype: str = "fp32") -> PrecisionScheme:
 def convert_to_fp8(model: nn.Module, recipe: FP8Recipe) -> list[str]:
     """Run every linear inside the transformer blocks through an FP8 GEMM (`lab.model.Linear`'s seam), except those
     named in KEEP_IN_HIGH_PRECISION; returns the names of those converted. Each gets its own `FP8Matmul`, which
-    holds that layer's amax histories when the recipe's scaling is delayed. TP's column and row layers and the
+    holds that layer's amax histories when the recipe's scaling is delayed, and its flags of a non-finite amax,
+    named after the module and made on its weight's device before any compile. TP's column and row layers and the
     experts are `Linear`s too: one loop covers every layout."""
     converted = []
     for name, module in model.named_modules():
         inside_a_block = ".layers." in f".{name}"
         if isinstance(module, Linear) and inside_a_block and name.rsplit(".", 1)[-1] not in KEEP_IN_HIGH_PRECISION:
-            module.kernel = FP8Matmul(recipe)
+            module.kernel = FP8Matmul(recipe, name=name, device=module.weight.device)
             converted.append(name)
     return converted
 

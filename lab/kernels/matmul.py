@@ -16,7 +16,7 @@ a wave of programs touches GROUP_M rows of A and a few columns of B, and both st
 The result is the same; only the L2 hit rate (and so HBM traffic) changes.
 
 Why autotune. The best tile depends on the shape and the dtype: 128×256 tiles reuse each loaded byte most, but a
-4096² C has only 128 of them for 132 SMs, and a skinny matrix wastes most of a big tile on masked rows. On a GPU
+2048² C has only 128 of them for 132 SMs, and a skinny matrix wastes most of a big tile on masked rows. On a GPU
 `matmul` is `triton.autotune`d over `CONFIGS` (Triton's python/tutorials/03-matrix-multiplication.py lists
 similar ones), timing each on the first call of every (M, N, K, dtype) and keeping the fastest. `prune_configs`
 drops, before any compilation, the configs whose pipeline would not fit in shared memory (`smem_bytes`) and those

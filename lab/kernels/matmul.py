@@ -21,7 +21,8 @@ Why autotune. The best tile depends on the shape and the dtype: 128×256 tiles r
 similar ones), timing each on the first call of every (M, N, K, dtype) and keeping the fastest. `prune_configs`
 drops, before any compilation, the configs whose pipeline would not fit in shared memory (`smem_bytes`) and those
 whose K step is not one 128-byte row of the dtype (BLOCK_K 64 for 16-bit inputs, 32 for fp32): 128 bytes is the
-widest shared-memory swizzle, so narrower K rows waste bandwidth and wider ones only add stages' worth of bytes.
+widest shared-memory swizzle (the layout that keeps tensor-core reads free of bank conflicts): narrower K rows get a
+narrower swizzle, wider ones double the bytes of every pipeline stage and so cost stages.
 The interpreter cannot autotune (it has no GPU to time): it runs one pinned configuration of few, large tiles.
 
 Why persistent (`matmul_persistent`, Triton's python/tutorials/09-persistent-matmul.py). The tiled kernel

@@ -37,7 +37,7 @@ COMPILE_MODES = ("auto", "eager", "inductor", "aot_eager")
 LOSS_MODES = ("chunked", "whole")
 # The numbers a run computes in (lab.precision.scheme): fp32; bf16/fp16 compute with fp32 master weights (fp16 with
 # dynamic loss scaling); bf16 with the linears' three GEMMs in FP8, scaled per tensor or in DeepSeek-V3's tiles.
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-tilewise")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise", "fp8-tilewise")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")  # what gradients are summed in: over micro-batches and over ranks
 DP_MODES = ("naive", "overlapped", "bucketed")
 CP_IMPLS = ("ring", "zigzag", "ulysses")  # ring attention on contiguous or zig-zag chunks; Ulysses all-to-all

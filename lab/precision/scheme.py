@@ -4,8 +4,14 @@
     bf16            bf16 weights and compute, fp32 master weights, gradients summed in fp32, fp32 logits
     fp16            the same in fp16, with dynamic loss scaling (`lab.precision.loss_scale`)
     fp8-tensorwise  bf16, and the linears inside the blocks run their three GEMMs in FP8 with one scale a tensor
+    fp8-rowwise     the same with torchao's rowwise scales: one power-of-two scale per row along each GEMM's
+                    contraction axis, e4m3 for gradients too
     fp8-tilewise    the same with DeepSeek-V3's scales: 1×128 tiles for activations and gradients, 128×128 blocks
                     for weights
+
+The fourth recipe of `fp8_linear.RECIPES`, Transformer Engine's delayed scaling, is no `--precision` name: its
+amax histories are state that `lab.checkpoint` does not save, so a resumed run would quantise with other scales
+than the run it continues.
 
 FP8 leaves out what the recipes that train in FP8 leave out: the embedding, the output layer (its logits feed a
 log-sum-exp over the whole vocabulary), the norms, attention's own matmuls, and a mixture of experts' router (a

@@ -1,10 +1,12 @@
 """Triton kernels for chapter 09, each beside the pure-torch op it must match, and `patch` to train with them.
 
 Importing the package first decides how kernels run (`runtime`: compiled on a GPU, Triton's interpreter on CPU),
-which must happen before any kernel is decorated. The kernels: `add` (vector add), `softmax` (fused row softmax),
-`rmsnorm` (forward and backward), `swiglu` (forward and backward), `cross_entropy` (fused loss and gradient),
-`matmul` (tiled, grouped ordering), `flash_attention` (forward and backward, online softmax) and
-`paged_attention` (a decode step over a block table). `accuracy` holds the error-ratio rule they are tested by.
+which must happen before any kernel is decorated. The kernels: `add` (vector add), `softmax` (fused row softmax,
+one block per row or online in chunks for long rows), `rmsnorm` (forward and backward), `swiglu` (forward and
+backward), `cross_entropy` (fused loss and gradient), `matmul` (tiled, grouped ordering, autotuned on a GPU; and
+`matmul_persistent`, one program per SM with TMA loads on Hopper), `flash_attention` (forward, and a single-pass or
+deterministic two-kernel backward) and `paged_attention` (a decode step over a block table). `accuracy` holds the
+error-ratio rule they are tested by.
 
 The model has a seam for each op a kernel replaces, as it has `Attention.core` for context parallelism:
 `RMSNorm.kernel`, `FeedForward.kernel` (silu(gate)·up) and the attention `core`; `patch` swaps them in place,

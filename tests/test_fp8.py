@@ -146,6 +146,18 @@ def test_a_non_finite_operand_of_an_fp8_linear_is_named_by_layer_and_operand(rec
     raise_if_nonfinite([mm.nonfinite])
 
 
+def test_the_first_tensor_named_is_the_first_a_step_met() -> None:
+    # Two linears in a row, a nan in the gradient reaching the second: the backward meets the second one first,
+    # and the nan then spreads into the first's gradients; listing by module order would name the first layer.
+    first, second = FP8Matmul("tensorwise", name="layers.0.w"), FP8Matmul("tensorwise", name="layers.1.w")
+    x, w0, w1 = _randn(4, 8), _randn(8, 8, seed=1).requires_grad_(), _randn(8, 8, seed=2).requires_grad_()
+    dy = torch.ones(4, 8)
+    dy[2, 2] = math.nan
+    second(first(x, w0), w1).backward(dy)
+    with pytest.raises(NonFiniteAmax, match=r"^amax of layers\.1\.w's output gradient is not finite \(and 1 more\)"):
+        raise_if_nonfinite([first.nonfinite, second.nonfinite])
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_saturation_clamps_to_fp8_max_not_inf(fmt: str) -> None:
     # A scale too large for the tensor (delayed scaling after a spike): values beyond the range become

@@ -62,9 +62,10 @@ def test_a_cast_check_flags_a_jump_with_saturation_and_non_finite_steps():
 
 
 def test_an_inf_reaching_an_fp8_linear_stops_the_trainer_before_the_update_naming_tensor_and_step(monkeypatch):
-    # From step 2 on, layers.0.attn.wq's input holds an inf (a forward pre-hook, armed after step 1). The step must
-    # stop with the FP8 line (not "loss nan", which says nothing of where), and neither the bf16 weights nor the
-    # fp32 masters may differ from what step 1 left: the flags are read after the backward, before the update.
+    # From step 2 on, the last layer's w2 gets an inf in its input (a forward pre-hook, armed after step 1). The
+    # step must stop with the FP8 line naming that tensor (not "loss nan", which says nothing of where; nor an
+    # earlier layer's gradient, which the inf reached later), and neither the bf16 weights nor the fp32 masters
+    # may differ from what step 1 left: the flags are read after the backward, before the update.
     built, armed, after_step_1 = [], [], {}
     parallelize = trainer.parallelize
 
@@ -73,7 +74,7 @@ def test_an_inf_reaching_an_fp8_linear_stops_the_trainer_before_the_update_namin
 
     def parallelize_and_hook(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 — parallelize's own arguments
         par = parallelize(*args, **kwargs)
-        par.model.get_submodule("layers.0.attn.wq").register_forward_pre_hook(poison)
+        par.model.get_submodule("layers.1.ffn.w2").register_forward_pre_hook(poison)
         built.append(par)
         return par
 
@@ -86,7 +87,7 @@ def test_an_inf_reaching_an_fp8_linear_stops_the_trainer_before_the_update_namin
     monkeypatch.setattr(trainer, "parallelize", parallelize_and_hook)
     config = load_config("configs/tiny.toml", ["model.n_layers=2", "train.steps=3", "train.global_batch=2",
                                                "train.precision='fp8-tensorwise'"])
-    with pytest.raises(NonFiniteAmax, match=r"^step 2: amax of layers\.0\.attn\.wq's input is not finite "
+    with pytest.raises(NonFiniteAmax, match=r"^step 2: amax of layers\.1\.ffn\.w2's input is not finite "
                        r"\(and \d+ more\): .*stopped before its update: lower the learning rate") as err:
         trainer.run(config, verbose=False, on_step=on_step)
     assert "\n" not in str(err.value) and armed == [1]

@@ -167,7 +167,8 @@ class NonFiniteFlags:
     an opaque "device-side assert triggered" that names nothing. Instead each measured amax ORs
     `~isfinite(amax)` into its own slot of a small bool tensor on the amax's device (a few tensor ops, no read);
     the names of the slots (`sites`, e.g. "layers.3.attn.wq's input") live on the host, so one read of the
-    tensor, once per step, says which ones went bad: `raise_if_nonfinite`.
+    tensor, once per step, says which ones went bad: `raise_if_nonfinite`. `backward` names the sites recorded
+    during a backward pass, so that the report can list them in the order a step meets them.
 
     The tensor of a device is made by `on(device)`: for `devices` at once, for any other at its first use. Make it
     before `torch.compile` traces code that records into it: a compiled graph then only updates it in place,
@@ -175,10 +176,12 @@ class NonFiniteFlags:
     2.13's partitioner: "Node select_scatter was invalid, but is output").
     """
 
-    def __init__(self, sites: tuple[str, ...], devices: tuple[torch.device | str, ...] = ()) -> None:
-        if not sites or len(set(sites)) != len(sites):
-            raise ValueError(f"NonFiniteFlags sites={sites!r}: expected distinct names, at least one")
-        self.sites = sites
+    def __init__(self, sites: tuple[str, ...], devices: tuple[torch.device | str, ...] = (),
+                 backward: frozenset[str] = frozenset()) -> None:
+        if not sites or len(set(sites)) != len(sites) or not backward <= set(sites):
+            raise ValueError(f"NonFiniteFlags sites={sites!r}, backward={sorted(backward)}: expected distinct "
+                             "names, at least one, and backward sites among them")
+        self.sites, self.backward = sites, backward
         self.flags: dict[torch.device, torch.Tensor] = {}
         for device in devices:
             self.on(torch.device(device))
@@ -203,22 +206,29 @@ STANDALONE = NonFiniteFlags(("quantize's input", "AmaxHistory's amax"), ("cpu",)
 
 
 def nonfinite_sites(flag_sets: list[NonFiniteFlags]) -> list[str]:
-    """The sites whose flag is set, in order, and those flags cleared: one host read per device (the flags of
-    all the sets are concatenated first), which waits for the device's queued work like any read."""
-    tensors: dict[torch.device, list[tuple[NonFiniteFlags, torch.Tensor]]] = {}
-    for flag_set in flag_sets:
+    """The sites whose flag is set, and those flags cleared: one host read per device (the flags of all the sets
+    are concatenated first), which waits for the device's queued work like any read.
+
+    Listed in the order a step meets them when `flag_sets` are in the order of the forward (a model's modules):
+    forward sites set by set, then backward sites with the sets reversed. An inf spreads to every tensor computed
+    after it, so the first site listed is the closest to where it appeared."""
+    tensors: dict[torch.device, list[tuple[int, NonFiniteFlags, torch.Tensor]]] = {}
+    for n, flag_set in enumerate(flag_sets):
         for device, flags in flag_set.flags.items():
-            tensors.setdefault(device, []).append((flag_set, flags))
-    bad = []
-    for pairs in tensors.values():
-        hits = torch.cat([flags for _, flags in pairs]).tolist()          # the one read
+            tensors.setdefault(device, []).append((n, flag_set, flags))
+    bad: list[tuple[bool, int, int, str]] = []
+    for triples in tensors.values():
+        hits = torch.cat([flags for _, _, flags in triples]).tolist()          # the one read
         if not any(hits):
             continue
-        for flag_set, flags in pairs:
+        for n, flag_set, flags in triples:
             hit, hits = hits[: len(flags)], hits[len(flags):]
-            bad += [site for site, h in zip(flag_set.sites, hit, strict=True) if h]
+            for i, (site, h) in enumerate(zip(flag_set.sites, hit, strict=True)):
+                if h:
+                    backward = site in flag_set.backward
+                    bad.append((backward, -n if backward else n, i, site))
             flags.zero_()
-    return bad
+    return [site for *_, site in sorted(bad)]
 
 
 def raise_if_nonfinite(flag_sets: list[NonFiniteFlags] | None = None, step: int | None = None) -> None:

@@ -158,7 +158,9 @@ class FP8Matmul:
         self.promote_every, self.accum_bits, self.backend = promote_every, accum_bits, backend
         self.histories: dict[str, AmaxHistory] = {}
         self.name = name
-        self.nonfinite = NonFiniteFlags(tuple(f"{name}'s {operand}" for operand in OPERANDS.values()), (device,))
+        sites = {key: f"{name}'s {operand}" for key, operand in OPERANDS.items()}
+        self.nonfinite = NonFiniteFlags(tuple(sites.values()), (device,),
+                                        frozenset(site for key, site in sites.items() if key.startswith("grad_")))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:

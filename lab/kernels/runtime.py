@@ -9,6 +9,12 @@ The interpreter has no GPU to ask: a launcher must not query device properties, 
 `triton.testing.do_bench` there (they fail with "0 active drivers"); it uses one pinned launch configuration.
 Its cost is per program instance and per block operation, so interpreted launchers use few, large blocks.
 It has no bf16 (bf16 arithmetic is silently wrong: triton-lang/triton#11584): bf16 runs only on a GPU.
+
+A third mode compiles without running: with `LAB_KERNELS_COMPILE_FOR=sm_90a` (or sm_80) set before the import,
+TRITON_INTERPRET stays unset, kernels are GPU-compiled for that target through a driver that answers for the
+absent GPU, and a launch is refused in one line. `lab.kernels.cross_compile` drives the real launchers in such a
+process, on CPU stand-in tensors whose data no kernel ever reads, to find what fails only on a GPU (a tl.dot
+under 16 wide, shared memory over budget, register spills) before any GPU time is spent.
 """
 
 from __future__ import annotations
@@ -16,8 +22,100 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+
+COMPILE_FOR = "LAB_KERNELS_COMPILE_FOR"
+"""The environment variable that makes a process compile-only, for the GPU architecture it names (a key of
+`TARGETS`). It must be set before lab.kernels is first imported."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a compile-only process pretends its GPU is: what the compiler and the launchers ask of a device."""
+
+    capability: int  # 90 is compiled as sm_90a by Triton (wgmma, TMA), 80 as sm_80
+    sms: int  # multiprocessors: the programs of a persistent launch
+    max_shared: int  # bytes of shared memory one program may use (Triton refuses more at launch)
+    gpu: str
+
+
+TARGETS = {"sm_90a": Target(90, 132, 227 * 1024, "H100 SXM"), "sm_80": Target(80, 108, 163 * 1024, "A100")}
+"""The targets a compile-only process can compile for, with the numbers of the GPUs the course benchmarks."""
+
+compiling = False
+"""True while `lab.kernels.cross_compile` drives the launchers: only then does a compile-only launch pass."""
+
+
+def _compile_only(arch: str) -> Target:
+    """Make Triton compile for `arch` with no GPU present: an active driver that reports the target, and whose
+    "launch" does nothing while `compiling` is set and refuses otherwise. torch's device queries (capability, SM
+    count), which launchers use to pick a path, answer for the target too. Triton compiles for
+    `driver.active.get_current_target()`, so nothing else changes: the same launchers, configs and compiler."""
+    if arch not in TARGETS:
+        raise ValueError(f"{COMPILE_FOR}={arch!r} is not a known target: choose one of {', '.join(TARGETS)}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError(f"{COMPILE_FOR} and TRITON_INTERPRET=1 are both set: a process either compiles for a GPU "
+                           "or interprets, unset one")
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+    from triton.runtime.driver import driver
+
+    target = TARGETS[arch]
+
+    class NoLaunch:
+        def __init__(self, src, metadata) -> None:
+            pass
+
+        def __call__(self, *args) -> None:
+            if not compiling:
+                raise RuntimeError(f"this process only compiles kernels for {arch} ({COMPILE_FOR} is set): unset it "
+                                   "to run them")
+
+    class Utils:
+        def get_device_properties(self, device) -> dict:
+            return {"max_shared_mem": target.max_shared, "multiprocessor_count": target.sms, "warpSize": 32}
+
+        def load_binary(self, name, kernel, shared, device) -> tuple:
+            return name, name, 0, 0, 1024  # module, function, registers, spills, max threads: nothing is loaded
+
+    class CompileOnlyDriver(DriverBase):
+        launcher_cls = NoLaunch
+        utils = Utils()
+
+        @classmethod
+        def is_active(cls) -> bool:
+            return False
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            raise NotImplementedError("a compile-only process builds no launcher")
+
+        def get_current_target(self):
+            return GPUTarget("cuda", target.capability, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device=None) -> int:
+            return 0
+
+        def get_benchmarker(self):
+            def run_once(kernel_call, quantiles=None, **kwargs):  # the autotuner "times" a config by compiling it
+                kernel_call()
+                return [1.0] * len(quantiles) if quantiles else 1.0
+            return run_once
+
+    driver.set_active(CompileOnlyDriver())
+    properties = SimpleNamespace(name=f"{target.gpu} (compile-only)", multi_processor_count=target.sms,
+                                 major=target.capability // 10, minor=target.capability % 10)
+    torch.cuda.get_device_capability = lambda device=None: (properties.major, properties.minor)
+    torch.cuda.get_device_properties = lambda device=None: properties
+    return target
 
 
 def _interpret_triton_language() -> None:
@@ -38,6 +136,9 @@ def _interpret_triton_language() -> None:
 def _configure() -> str:
     if importlib.util.find_spec("triton") is None:
         return "unavailable"
+    if os.environ.get(COMPILE_FOR):
+        _compile_only(os.environ[COMPILE_FOR])
+        return "compile-only"
     if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
         return "compiled"
     os.environ["TRITON_INTERPRET"] = "1"
@@ -47,10 +148,11 @@ def _configure() -> str:
 
 
 MODE: str = _configure()
-"""'compiled' (a GPU), 'interpreter' (Triton's interpreter on CPU tensors) or 'unavailable' (no triton)."""
+"""'compiled' (a GPU), 'interpreter' (Triton's interpreter on CPU tensors), 'compile-only' (compiled for
+`TARGETS[os.environ[COMPILE_FOR]]`, never run) or 'unavailable' (no triton)."""
 
 DEVICE: str = "cuda" if MODE == "compiled" else "cpu"
-"""Where this process's kernel inputs live."""
+"""Where this process's kernel inputs live (CPU stand-ins in a compile-only process)."""
 
 
 def interpreted() -> bool:

@@ -136,6 +136,28 @@ def test_fp8_linear_on_cuda_makes_no_host_synchronisation(recipe: str) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_nan_on_cuda_is_one_line_and_the_process_goes_on() -> None:
+    # What torch._assert_async could not do: a failed device-side assert ends the CUDA context. The flags are
+    # set without a synchronisation, read once, and the GPU is usable afterwards.
+    mm = FP8Matmul("rowwise", name="layers.0.ffn.w1", device="cuda")
+    x = torch.randn(32, 64, device="cuda")
+    w = torch.randn(48, 64, device="cuda", requires_grad=True)
+    mm(x, w).sum().backward()                                  # the first call probes torch._scaled_mm (a read)
+    raise_if_nonfinite([mm.nonfinite])
+    x[5, 7] = math.nan
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mm(x, w).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(NonFiniteAmax, match=r"^amax of layers\.0\.ffn\.w1's input is not finite"):
+        raise_if_nonfinite([mm.nonfinite])
+    assert list(mm.nonfinite.flags) == [torch.device("cuda", torch.cuda.current_device())]  # "cuda" made as cuda:N
+    assert (torch.ones(4, device="cuda") * 2).sum().item() == 8.0
+
+
 class ScaledMMs(TorchDispatchMode):
     """Records the output dtype of every torch._scaled_mm."""
 

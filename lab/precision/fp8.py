@@ -183,8 +183,10 @@ class NonFiniteFlags:
                              "names, at least one, and backward sites among them")
         self.sites, self.backward = sites, backward
         self.flags: dict[torch.device, torch.Tensor] = {}
-        for device in devices:
-            self.on(torch.device(device))
+        for device in map(torch.device, devices):
+            if device.type == "cuda" and device.index is None:  # "cuda": the device tensors will report
+                device = torch.device("cuda", torch.cuda.current_device())
+            self.on(device)
         _LIVE[next(_COUNTER)] = self
 
     def on(self, device: torch.device) -> torch.Tensor:

@@ -302,8 +302,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             scaler.unscale_(par.parameters())  # fp16: divide by the scale; all ranks agree on any inf/nan
             norm = clip_grad_norm(par.parameters(), train.grad_clip)
             lr = scheduler.get_last_lr()[0]
-            # FP8: one read of the amax flags, where the loss and norm below are read anyway (no extra wait);
-            # NonFiniteAmax names the tensor, and the update below is not made
+            # FP8: one read of the amax flags, just before the loss and norm are read (the step waits for the
+            # device once either way); NonFiniteAmax names the tensor, and the update below is not made
             raise_if_nonfinite(fp8_flags, step + 1)
             if non_finite(loss.item(), norm.item(), scaler.enabled) is not None:  # every rank holds the same two
                 logs.append(StepLog(step + 1, loss.item(), lr, norm.item(), math.nan, None))

@@ -239,9 +239,11 @@ def raise_if_nonfinite(flag_sets: list[NonFiniteFlags] | None = None, step: int 
     they were made (each FP8 linear's, and `STANDALONE`'s for `quantize` called on its own).
 
     `lab.trainer.train_worker` calls this (with its model's `fp8_linear.nonfinite_flags`) once per optimizer step,
-    after the backward and before the update, right beside its read of the loss and the gradient norm: the
-    device has to finish the step's work for that read anyway, so this read waits for nothing more. A learner
-    calling an FP8 linear directly calls it after the backward: `raise_if_nonfinite()`."""
+    after the backward and the gradient clipping, before the update, just ahead of `non_finite(loss.item(),
+    norm.item())`: that read of the logged loss waits for the device to finish the step's work anyway (clipping
+    itself reads nothing), so this read takes the wait that one would have taken and the step waits no longer;
+    it adds a concatenation kernel and a copy of a few bytes per linear. A learner calling an FP8 linear directly
+    calls it after the backward: `raise_if_nonfinite()`."""
     bad = nonfinite_sites(list(_LIVE.values()) if flag_sets is None else flag_sets)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""

@@ -122,6 +122,16 @@ def test_cross_entropy(dtype):
             assert torch.equal(cross_entropy(logits, targets, block_v=block_v), training.detach())
 
 
+def test_cross_entropy_first_chunk_all_minus_inf():
+    """Logits masked to -inf over a whole first chunk (a vocabulary's padding or banned tokens): the running max
+    is still -inf after it, and an unguarded rescale exp(-inf - -inf) would make every later sum nan."""
+    logits = randn(3, 257, dtype=torch.float32, scale=3.0)
+    logits[:, :64] = float("-inf")
+    targets = torch.tensor([64, 100, 256], device=DEVICE)
+    compare("cross_entropy, first chunk -inf", partial(cross_entropy, targets=targets, block_v=64),
+            partial(cross_entropy_reference, targets=targets), [logits])
+
+
 def test_bad_input_raises_one_clear_error():
     x = randn(4, 8, dtype=torch.float32)
     cases = [

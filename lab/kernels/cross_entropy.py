@@ -47,7 +47,10 @@ def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, n_rows, n
         x = tl.load(logits_ptr + row_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = tl.where(cols[None, :] < n_cols, x, -float("inf"))  # tail columns add exp(-inf) = 0
         m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        # while a row has seen only -inf (a first chunk of masked-out logits), m_new is -inf and
+        # exp(-inf - -inf) would be nan for good: shift by 0 instead (exp(-inf - 0) = 0 adds nothing)
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
         m = m_new
     target = tl.load(targets_ptr + rows, mask=row_mask, other=0)
     x_target = tl.load(logits_ptr + row_start + target, mask=row_mask, other=0.0).to(tl.float32)

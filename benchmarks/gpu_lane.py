@@ -235,7 +235,9 @@ def part_mfu(args: argparse.Namespace) -> dict:
                                 f"train.global_batch={args.mfu_mbs * args.mfu_accum}",
                                 f"parallel.grad_accum={args.mfu_accum}", f"train.steps={args.mfu_steps}",
                                 f"train.warmup_steps={args.mfu_steps}", "train.lr=3e-4",
-                                f"train.precision='{args.mfu_precision}'", f"train.device='{args.device}'"])
+                                f"train.precision='{args.mfu_precision}'", f"train.device='{args.device}'",
+                                # on a CPU (the tests) the same loop, profiler and compiled rows at a toy depth
+                                *([f"model.n_layers={CPU_WALK['layers']}"] if args.device == "cpu" else [])])
     peak = args.peak_flops or _peak_flops(args.device)
     if peak is None:
         return {"status": "skip", "reason": "no dense bf16 peak for this device in lab.calc.hardware "

@@ -135,8 +135,8 @@ def test_thinning_a_memory_timeline_keeps_its_peak():
 
 
 def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
-    """mfu (lab.train's loop, the tiny model) and ddp_trace (two gloo ranks under DDP, profiled): the code a GPU
-    machine runs, with device="cpu"."""
+    """mfu (lab.train's loop, the tiny model cut to CPU_WALK's layers) and ddp_trace (two gloo ranks under DDP,
+    profiled): the code a GPU machine runs, with device="cpu"."""
     tiny = ["--device", "cpu", "--out", str(tmp_path), "--stem", "cpu-test"]
     assert gpu_lane.main(["bench", "--parts", "mfu", *tiny, "--mfu-model", "tiny", "--mfu-seq", "32",
                           "--mfu-long-seq", "64", "--mfu-compile", "aot_eager",
@@ -173,8 +173,8 @@ def _matmuls_in_one_step() -> int:
     from lab.config import load_config
     from lab.train import run
 
-    config = load_config(None, ["model.preset='tiny'", "train.steps=1", "train.warmup_steps=1", "train.seq_len=32",
-                                "train.global_batch=4",
+    config = load_config(None, ["model.preset='tiny'", f"model.n_layers={gpu_lane.CPU_WALK['layers']}", "train.steps=1",
+                                "train.warmup_steps=1", "train.seq_len=32", "train.global_batch=4",
                                 "parallel.grad_accum=2", "train.device='cpu'"])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run(config, 1, verbose=False)

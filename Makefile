@@ -9,6 +9,8 @@
 #   make site              the course as web pages in site/ (open site/index.html), from the chapters `make test` ran
 #   make site-serve        make site, then serve it at http://127.0.0.1:8000/ (SITE_PORT=N): the live calculators
 #   make doctor            what this machine can run
+#   make kernels-compile   every Triton kernel of lab.kernels compiled for an H100 (sm_90a) without a GPU: registers,
+#                          local-memory spills and shared memory per launch config (~2 min of one core cold, less from the cache)
 #   make bench-gpu         on NVIDIA GPUs: parity tests under CUDA/NCCL, MFU, bandwidth, every benchmark's GPU column
 #                          (JSON records under benchmarks/results/); one clear line and exit 2 without a GPU
 #   make record-gpu        on NVIDIA GPUs: the memory snapshot and profiler traces chapters 01-03 show
@@ -25,7 +27,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || e
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 BROWSER_FLAG := $(if $(NO_BROWSER),--no-browser)
 
-.PHONY: venv course test test-fast test-jax test-notebooks test-browser site site-serve lint doctor bench-gpu record-gpu clean
+.PHONY: venv course test test-fast test-jax test-notebooks test-browser site site-serve lint doctor kernels-compile bench-gpu record-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -99,6 +101,13 @@ $(SITE_VENDOR)/.installed: Makefile
 
 doctor: venv
 	$(PY) -m lab doctor
+
+# No GPU needed: what only a GPU compile refuses (tl.dot under 16, shared memory over budget) and register spills,
+# found before GPU time is spent. KERNELS_ARCH=sm_80 for an A100. Exit status 1 when a kernel fails to compile.
+KERNELS_ARCH ?= sm_90a
+kernels-compile: venv
+	@mkdir -p build
+	$(PY) -m lab.kernels.cross_compile --arch $(KERNELS_ARCH) --json build/kernels-compile-$(KERNELS_ARCH).json
 
 bench-gpu: venv
 	@$(PY) benchmarks/gpu_lane.py bench $(GPU_ARGS)

@@ -13,6 +13,8 @@
 #                          local-memory spills and shared memory per launch config (~2 min of one core cold, less from the cache)
 #   make bench-gpu         on NVIDIA GPUs: parity tests under CUDA/NCCL, MFU, bandwidth, every benchmark's GPU column
 #                          (JSON records under benchmarks/results/); one clear line and exit 2 without a GPU
+#   make bench-gpu-36      on NVIDIA GPUs: issue 36's measurements (kernels, MFU, decode, FP8) in 8 minutes
+#                          (gpu_lane.py bench --plan issue36; benchmarks/results/README.md says how on a lent GPU)
 #   make record-gpu        on NVIDIA GPUs: the memory snapshot and profiler traces chapters 01-03 show
 
 PYTHON ?= python3
@@ -27,7 +29,7 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || e
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 BROWSER_FLAG := $(if $(NO_BROWSER),--no-browser)
 
-.PHONY: venv course test test-fast test-jax test-notebooks test-browser site site-serve lint doctor kernels-compile bench-gpu record-gpu clean
+.PHONY: venv course test test-fast test-jax test-notebooks test-browser site site-serve lint doctor kernels-compile bench-gpu bench-gpu-36 record-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -111,6 +113,9 @@ kernels-compile: venv
 
 bench-gpu: venv
 	@$(PY) benchmarks/gpu_lane.py bench $(GPU_ARGS)
+
+bench-gpu-36: venv
+	@$(PY) benchmarks/gpu_lane.py bench --plan issue36 $(GPU_ARGS)
 
 record-gpu: venv
 	@$(PY) benchmarks/gpu_lane.py record $(GPU_ARGS)

@@ -3,6 +3,7 @@
     make bench-gpu                      # python benchmarks/gpu_lane.py bench
     make record-gpu                     # python benchmarks/gpu_lane.py record
     python benchmarks/gpu_lane.py bench --parts correctness mfu --out /tmp/gpu --budget-s 300
+    make bench-gpu-36                   # python benchmarks/gpu_lane.py bench --plan issue36 (8 minutes)
 
 Nothing on a CPU machine can say whether the course's promise holds on NCCL and CUDA: this lane checks it and
 measures what the chapters quote. Without a GPU it prints one line and exits 2.
@@ -35,6 +36,13 @@ record: the recordings chapters 01-03 show
 The document written to --out (benchmarks/results/ by default), `<date>-<device>-<command>.json`, holds the
 environment (devices, driver, torch, CUDA, NCCL, Triton) and one record per part: status (pass, fail, skip,
 timeout), wall time, and what it measured. `validate` is its schema; tests/test_gpu_lane.py checks it on a CPU.
+The document is rewritten after every part (a temporary file renamed over it), so a lane killed from outside keeps
+every part it finished; a part the lane's own deadline cuts off or never starts is a timeout or skip record saying so.
+
+--plan NAME runs a plan instead of the parts: the parts one issue needs, in priority order, each with the
+arguments and time limit that fit a lent GPU's one command (PLANS; `issue36`: 480 s), an estimate of each part's
+time beside its basis, and the plan written into the document. A part starts only when its estimate fits the time
+left, and gets min(its limit, the time left); the lane prints the parts it left.
 """
 
 from __future__ import annotations
@@ -70,7 +78,64 @@ BENCH_PARTS = {"correctness": (170, 1), "mfu": (600, 1), "nccl": (150, 2), "kern
 RECORD_PARTS = {"memory": (60, 1), "trace": (45, 1), "ddp_trace": (90, 2)}
 ALL_PARTS = {**BENCH_PARTS, **RECORD_PARTS}
 MFU_WARMUP_STEPS = 2  # the first steps build CUDA contexts, cuBLAS plans and the allocator's pools
+MIN_START_S = 20.0  # a part without an estimate starts only with this much of the budget left
 NO_GPU = "{command} needs an NVIDIA GPU: {why}. Run it on a machine where nvidia-smi lists one."
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStep:
+    """One part of a plan: its time limit, the time it is expected to take and why (the basis: what was measured,
+    what is guessed), the arguments it runs with (`_parser`'s dests), and whether it runs only on time left over
+    (an optional step is not in the plan's sum of limits: it gets what the others leave)."""
+
+    part: str
+    limit_s: float
+    estimate_s: float
+    basis: str
+    args: dict = dataclasses.field(default_factory=dict)
+    optional: bool = False
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Issue 36's GPU measurements in one command of ~8 minutes (a lent GPU's session has 15 minutes of device time,
+# the machine's start-up and a rerun included). Estimates are from the 2026-11-26 H100 records
+# (benchmarks/results/) and, where nothing was measured yet, guesses that say so; each record's wall_s corrects them.
+ISSUE36 = (
+    PlanStep("kernels", 90, 75,
+             "35.5 s for 10 fp16 rows with the interpreter's comparison (2026-11-26); now 6 bf16 rows (matmul tiled "
+             "and persistent at 4096^3, softmax's four), no interpreter, but the tiled matmul autotuned over its "
+             "configs and Inductor's Triton GEMM search (max-autotune) at one shape: ~30 s guessed for the two",
+             {"kernel_names": ["matmul", "softmax"]}),
+    PlanStep("mfu", 160, 140,
+             "90.2 s for 12 eager steps of 0.957 s and two builds of the 1B model (2026-11-26): ~40 s a build with "
+             "start-up; here three runs (compiled default, its profile, eager) of 5 + 4 + 5 steps, one block's "
+             "Inductor compile (forward and backward, 16 cores: ~40 s guessed), the eager row at seq 2048 taken "
+             "from the default run when the default is eager (not run twice)",
+             {"mfu_steps": MFU_WARMUP_STEPS + 3, "mfu_long_seq": 0}),
+    PlanStep("decode", 120, 110,
+             "29.1 s for the 1B's eager and graph decode (serving, 2026-11-26); here the 1B and 8B graph decoders "
+             "(~25 s together: 8B's 16 GB made on the device, ~1.3k tokens at ~8 ms) and two torch.compile'd "
+             "decode steps (reduce-overhead, 16 and 32 layers: ~30 s each, guessed)", {}),
+    PlanStep("fp8_train", 110, 100,
+             "not measured yet: three variants (bf16, lab tensorwise, lab rowwise; torchao is not in the lent "
+             "machine's image, two one-line rows), each a 1.9B-parameter 4-layer model made on the device and one "
+             "block compiled (~25 s guessed) and 7 steps of 2048 tokens (~1 s)", {}),
+    PlanStep("mfu", 140, 110,
+             "the seq 8192 rows (1 x 8192 tokens per micro-batch, the same tokens as 4 x 2048): two runs of 5 steps "
+             "(~1.1 s eager) and a second compile for the new shapes, no profile; only on time left over",
+             {"mfu_seq": 8192, "mfu_mbs": 1, "mfu_steps": MFU_WARMUP_STEPS + 3, "mfu_long_seq": 0,
+              "mfu_profile": False}, optional=True),
+)
+PLANS = {"issue36": (480.0, ISSUE36)}  # name: (the command's budget in seconds, its steps in priority order)
+
+
+def plan_steps(name: str) -> tuple[float, tuple[PlanStep, ...]]:
+    """A plan's budget and steps; an unknown name is one line naming the plans."""
+    if name not in PLANS:
+        raise ValueError(f"--plan {name!r}: the plans are {', '.join(PLANS)}")
+    return PLANS[name]
 
 
 def gpu_problem() -> str | None:
@@ -100,7 +165,10 @@ def _driver_version() -> str | None:
 def _lab_commit() -> str | None:
     if os.environ.get("LAB_COMMIT"):
         return os.environ["LAB_COMMIT"]
-    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    try:  # a lent machine gets the working tree without git's history (then LAB_COMMIT says which commit)
+        done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return None
     return done.stdout.strip() if done.returncode == 0 else None
 
 
@@ -132,9 +200,18 @@ def environment() -> dict:
 # --- the document and its schema ----------------------------------------------------------------------------
 
 
-def document(command: str, env: dict, parts: list[dict]) -> dict:
+def document(command: str, env: dict, parts: list[dict], plan: dict | None = None) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"schema": SCHEMA, "command": command, "date": now, "environment": env, "parts": parts}
+    return {"schema": SCHEMA, "command": command, "date": now, "environment": env, "parts": parts,
+            **({"plan": plan} if plan else {})}
+
+
+def write_document(path: Path, doc: dict) -> None:
+    """Write `doc` to `path` whole or not at all: a temporary file beside it, renamed over it (a rename within a
+    folder is atomic), so that a lane killed while writing leaves the previous document, never half of one."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        tmp.write(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp.name, path)
 
 
 def validate(doc: dict) -> list[str]:
@@ -252,10 +329,17 @@ def part_mfu(args: argparse.Namespace) -> dict:
                    losses=[round(log.loss, 4) for log in logs])
     if args.device == "cuda":
         metrics["device"] = torch.cuda.get_device_name()
-    metrics["where_the_time_goes"] = _profiled_steps(config, metrics["step_s"], on_gpu=args.device == "cuda")
+    if args.mfu_profile:
+        metrics["where_the_time_goes"] = _profiled_steps(config, metrics["step_s"], on_gpu=args.device == "cuda")
     metrics["compile"] = compile_backend(config.train.compile, torch.device(args.device))[0] or "eager"
-    metrics["compile_rows"] = [_compile_row(config, seq, mode, args.mfu_mbs, peak)
-                               for seq in (args.mfu_seq, args.mfu_long_seq) for mode in ("eager", args.mfu_compile)]
+    default_row = {"seq": args.mfu_seq, "compile": metrics["compile"], "micro_batch": args.mfu_mbs,
+                   **{k: metrics[k] for k in ("mfu", "step_s", "tokens_per_s", "peak_memory_bytes", "losses")},
+                   "from": "the part's default run"}
+    metrics["compile_rows"] = [  # the row the default run already is, taken from it rather than run twice
+        default_row if (seq, mode) == (args.mfu_seq, metrics["compile"])
+        else _compile_row(config, seq, mode, args.mfu_mbs, peak)
+        for seq in dict.fromkeys(s for s in (args.mfu_seq, args.mfu_long_seq) if s) for mode in
+        ("eager", args.mfu_compile)]
     goal = args.mfu_goal
     status = "pass" if metrics["mfu"] >= goal else "fail"
     reason = None if status == "pass" else f"MFU {metrics['mfu']:.1%} is under the goal of {goal:.0%}"
@@ -278,6 +362,7 @@ def _compile_row(config, seq: int, mode: str, micro_batch: int, peak: float) -> 
     if mode != "eager":
         torch._dynamo.reset()
     row = {"seq": seq, "compile": mode, "micro_batch": micro}
+    start = time.perf_counter()
     try:
         logs = run(row_config, 1, verbose=False)
     except Exception as err:  # noqa: BLE001 - e.g. torch.OutOfMemoryError at 8192: the row says so
@@ -289,7 +374,7 @@ def _compile_row(config, seq: int, mode: str, micro_batch: int, peak: float) -> 
     metrics = mfu_of_run([tokens / log.tokens_per_s for log in logs], config.model, seq, tokens, peak)
     return {**row, "mfu": metrics["mfu"], "step_s": metrics["step_s"], "tokens_per_s": metrics["tokens_per_s"],
             "peak_memory_bytes": max((log.peak_bytes or 0) for log in logs),
-            "losses": [round(log.loss, 4) for log in logs]}
+            "losses": [round(log.loss, 4) for log in logs], "wall_s": round(time.perf_counter() - start, 1)}
 
 
 def _profiled_steps(config, step_s: float, on_gpu: bool, active: int = 2) -> dict:
@@ -605,7 +690,8 @@ def _gpus() -> int:
 def part_script(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
     gpus = _gpus()
     if name == "kernels":
-        return _script("kernels", ["--lane", "gpu", "--no-interpreter"], timeout_s)
+        only = ["--kernels", *args.kernel_names] if args.kernel_names else []
+        return _script("kernels", ["--lane", "gpu", "--no-interpreter", *only], timeout_s)
     if name == "fp8":
         return _script("fp8_gemm", ["--lane", "gpu", "--sizes", "1024", "2048", "4096", "8192", "16384"], timeout_s)
     if name == "serving":
@@ -827,29 +913,44 @@ def _mfu_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--mfu-model", args.mfu_model, "--mfu-seq", str(args.mfu_seq), "--mfu-long-seq", str(args.mfu_long_seq),
              "--mfu-compile", args.mfu_compile, "--mfu-mbs", str(args.mfu_mbs),
              "--mfu-accum", str(args.mfu_accum), "--mfu-steps", str(args.mfu_steps),
-             "--mfu-precision", args.mfu_precision, "--mfu-goal", str(args.mfu_goal)]
+             "--mfu-precision", args.mfu_precision, "--mfu-goal", str(args.mfu_goal),
+             "--mfu-profile" if args.mfu_profile else "--no-mfu-profile"]
     return flags + (["--peak-flops", str(args.peak_flops)] if args.peak_flops else [])
 
 
 def lane(command: str, args: argparse.Namespace) -> dict:
-    parts = args.parts or list(BENCH_PARTS if command == "bench" else RECORD_PARTS)
-    deadline = time.monotonic() + args.budget_s
-    records = []
-    for name in parts:
+    """Run the parts (or the plan's steps) in order against one deadline, rewriting the document after each."""
+    if args.plan:
+        budget, steps = plan_steps(args.plan)
+    else:
+        names = args.parts or list(BENCH_PARTS if command == "bench" else RECORD_PARTS)
+        budget, steps = 3600.0, tuple(PlanStep(n, ALL_PARTS[n][0], MIN_START_S, "no estimate") for n in names)
+    budget = args.budget_s or budget
+    deadline = time.monotonic() + budget
+    plan = {"name": args.plan, "budget_s": budget, "steps": [s.record() for s in steps]} if args.plan else None
+    path = Path(args.out) / f"{args.stem}-{f'{args.plan}-' if args.plan else ''}{command}.json"
+    env, records, left_out = environment(), [], []
+    for step in steps:
         left = deadline - time.monotonic()
-        if left < 20:
-            records.append({"name": name, "status": "skip", "wall_s": 0.0,
-                            "reason": f"the lane's budget (--budget-s {args.budget_s:.0f}) was spent"})
+        given = {"args": step.args} if step.args else {}  # which of a part's runs this is (mfu at 8192, ...)
+        if left < step.estimate_s:
+            left_out.append(step.part)
+            records.append({"name": step.part, "status": "skip", "wall_s": 0.0, **given,
+                            "reason": f"not started: {max(left, 0):.0f} s of the lane's budget (--budget-s "
+                                      f"{budget:.0f}) were left, it needs ~{step.estimate_s:.0f} s"})
         else:
-            records.append(run_part(name, args, min(ALL_PARTS[name][0], left)))
+            records.append({**run_part(step.part, argparse.Namespace(**{**vars(args), **step.args}),
+                                       min(step.limit_s, left)), **given})
         last = records[-1]
-        print(f"{name:12s} {last['status']:8s} {last['wall_s']:7.1f} s  {last.get('reason', '')}", flush=True)
-    doc = document(command, environment(), records)
+        print(f"{step.part:12s} {last['status']:8s} {last['wall_s']:7.1f} s  {last.get('reason', '')}", flush=True)
+        write_document(path, document(command, env, records, plan))
+    doc = document(command, env, records, plan)
     problems = validate(doc)
     if problems:  # the lane's own bug: say it, keep the document
         print("the document does not match its schema:\n  " + "\n  ".join(problems), file=sys.stderr)
-    path = Path(args.out) / f"{args.stem}-{command}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    if left_out:
+        print(f"left for a rerun (--parts, or the plan with --budget-s): {', '.join(left_out)}")
+    write_document(path, doc)
     print(f"wrote {path}")
     return doc
 
@@ -869,14 +970,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--parts", nargs="+", metavar="PART", help=f"bench: {', '.join(BENCH_PARTS)}; "
                                                                     f"record: {', '.join(RECORD_PARTS)}")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    parser.add_argument("--budget-s", type=float, default=3600.0, help="stop starting parts after this long")
+    parser.add_argument("--plan", help=f"bench: run a plan's parts instead ({', '.join(PLANS)})")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting parts after this long (default: 3600, or the plan's budget)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the tests run the parts on "cpu"
     parser.add_argument("--stem", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     mfu = parser.add_argument_group("mfu part")
     mfu.add_argument("--mfu-model", default="llama3-1b")
     mfu.add_argument("--mfu-seq", type=int, default=2048)
-    mfu.add_argument("--mfu-long-seq", type=int, default=8192, help="the compile rows' second sequence length")
+    mfu.add_argument("--mfu-long-seq", type=int, default=8192,
+                     help="the compile rows' second sequence length (0: none)")
     mfu.add_argument("--mfu-compile", default="inductor", choices=("inductor", "aot_eager"),
                      help="the compile rows' backend (the tests walk the lane on a CPU with aot_eager)")
     mfu.add_argument("--mfu-mbs", type=int, default=4, help="sequences per micro-batch")
@@ -885,6 +989,10 @@ def _parser() -> argparse.ArgumentParser:
     mfu.add_argument("--mfu-precision", default="bf16")
     mfu.add_argument("--mfu-goal", type=float, default=0.45)
     mfu.add_argument("--peak-flops", type=float, help="the device's dense peak in FLOP/s (default: lab.calc.hardware)")
+    mfu.add_argument("--mfu-profile", action=argparse.BooleanOptionalAction, default=True,
+                     help="profile two steps for the kernel-time breakdown (a run of its own)")
+    parser.add_argument("--kernels", dest="kernel_names", nargs="+", metavar="KERNEL",
+                        help="kernels part: only these kernels of benchmarks/kernels.py (default: all)")
     return parser
 
 
@@ -896,14 +1004,20 @@ def check_args(args: argparse.Namespace) -> None:
     for name in args.parts or []:
         if name not in valid:
             raise ValueError(f"--parts {name!r}: {args.command} has {', '.join(valid)}")
-    for flag in ("mfu_seq", "mfu_long_seq", "mfu_mbs", "mfu_accum"):
+    if args.plan is not None:
+        if args.command != "bench" or args.parts:
+            raise ValueError(f"--plan {args.plan!r} is a list of bench parts: give it to bench, without --parts")
+        plan_steps(args.plan)
+    for flag in ("mfu_seq", "mfu_mbs", "mfu_accum"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    if args.mfu_long_seq < 0:
+        raise ValueError(f"--mfu-long-seq={args.mfu_long_seq} must be >= 0 (0: no second length)")
     if args.mfu_steps <= MFU_WARMUP_STEPS:
         raise ValueError(f"--mfu-steps={args.mfu_steps} must be > {MFU_WARMUP_STEPS} (the warm-up steps)")
     if not 0 < args.mfu_goal <= 1:
         raise ValueError(f"--mfu-goal={args.mfu_goal} must be in (0, 1]")
-    if args.budget_s <= 0:
+    if args.budget_s is not None and args.budget_s <= 0:
         raise ValueError(f"--budget-s={args.budget_s} must be > 0")
 
 
@@ -915,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_lane: {error}", file=sys.stderr)
         return 2
     if args.device == "cuda" and (why := gpu_problem()):
-        target = {"bench": "make bench-gpu", "record": "make record-gpu"}.get(args.command, "gpu_lane")
+        target = {"bench": "make bench-gpu-36" if args.plan == "issue36" else "make bench-gpu",
+                  "record": "make record-gpu"}.get(args.command, "gpu_lane")
         print(NO_GPU.format(command=target, why=why), file=sys.stderr)
         return 2
     args.stem = args.stem or _stem()

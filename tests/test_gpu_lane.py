@@ -36,6 +36,7 @@ def test_make_targets_run_the_lane():
     for command in ("bench", "record"):
         recipe = makefile.split(f"\n{command}-gpu:")[1].split("\n\n")[0]
         assert f"benchmarks/gpu_lane.py {command}" in recipe
+    assert "benchmarks/gpu_lane.py bench --plan issue36" in makefile.split("\nbench-gpu-36:")[1].split("\n\n")[0]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -45,11 +46,81 @@ def test_make_targets_run_the_lane():
     (["bench", "--mfu-mbs", "0"], "--mfu-mbs=0 must be >= 1"),
     (["bench", "--mfu-goal", "45"], "--mfu-goal=45.0 must be in (0, 1]"),
     (["bench", "--budget-s", "0"], "--budget-s=0.0 must be > 0"),
+    (["bench", "--plan", "issue63"], "--plan 'issue63': the plans are issue36"),
+    (["record", "--plan", "issue36"], "--plan 'issue36' is a list of bench parts"),
+    (["bench", "--mfu-long-seq", "-1"], "--mfu-long-seq=-1 must be >= 0"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, message):
     assert gpu_lane.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_the_issue36_plan_puts_the_targets_first_and_its_limits_fit_its_budget():
+    budget, steps = gpu_lane.plan_steps("issue36")
+    assert budget == 480  # one command of a lent GPU's 15 minutes, start-up and a rerun left beside it
+    assert [s.part for s in steps] == ["kernels", "mfu", "decode", "fp8_train", "mfu"]
+    assert sum(s.limit_s for s in steps if not s.optional) <= budget
+    assert [s.optional for s in steps] == [False] * 4 + [True]  # seq 8192 on time left over
+    assert all(0 < s.estimate_s <= s.limit_s and s.basis for s in steps)
+    dests = vars(gpu_lane._parser().parse_args(["bench"]))
+    assert all(set(s.args) <= set(dests) for s in steps)  # each override is an argument the lane has
+    mfu = [{**dests, **s.args} for s in steps if s.part == "mfu"]
+    # nothing twice: the 2048 step has no second length, the 8192 step keeps the micro-batch's 8192 tokens
+    assert [(m["mfu_seq"], m["mfu_long_seq"], m["mfu_mbs"] * m["mfu_seq"]) for m in mfu] == [(2048, 0, 8192),
+                                                                                          (8192, 0, 8192)]
+    assert steps[0].args == {"kernel_names": ["matmul", "softmax"]}
+
+
+def _walk_plan(tmp_path, monkeypatch, takes: dict, budget: str = "480") -> tuple[dict, list]:
+    """The issue36 plan through `lane` with fake parts on a fake clock: part i "takes" takes[i] seconds (an
+    exception: it is raised, as a kill would stop the lane); each call sees the document on disk as it is then."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(gpu_lane, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(gpu_lane, "environment", lambda: _good_document()["environment"])
+    path = tmp_path / "t-issue36-bench.json"
+
+    def fake_part(name, args, timeout_s):
+        on_disk = json.loads(path.read_text()) if path.exists() else None
+        calls.append((name, timeout_s, args.mfu_seq, on_disk))
+        took = takes[len(calls) - 1]
+        if isinstance(took, BaseException):
+            raise took
+        clock[0] += took
+        cut = took >= timeout_s  # a part that ended is a fail here: a pass would need its metrics
+        return {"name": name, "status": "timeout" if cut else "fail", "wall_s": float(took),
+                "reason": f"stopped after its {timeout_s:.0f} s" if cut else "a fake part"}
+
+    monkeypatch.setattr(gpu_lane, "run_part", fake_part)
+    args = gpu_lane._parser().parse_args(["bench", "--plan", "issue36", "--budget-s", budget, "--out", str(tmp_path),
+                                          "--stem", "t"])
+    try:
+        doc = gpu_lane.lane("bench", args)
+    except KeyboardInterrupt:
+        doc = None
+    return doc or json.loads(path.read_text()), calls
+
+
+def test_a_lane_killed_during_a_part_leaves_a_valid_document_of_the_finished_parts(tmp_path, monkeypatch):
+    doc, calls = _walk_plan(tmp_path, monkeypatch, [60, 160, KeyboardInterrupt()])
+    assert calls[0][3] is None  # nothing to keep before the first part
+    assert [len(c[3]["parts"]) for c in calls[1:]] == [1, 2]  # rewritten after every part
+    assert all(gpu_lane.validate(c[3]) == [] for c in calls[1:])
+    assert gpu_lane.validate(doc) == [] and [(p["name"], p["status"]) for p in doc["parts"]] == [
+        ("kernels", "fail"), ("mfu", "timeout")]  # the part the lane's deadline cut off says so
+    assert doc["plan"]["name"] == "issue36" and len(doc["plan"]["steps"]) == 5
+    assert not list(tmp_path.glob(".*"))  # no temporary file left beside it
+
+
+def test_the_plans_deadline_gives_each_part_what_is_left_and_skips_what_would_not_fit(tmp_path, monkeypatch, capsys):
+    doc, calls = _walk_plan(tmp_path, monkeypatch, [60, 160, 65, 105], budget="390")
+    # each part its limit while the time left is larger, fp8_train the 105 s left (limit 110, estimate 100)
+    assert [(c[0], c[1]) for c in calls] == [("kernels", 90), ("mfu", 160), ("decode", 120), ("fp8_train", 105)]
+    assert [p["status"] for p in doc["parts"]] == ["fail", "timeout", "fail", "timeout", "skip"]
+    assert doc["parts"][4]["reason"] == "not started: 0 s of the lane's budget (--budget-s 390) were left, it needs " \
+                                        "~110 s"
+    assert doc["parts"][4]["args"]["mfu_seq"] == 8192 and gpu_lane.validate(doc) == []
+    assert "left for a rerun (--parts, or the plan with --budget-s): mfu" in capsys.readouterr().out
 
 
 def test_mfu_is_the_model_flops_over_the_median_steady_step_times_the_peak():
@@ -153,6 +224,7 @@ def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
     assert [(r["seq"], r["compile"], r["micro_batch"]) for r in rows] == [(32, "eager", 2), (32, "aot_eager", 2),
                                                                           (64, "eager", 1), (64, "aot_eager", 1)]
     assert all(0 < r["mfu"] < 1 for r in rows), rows
+    assert [r.get("from") for r in rows] == ["the part's default run", None, None, None]  # eager at 32: not run twice
     assert rows[0]["losses"] == rows[1]["losses"] and rows[2]["losses"] == rows[3]["losses"]  # aot_eager: same sums
     profiled = mfu["where_the_time_goes"]  # two steps recorded after two unrecorded ones: no set-up in the table
     assert profiled["profiled_steps"] == 2 and profiled["kernel_ms_per_step"]["matmul"] > 0

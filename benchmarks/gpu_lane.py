@@ -15,7 +15,8 @@ bench, in order (each part in a process of its own, with a time limit, so one cr
   mfu          `lab.train` on Llama 3.2 1B on one GPU in bf16: MFU = model FLOPs per step (`lab.calc.flops`, 6N plus
                attention) / (median steady step time x the device's dense bf16 peak from `lab.calc.hardware`), at
                `lab.train`'s default (--compile auto), then the compile rows: seq 2048 and 8192, eager and with
-               --compile (each block torch.compiled, `lab.parallel.compile`), the same tokens per micro-batch
+               --compile (each block torch.compiled, `lab.parallel.compile`), the same tokens per micro-batch;
+               the row the default run already is comes from it, not from a second run
   nccl         benchmarks/collectives.py on NCCL: bus bandwidth of torch's and lab's collectives (>= 2 GPUs)
   fp8_train    FP8 training against bf16 on an 8B-shaped model (4 layers of Llama 3 8B, seq 2048), blocks compiled:
                lab's tensorwise and rowwise recipes beside torchao's float8 (a line when torchao does not import)

@@ -10,7 +10,8 @@
 #   make site-serve        make site, then serve it at http://127.0.0.1:8000/ (SITE_PORT=N): the live calculators
 #   make doctor            what this machine can run
 #   make kernels-compile   every Triton kernel of lab.kernels compiled for an H100 (sm_90a) without a GPU: registers,
-#                          local-memory spills and shared memory per launch config (~2 min of one core cold, ~5 s from Triton's cache)
+#                          local-memory spills and shared memory per launch config (~2 min of one core cold,
+#                          ~5 s from Triton's cache)
 #   make bench-gpu         on NVIDIA GPUs: parity tests under CUDA/NCCL, MFU, bandwidth, every benchmark's GPU column
 #                          (JSON records under benchmarks/results/); one clear line and exit 2 without a GPU
 #   make bench-gpu-36      on NVIDIA GPUs: issue 36's measurements (kernels, MFU, decode, FP8) in 8 minutes

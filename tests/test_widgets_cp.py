@@ -64,28 +64,20 @@ def test_zigzag_balances_and_no_mask_is_balanced():
 
 
 def test_every_control_redraws_across_its_range(monkeypatch):
-    """Each view is checked on the figure the widget built (`widget.figure`); its PNG for the output widget, which
-    costs about as much again as building it, is left out here: test_the_chart_is_the_output_widgets_state_and_
-    follows_every_redraw checks that one, and `_png` renders the views this test compares."""
+    """Each ring step is checked on the figure the widget built (`widget.figure`) without encoding the output
+    widget's PNG, which costs about as much again as building the figure: each cp's PNG is encoded once, when cp
+    changes, and test_the_chart_is_the_output_widgets_state_and_follows_every_redraw checks what the output holds."""
     import matplotlib.pyplot as plt
 
-    monkeypatch.setattr("lab.widgets.cp.show_figure", lambda output, fig: plt.close(fig))
     widget = ring_attention_explorer()
     seen = {_png(widget)}
     for cp in range(2, 9):
         widget.controls["cp"].value = cp
         assert widget.controls["step"].max == cp - 1
         assert widget.error.value == "" and len(widget.work) == cp
-        for step in range(cp):
-            widget.controls["step"].value = step
-            assert f"<b>step {step} of {cp - 1}:</b>" in widget.summary.value
-            assert f"step {step} of {cp - 1} solid" in _titles(widget)[0]
-            outlined = [p for p in widget.figure.axes[0].patches if p.get_linewidth() > 1]
-            assert len(outlined) == sum(b["step"] == step for b in widget.blocks) == cp  # 1 block per rank
-            # rank 0 holds the K/V of rank -step mod cp
-            assert f"rank 0 ← K/V of rank {(-step) % cp} " in widget.summary.value
-            if cp in (2, 8):  # rendering every view costs seconds: enough to show that each one differs
-                seen.add(_png(widget))
+        with monkeypatch.context() as figure_only:
+            figure_only.setattr("lab.widgets.cp.show_figure", lambda output, fig: plt.close(fig))
+            _walk_the_steps(widget, cp, seen)
     assert len(seen) == 1 + 2 + 8
     widget.controls["cp"].value = 3  # step was 7: clamped to the new last step
     assert widget.controls["step"].value == 2 and widget.error.value == ""
@@ -98,6 +90,19 @@ def test_every_control_redraws_across_its_range(monkeypatch):
     widget.controls["seq"].value = 6000
     assert widget.work == attention_work(6000, 3, "zigzag", causal=False)
     assert "blocks of 1,000 × 1,000 tokens" in widget.summary.value
+
+
+def _walk_the_steps(widget, cp: int, seen: set) -> None:
+    for step in range(cp):
+        widget.controls["step"].value = step
+        assert f"<b>step {step} of {cp - 1}:</b>" in widget.summary.value
+        assert f"step {step} of {cp - 1} solid" in _titles(widget)[0]
+        outlined = [p for p in widget.figure.axes[0].patches if p.get_linewidth() > 1]
+        assert len(outlined) == sum(b["step"] == step for b in widget.blocks) == cp  # 1 block per rank
+        # rank 0 holds the K/V of rank -step mod cp
+        assert f"rank 0 ← K/V of rank {(-step) % cp} " in widget.summary.value
+        if cp in (2, 8):  # rendering every view costs seconds: enough to show that each one differs
+            seen.add(_png(widget))
 
 
 @pytest.mark.parametrize(("cp", "layout", "seq", "message"), [

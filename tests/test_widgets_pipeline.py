@@ -73,7 +73,12 @@ def test_colours_per_micro_batch_and_f_b_w_distinguished():
     assert "W weight grad" not in [t.get_text() for t in _gantt(widget).get_legend().get_texts()]
 
 
-def test_every_control_redraws_across_its_range():
+def test_every_control_redraws_across_its_range(monkeypatch):
+    """Checked on the figure the widget built: encoding each view's PNG for the output widget, which costs about
+    as much again as building the figure, is left to the other tests, which all encode theirs."""
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr("lab.widgets.pipeline.show_figure", lambda output, fig: plt.close(fig))
     widget = pipeline_explorer()
     seen = {_fingerprint(widget)}
 
@@ -161,12 +166,19 @@ def test_zb_h1_closed_form_says_when_it_does_not_hold():
     assert "holds when m &gt;= p, tw &lt;= tf, tw &lt;= tb - tw, p2p = 0: not here" in widget.summary.value
 
 
-def test_sweeping_the_ranges_never_crashes():
+def test_sweeping_the_ranges_never_crashes(monkeypatch):
+    """Each (pp, m) is drawn and encoded as the output's PNG; the state on the way there (the new pp with the
+    previous m) is drawn, not encoded, which would cost about as much again."""
+    import matplotlib.pyplot as plt
+
     widget = pipeline_explorer()
     for schedule in SCHEDULES:
         widget.controls["schedule"].value = schedule
         for pp, m in ((2, 1), (3, 9), (7, 64), (16, 16), (16, 3)):
-            widget.controls["pp"].value, widget.controls["microbatches"].value = pp, m
+            with monkeypatch.context() as figure_only:
+                figure_only.setattr("lab.widgets.pipeline.show_figure", lambda output, fig: plt.close(fig))
+                widget.controls["pp"].value = pp
+            widget.controls["microbatches"].value = m
             assert (widget.simulation is None) != (widget.error.value == "")
             assert (widget.simulation is None) == (widget.figure is None)
             if widget.simulation is not None:

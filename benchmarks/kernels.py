@@ -19,7 +19,8 @@ Several rows time variants of one kernel: "matmul" (the tiled kernel, triton.aut
 "matmul persistent" (one program per SM walking the tiles, TMA loads on Hopper) at 4096³; "softmax" at
 4096x32768 with the kernel's own choice of one-block or online, "softmax one-block" and "softmax online" forced
 at the same shape, "softmax long rows" at a 128k vocabulary's width; "flash_attention bwd" (single pass, fp32
-atomic dQ) and "flash_attention bwd deterministic" (the two-kernel backward). Then issue 36's targets, each PASS
+atomic dQ: the default while torch's deterministic algorithms are off) and "flash_attention bwd deterministic"
+(the two-kernel backward). Then issue 36's targets, each PASS
 or MISS (the exit status is 1 on a MISS): matmul >= 90% of cuBLAS (torch.matmul) at 4096³ bf16, the better of
 the tiled and the persistent kernel; softmax >= 100% of torch eager's GB/s at the same shape; flash forward >= 60%
 of torch's SDPA flash backend; and, with no target, the flash backward against SDPA's (SDPA's flash backend is
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lane", choices=("auto", "gpu", "cpu"), default="auto")
     names = list(dict.fromkeys(c.name.split()[0] for c in CASES))
     parser.add_argument("--kernels", nargs="+", choices=names, default=None,
-                        help="only these kernels (by name; rms_norm selects fwd and bwd)")
+                        help="only these kernels (a row's first word: softmax selects its four rows, matmul both)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help=f"GPU lane: {GPU_DTYPE} (default: the issue's targets), fp16 or fp32 (these two with "
                              "the interpreter comparison); CPU lane: fp32 (default) or fp16")

@@ -68,15 +68,47 @@ def test_flash_attention_matches_torch(shape, dtype):
         assert_error_ratio(f"flash_attention {name}", g, b, r, dot_product_ratio(g.dtype), scale)
 
 
-@pytest.mark.parametrize("dtype, D, causal", [(torch.float16, 24, True), (torch.float32, 24, False),
-                                               (torch.float32, 80, True)], ids=["fp16-D24-c", "fp32-D24", "fp32-D80-c"])
-def test_flash_attention_gpu_tiles_in_interpreter(monkeypatch, dtype, D, causal):
-    """The tiles a GPU launch picks (forward 128×64 and 64×32, single-pass backward 32×128 and 32×64: BLOCK_M
-    != BLOCK_N) give the same
-    answer: the kernels assume no particular tile shape. Run through the interpreter by pretending to compile."""
+class EveryBackwardConfig:
+    """Stands in for the autotuned single-pass backward when a test pretends to compile (the interpreter cannot
+    time configs): it runs every config `prune_backward` keeps, grid from the config and dQ zeroed before each, as
+    the autotuner does, and keeps each trial's (config, dq, dk, dv); the last trial's results are the call's."""
+
+    def __init__(self, fa):
+        self.fa, self.trials = fa, []
+
+    def __call__(self):
+        return self
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            kernel = self.fa._bwd_dkdv_kernel
+            named = dict(zip(kernel.arg_names, args, strict=False))
+            for cfg in self.fa.prune_backward(self.fa.BACKWARD_ATOMIC_CONFIGS, named, **meta):
+                named["DQ"].zero_()
+                kernel[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs)
+                self.trials.append((cfg.kwargs, *(named[n].clone() for n in ("DQ", "DK", "DV_"))))
+        return launch
+
+
+def _pretend_to_compile(monkeypatch) -> EveryBackwardConfig:
     import lab.kernels.flash_attention as fa
 
     monkeypatch.setattr(fa, "interpreted", lambda: False)
+    tuner = EveryBackwardConfig(fa)
+    monkeypatch.setattr(fa, "_autotuned_backward", tuner)
+    return tuner
+
+
+@pytest.mark.parametrize("dtype, D, causal", [(torch.float16, 24, True), (torch.float32, 24, False),
+                                               (torch.float32, 80, True)], ids=["fp16-D24-c", "fp32-D24", "fp32-D80-c"])
+def test_flash_attention_gpu_tiles_in_interpreter(monkeypatch, dtype, D, causal):
+    """The tiles a GPU launch picks (forward 128×64 and 64×32; every single-pass backward config the prune keeps,
+    BLOCK_M != BLOCK_N among them) give the same answer: the kernels assume no particular tile shape. Run through
+    the interpreter by pretending to compile; each backward config is checked, not only the one a GPU would time
+    fastest. A head past 256 bytes a row (fp32, D 80 padded to 128) tries only the 64-key tiles."""
+    import lab.kernels.flash_attention as fa
+
+    tuner = _pretend_to_compile(monkeypatch)
     fwd = fa._config(D, D, dtype)
     assert fwd["BLOCK_M"] != fwd["BLOCK_N"]
     gen = torch.Generator().manual_seed(D)
@@ -88,6 +120,24 @@ def test_flash_attention_gpu_tiles_in_interpreter(monkeypatch, dtype, D, causal)
     ref = _run(lambda *a: attention_reference(*a, causal=causal), q.double(), k.double(), v.double(), do.double())
     for name, g, b, r in zip(("out", "dq", "dk", "dv"), got, base, ref, strict=True):
         assert_error_ratio(f"flash_attention (GPU tiles) {name}", g, b, r, dot_product_ratio(g.dtype))
+    wide = D > 64 and dtype == torch.float32
+    expected = [c.kwargs for c in fa.BACKWARD_ATOMIC_CONFIGS if not wide or c.kwargs["BLOCK_N"] <= 64]
+    assert [kw for kw, *_ in tuner.trials] == expected
+    for kw, *grads in tuner.trials:
+        for name, g, b, r in zip(("dq", "dk", "dv"), grads, base[1:], ref[1:], strict=True):
+            assert_error_ratio(f"flash_attention backward {kw} {name}", g.to(dtype), b, r, dot_product_ratio(dtype))
+
+
+def test_the_backward_autotuner_zeroes_dq_before_every_trial():
+    """On a GPU the autotuner runs the single pass once per config before the real run, each adding into dQ: unless
+    it zeroes dQ before each trial and the real run, the first backward at a shape returns dQ times the number of
+    configs tried plus one. Built here, never run (the interpreter cannot time)."""
+    import lab.kernels.flash_attention as fa
+
+    tuner = fa._autotuned_backward.__wrapped__()
+    assert tuner.reset_to_zero == ["DQ"]
+    assert tuner.configs == fa.BACKWARD_ATOMIC_CONFIGS and tuner.fn is fa._bwd_dkdv_kernel
+    assert {"T", "S", "D", "DV", "GROUP", "CAUSAL"} <= set(tuner.keys)
 
 
 #               B  H  Hkv  T    S   D   Dv  causal  dtype          GPU tiles
@@ -100,11 +150,10 @@ BACKWARD_CASES = [(1, 4, 2, 100, 100, 16, 16, True, torch.float16, False),  # GQ
 def test_flash_attention_backward_paths(monkeypatch, case, deterministic):
     """Each backward path, asked for by name, against the float64 reference: q, k, v gradients within 2x torch's
     error. The second case runs the launch configs a GPU picks (through the interpreter, pretending to compile)."""
-    import lab.kernels.flash_attention as fa
 
     B, H, Hkv, T, S, D, Dv, causal, dtype, gpu_tiles = case
     if gpu_tiles:
-        monkeypatch.setattr(fa, "interpreted", lambda: False)
+        _pretend_to_compile(monkeypatch)
     gen = torch.Generator().manual_seed(T + D)
     q, k, v, do = (torch.randn(*s, generator=gen).to(dtype=dtype, device=DEVICE)
                    for s in ((B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv), (B, H, T, Dv)))

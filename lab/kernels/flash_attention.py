@@ -39,6 +39,7 @@ which costs more than the op itself.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -50,6 +51,7 @@ import triton.language as tl
 from lab.kernels.runtime import check_input, interpreted
 
 LOG2E = 1.4426950408889634
+PREPROCESS_ROWS = 64  # query rows a program of the backward's preprocess sums (delta = rowsum(dO ∘ O))
 
 
 @triton.jit
@@ -220,6 +222,41 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
              mask=row_ok[:, None] & d_ok[None, :])
 
 
+# The single-pass backward's tiles on a GPU, autotuned per shape (`_autotuned_backward`). Why a choice at all: each
+# key-block program streams every query block of its heads past its k, v tiles and adds a BLOCK_M × D fp32 dQ
+# partial into memory with atomics for each: per head, S/BLOCK_N read-modify-writes of 4 bytes for every element of
+# dQ, twice the bytes of re-reading q and dO. BLOCK_N divides that traffic, so 128 keys would be the pick (the
+# 32 × 128 tiles of Triton's python/tutorials/06-fused-attention.py dk/dv loop) — but a program then holds fp32 dk
+# and dv of 128 × D each (128 KiB at D = 128: 128 registers a thread at 8 warps) beside its s, dP and dQ tiles, and
+# compiled for an H100 (`python -m lab.kernels.cross_compile --only flash`, sm_90a, bf16, D = 128) it spills: 255
+# registers and 336 bytes of stack a thread at 32 × 128, 16 stack bytes at 32 × 64, none at 16 × 128 (whose 16 query
+# rows are under wgmma's 64, so it runs on the older mma instructions). Spills against atomics against tensor-core
+# width is a trade only the GPU can time, so it times it. The dQ buffer of one head is T × D × 4 B (2 MiB at
+# T = 4096, D = 128): those of the heads in flight stay in the H100's 50 MiB L2, where the atomics resolve.
+BACKWARD_ATOMIC_CONFIGS = [
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=8, num_stages=3),  # fewest atomics; spills at D = 128
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=8, num_stages=2),  # no spill; mma, not wgmma
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=8, num_stages=3),  # twice the atomics; 16 stack bytes
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=2),  # wgmma-wide query blocks
+]
+
+
+def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The autotuner's early prune: past 256 bytes a row (fp32 heads beyond 64 wide, 16-bit beyond 128) the
+    128-key tiles' fp32 dk and dv alone would fill every register, so only the 64-key ones are tried."""
+    row_bytes = max(kwargs["BLOCK_D"], kwargs["BLOCK_DV"]) * named_args["Q"].element_size()
+    return [c for c in configs if row_bytes <= 256 or c.kwargs["BLOCK_N"] <= 64]
+
+
+@functools.cache
+def _autotuned_backward():
+    """The single-pass dk/dv/dQ kernel autotuned, built on first use on a GPU (the interpreter cannot time). Each
+    trial adds into dQ, so the autotuner zeroes it before every trial and again before the real run."""
+    return triton.autotune(BACKWARD_ATOMIC_CONFIGS, key=["T", "S", "D", "DV", "GROUP", "CAUSAL"],
+                           reset_to_zero=["DQ"], prune_configs_by={"early_config_prune": prune_backward}
+                           )(_bwd_dkdv_kernel)
+
+
 def _config(D: int, Dv: int, dtype: torch.dtype, kind: str = "forward") -> dict:
     """Block sizes and launch options of `kind`: "forward", "backward" (the two-kernel, deterministic backward)
     or "backward_atomic" (the single-pass backward). tl.dot needs every dim >= 16 on a GPU, so head dims are
@@ -231,19 +268,8 @@ def _config(D: int, Dv: int, dtype: torch.dtype, kind: str = "forward") -> dict:
     and stages for fp32 or wider heads. Two-kernel backward: 64×64 tiles, 32×32 for wide rows (each program holds
     k, v, q, dO and the fp32 dk, dv where the forward holds q, k, v).
 
-    Single-pass backward: each key-block program streams every query block of its heads past its k, v tiles, and
-    for each adds a BLOCK_M × D fp32 dQ partial into memory with atomics: per head that is S/BLOCK_N read-modify-
-    writes of 4 bytes for every element of dQ, twice the bytes of re-reading q and dO (2 + 2 bytes in 16-bit).
-    BLOCK_N, the keys a program owns, is what divides that traffic, so it is the large side: 128 keys × 32 query
-    rows for 16-bit heads up to 128 wide, 8 warps (the tiles of Triton's python/tutorials/06-fused-attention.py
-    dk/dv loop, 32 × 128, plus the fp32 dQ partial the extra warps hold), 3 stages: k and v 2 × 32 KiB stay
-    resident, each stage of q and dO is 2 × 8 KiB, and P, dS pass through shared memory for their transposes
-    (2 × 8 KiB): ~130 KiB of the ~228. Registers bound it before shared memory does: the fp32 dk, dv
-    accumulators (2 × 128 × 128 × 4 B = 128 KiB, 128 registers a thread at 8 warps) beside the 32 × 128 fp32
-    s, dP and dQ tiles. Past 256 bytes a row (fp32 beyond 64 wide, 16-bit beyond 128), half the keys and 2
-    stages. The dQ buffer of one head is T × D × 4 B (2 MiB at T = 4096, D = 128): those of the heads in flight
-    at once stay in the H100's 50 MiB L2, where the atomics resolve. Chosen from the shapes and the H100's
-    budget, not tuned: the GPU lane's benchmark says how close it is."""
+    Single-pass backward: interpreted, the pinned tiles; on a GPU the tiles are autotuned over
+    `BACKWARD_ATOMIC_CONFIGS` (see there why), so this returns only the head-dim blocks."""
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(Dv))
     blocks = dict(BLOCK_D=block_d, BLOCK_DV=block_dv)
@@ -253,9 +279,7 @@ def _config(D: int, Dv: int, dtype: torch.dtype, kind: str = "forward") -> dict:
         return dict(BLOCK_M=64, BLOCK_N=64, **blocks)
     row_bytes = max(block_d, block_dv) * torch.finfo(dtype).bits // 8  # a row of q, dO, k or v
     if kind == "backward_atomic":
-        if row_bytes <= 256:
-            return dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=3, **blocks)
-        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2, **blocks)
+        return blocks
     if kind == "backward":  # halve the tiles past 256 B (fp32 beyond 64, 16-bit beyond 128)
         tile = 64 if row_bytes <= 256 else 32
         return dict(BLOCK_M=tile, BLOCK_N=tile, num_warps=4 if max(block_d, block_dv) <= 64 else 8, num_stages=2,
@@ -317,16 +341,21 @@ class FlashAttention(torch.autograd.Function):
         cfg = _config(D, Dv, q.dtype, "backward_atomic" if atomic else "backward")
         strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
         delta = torch.empty_like(lse)
-        _bwd_preprocess[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
-            o, do, delta, *o.stride(), *do.stride(), H, T, Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=cfg["BLOCK_DV"])
+        _bwd_preprocess[(triton.cdiv(T, PREPROCESS_ROWS), B * H)](
+            o, do, delta, *o.stride(), *do.stride(), H, T, Dv, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=cfg["BLOCK_DV"])
         # the atomics' target is fp32 whatever the inputs: S/BLOCK_N partials summed in 16 bits would each round
         dq = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
         dk = torch.empty(B, Hkv, S, D, dtype=k.dtype, device=k.device)
         dv = torch.empty(B, Hkv, S, Dv, dtype=v.dtype, device=v.device)
         scale = ctx.scale
-        _bwd_dkdv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, dq if atomic else None, *strides, H, Hkv, H // Hkv, T, S, D, Dv,
-            scale, scale * LOG2E, CAUSAL=ctx.causal, ATOMIC_DQ=atomic, **cfg)
+        args = (q, k, v, do, lse, delta, dk, dv, dq if atomic else None, *strides, H, Hkv, H // Hkv, T, S, D, Dv,
+                scale, scale * LOG2E)
+        if atomic and not interpreted():  # the grid depends on the tile the autotuner tries
+            _autotuned_backward()[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)](
+                *args, CAUSAL=ctx.causal, ATOMIC_DQ=True, **cfg)
+        else:
+            _bwd_dkdv_kernel[(triton.cdiv(S, cfg["BLOCK_N"]), B * Hkv)](*args, CAUSAL=ctx.causal, ATOMIC_DQ=atomic,
+                                                                         **cfg)
         if atomic:
             return dq.to(q.dtype), dk, dv, None, None, None
         _bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](

@@ -417,22 +417,29 @@ def print_cpu(rows: list[dict]) -> None:
             print(f"    {r['status']}")
 
 
-def print_gpu(rows: list[dict]) -> None:
+def print_gpu_header() -> None:
     print(f"{'kernel':<34}{'status':<8}{'err ratio':>10}{'interp':>8}  {'unit':<8}{'kernel':>9}{'%peak':>7}"
-          f"{'torch':>9}{'%peak':>7}{'compile':>9}{'%peak':>7}{'kernel/torch':>14}")
-    for r in rows:
-        if r["status"] not in ("ok", "FAIL"):
-            print(f"{r['kernel']:<34}{r['status']}")
-            continue
-        cells = "".join(f"{_num(r.get(f'{i}_rate'), ',.1f'):>9}{_num(r.get(f'{i}_pct_peak'), '.0f'):>7}"
-                        for i in ("kernel", "torch", "compile"))
-        ratio = r["kernel_rate"] / r["torch_rate"] if "kernel_rate" in r and "torch_rate" in r else None
-        print(f"{r['kernel']:<34}{r['status']:<8}{_num(r.get('error_ratio_small'), '.2f'):>10}"
-              f"{_num(r.get('interpreter_error_ratio'), '.2f'):>8}  {r['unit']:<8}"
-              f"{cells}{_num(ratio, '.2f'):>14}")
-        for key in ("kernel_error", "torch_error", "compile_error"):
-            if key in r:
-                print(f"    {key}: {r[key]}")
+          f"{'torch':>9}{'%peak':>7}{'compile':>9}{'%peak':>7}{'kernel/torch':>14}", flush=True)
+
+
+def print_gpu_row(r: dict) -> None:
+    """One row as soon as it is measured, flushed: a lane stopped by its time limit keeps the rows it printed."""
+    if r["status"] not in ("ok", "FAIL"):
+        print(f"{r['kernel']:<34}{r['status']}", flush=True)
+        return
+    cells = "".join(f"{_num(r.get(f'{i}_rate'), ',.1f'):>9}{_num(r.get(f'{i}_pct_peak'), '.0f'):>7}"
+                    for i in ("kernel", "torch", "compile"))
+    ratio = r["kernel_rate"] / r["torch_rate"] if "kernel_rate" in r and "torch_rate" in r else None
+    print(f"{r['kernel']:<34}{r['status']:<8}{_num(r.get('error_ratio_small'), '.2f'):>10}"
+          f"{_num(r.get('interpreter_error_ratio'), '.2f'):>8}  {r['unit']:<8}"
+          f"{cells}{_num(ratio, '.2f'):>14}")
+    for key in ("kernel_error", "torch_error", "compile_error"):
+        if key in r:
+            print(f"    {key}: {r[key]}")
+    sys.stdout.flush()
+
+
+def print_targets(rows: list[dict]) -> None:
     print()
     for t in targets(rows):  # the verdict last: gpu_lane.py quotes the lines that end in MISS
         best = f" ({t['best_row']})" if t["best_row"] not in (None, t["kernel"]) else ""
@@ -501,10 +508,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peaks: {chip.source}" if chip else f"no peak for {env['device']!r} in lab.calc.hardware: "
               "% of peak left out")
         dtype = args.dtype or GPU_DTYPE
-        rows = [gpu_row(c, DTYPES[dtype], chip) for c in cases]
-        if not args.no_interpreter and dtype != "bf16":  # the interpreter has no bf16
-            merge_interpreter(rows, interpreter_lane(sorted({c.name.split()[0] for c in cases}), dtype))
-        print_gpu(rows)
+        compare = not args.no_interpreter and dtype != "bf16"  # the interpreter has no bf16
+        # the interpreter first, so that each GPU row prints whole as soon as it is measured
+        interpreted = interpreter_lane(sorted({c.name.split()[0] for c in cases}), dtype) if compare else []
+        print_gpu_header()
+        rows = []
+        for case in cases:
+            rows.append(gpu_row(case, DTYPES[dtype], chip))
+            if compare:
+                merge_interpreter(rows[-1:], interpreted)
+            print_gpu_row(rows[-1])
+        print_targets(rows)
     else:
         rows = [cpu_row(c, DTYPES[args.dtype or "fp32"], args.repeats) for c in cases]
         print_cpu(rows)

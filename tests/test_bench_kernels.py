@@ -181,16 +181,18 @@ def test_matmul_compile_column_is_inductors_triton_gemm(bench, monkeypatch):
     assert modes[-1] is None and cases["flash_attention bwd"].compile
 
 
-def test_gpu_lane_defaults_to_bf16_and_a_miss_fails(bench, monkeypatch):
-    """The GPU lane's main on a CPU: rows in bf16 unless told, the interpreter comparison only for fp16/fp32, and
-    exit status 1 when a target is missed."""
+def test_gpu_lane_defaults_to_bf16_and_a_miss_fails(bench, monkeypatch, capsys):
+    """The GPU lane's main on a CPU: rows in bf16 unless told, the interpreter comparison only for fp16/fp32, each
+    row printed before the next is measured (a lane stopped by its time limit keeps them), and exit status 1 when
+    a target is missed."""
     import lab.kernels
 
-    dtypes, interpreted = [], []
+    dtypes, interpreted, printed = [], [], []
     rates = {"softmax": (900.0, 1000.0)}
 
     def gpu_row(case, dtype, chip):
         dtypes.append(dtype)
+        printed.append(capsys.readouterr().out)
         if case.name not in rates:
             return {"lane": "gpu", "kernel": case.name, "status": "missing"}
         kernel, eager = rates[case.name]
@@ -204,6 +206,7 @@ def test_gpu_lane_defaults_to_bf16_and_a_miss_fails(bench, monkeypatch):
     monkeypatch.setattr(bench, "interpreter_lane", lambda kernels, dtype: interpreted.append(dtype) or [])
     assert bench.main(["--lane", "gpu", "--kernels", "softmax"]) == 1  # 90% of eager's GB/s: MISS
     assert set(dtypes) == {torch.bfloat16} and len(dtypes) == 4 and interpreted == []
+    assert "softmax one-block" not in printed[1] and "softmax one-block                 missing" in printed[2]
     rates["softmax"] = (1000.0, 1000.0)
     assert bench.main(["--lane", "gpu", "--kernels", "softmax", "--dtype", "fp16"]) == 0
     assert dtypes[-1] == torch.float16 and interpreted == ["fp16"]

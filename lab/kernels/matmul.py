@@ -267,8 +267,10 @@ def matmul_persistent(a: torch.Tensor, b: torch.Tensor, *, tma: bool | None = No
     interpreter), each looping over C tiles in grouped order (see the module docstring for why it wins).
 
     tma: load and store tiles by TMA descriptors (True), by pointers with any strides (False), or TMA where the
-    device (Hopper or newer) and the layout (unit last strides, 16-byte rows) allow it (None). In the interpreter
-    None means pointers, and True runs Triton's emulation of descriptors.
+    device (Hopper or newer), the dtype (16-bit) and the layout (unit last strides, 16-byte rows) allow it (None).
+    fp32 stays on pointers under None: compiled for an H100, its TMA tiles hold 32 registers and ~5.5 KB of stack
+    a thread, where the pointer path spills nothing. In the interpreter None means pointers, and True runs
+    Triton's emulation of descriptors.
     tile_visits: interpreter only, an int32 tensor of one counter per C tile (cdiv(M, 64) · cdiv(N, 64)) that
     each program increments for every tile it computes; all ones afterwards means each tile was computed exactly
     once. (On a GPU the autotuner's trial runs would count too.)"""
@@ -282,7 +284,10 @@ def matmul_persistent(a: torch.Tensor, b: torch.Tensor, *, tma: bool | None = No
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(a.device)))}")
     if tma and problem:
         raise ValueError(f"tma=True cannot take this layout: {problem}; use tma=False or None")
-    use_tma = (not problem and not interpreted() and _tma_hardware(a.device)) if tma is None else tma
+    if tma is None:  # 16-bit only: fp32's TMA tiles spill ~5.5 KB a thread (python -m lab.kernels.cross_compile)
+        use_tma = a.element_size() == 2 and not problem and not interpreted() and _tma_hardware(a.device)
+    else:
+        use_tma = tma
     if tile_visits is not None:
         tiles = triton.cdiv(M, INTERPRETED["BLOCK_M"]) * triton.cdiv(N, INTERPRETED["BLOCK_N"])
         if not interpreted():

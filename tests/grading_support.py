@@ -89,7 +89,7 @@ class Chapter:
 def chapter_tests(chapter: Chapter) -> dict[str, Callable]:
     """The standard tests of `chapter`, by name, for its test module's namespace (see the module's docstring)."""
 
-    @pytest.mark.parametrize("secret", SECRETS)
+    @pytest.mark.parametrize("secret", [pytest.param(s, marks=pytest.mark.slow) if s else s for s in SECRETS])
     def test_solutions_score_full_marks(secret):
         for exercise_id in chapter.exercises:
             result = chapter.grade(exercise_id, secret=secret)

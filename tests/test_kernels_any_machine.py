@@ -26,6 +26,7 @@ def _has_avx2() -> bool:
 
 # Two corners, not all four (each run takes 10-14 s): with the suite's own run of these tests (this machine's widest
 # instructions, one thread under xdist) each thread count and each instruction set is covered.
+@pytest.mark.slow  # a second pass of the accuracy tests the fast suite runs once at this machine's own settings
 @pytest.mark.parametrize(("capability", "threads"), [("default", 2), ("avx2", 1)])
 def test_the_accuracy_tests_pass_at_any_width_and_thread_count(capability, threads):
     if capability == "avx2" and not _has_avx2():

@@ -78,8 +78,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 def broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Copy the parameters and buffers of `group`'s first rank into every other rank's `module`, as DDP does when
     it wraps a model: replicas that start apart would never meet again. An expert's weight (expert parallelism)
-    is skipped: the ranks of `group` hold different experts. One broadcast per dtype, of everything flattened."""
-    tensors = [p for p in module.parameters() if not placement_of(p).expert] + list(module.buffers())
+    is skipped: the ranks of `group` hold different experts, and so is a tensor on `meta` (a dry run's: it has no
+    values to copy). One broadcast per dtype, of everything flattened."""
+    tensors = [t for t in [*(p for p in module.parameters() if not placement_of(p).expert), *module.buffers()]
+               if not t.is_meta]
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)

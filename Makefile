@@ -55,7 +55,7 @@ lint: venv
 test: lint
 	$(MAKE) --no-print-directory test-jax
 	@mkdir -p build; \
-	{ $(PY) -m pytest -n 2 -m "not browser and not jax" $(PYTEST_ARGS); echo $$? > build/main-suite.rc; } \
+	{ $(PY) -m pytest -n 2 --dist worksteal -m "not browser and not jax" $(PYTEST_ARGS); echo $$? > build/main-suite.rc; } \
 		| tee build/main-suite.log; \
 	status=$$(cat build/main-suite.rc); \
 	$(MAKE) --no-print-directory site || status=1; \
@@ -66,7 +66,7 @@ test: lint
 	exit $$status
 
 test-fast: lint test-jax
-	$(PY) -m pytest -n 2 -m "not browser and not notebooks and not jax and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal -m "not browser and not notebooks and not jax and not slow" $(PYTEST_ARGS)
 
 test-jax: venv
 	$(PY) -m pytest -n 2 -m jax $(PYTEST_ARGS)

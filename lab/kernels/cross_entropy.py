@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from lab.kernels.runtime import check_input, interpreted, row_launch
+from lab.kernels.softmax import online_max_and_sum
 
 
 def default_block_v(vocab: int) -> int:
@@ -39,19 +40,7 @@ def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, n_rows, n
     row_mask = rows < n_rows
     row_start = rows.to(tl.int64) * n_cols
     # pass 1: running max m and running sum s = Σ exp(x - m), chunk by chunk
-    m = tl.full([BLOCK_ROWS], -float("inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = row_mask[:, None] & (cols[None, :] < n_cols)
-        x = tl.load(logits_ptr + row_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.where(cols[None, :] < n_cols, x, -float("inf"))  # tail columns add exp(-inf) = 0
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        # while a row has seen only -inf (a first chunk of masked-out logits), m_new is -inf and
-        # exp(-inf - -inf) would be nan for good: shift by 0 instead (exp(-inf - 0) = 0 adds nothing)
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
-        m = m_new
+    m, s = online_max_and_sum(logits_ptr, row_start, row_mask, n_cols, BLOCK_ROWS, BLOCK_V)
     target = tl.load(targets_ptr + rows, mask=row_mask, other=0)
     x_target = tl.load(logits_ptr + row_start + target, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(loss_ptr + rows, tl.log(s) + m - x_target, mask=row_mask)

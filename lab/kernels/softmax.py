@@ -96,22 +96,33 @@ def _softmax_backward(y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_ROWS: tl.cons
 
 
 @triton.jit
-def _softmax_online_forward(x_ptr, y_ptr, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows[:, None] < n_rows
-    row_start = rows[:, None].to(tl.int64) * n_cols
-    # pass 1: running max m and running sum s = Σ exp(x - m), chunk by chunk
+def online_max_and_sum(x_ptr, row_start, row_mask, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Pass 1 of an online softmax over BLOCK_ROWS rows (`row_start`: each row's first offset; `row_mask`: the
+    rows that exist), streamed in chunks of BLOCK_COLS columns: the row max m and s = Σ exp(x − m), the sum
+    rescaled by exp(m − m') whenever a chunk raises the max to m'. The softmax's online kernel and the fused
+    cross-entropy both start with it."""
     m = tl.full([BLOCK_ROWS], -float("inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_COLS):
         cols = start + tl.arange(0, BLOCK_COLS)
-        x = tl.load(x_ptr + row_start + cols[None, :], mask=row_mask & (cols[None, :] < n_cols), other=0.0)
-        x = tl.where(cols[None, :] < n_cols, x.to(tl.float32), -float("inf"))  # the tail adds exp(-inf) = 0
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        x = tl.load(x_ptr + row_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.where(cols[None, :] < n_cols, x, -float("inf"))  # the tail adds exp(-inf) = 0
         m_new = tl.maximum(m, tl.max(x, axis=1))
-        # while a row has seen only -inf, m_new is -inf and exp(-inf - -inf) would be nan: shift by 0 instead
+        # while a row has seen only -inf (a first chunk of masked-out logits), m_new is -inf and
+        # exp(-inf - -inf) would be nan for good: shift by 0 instead (exp(-inf - 0) = 0 adds nothing)
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
         m = m_new
+    return m, s
+
+
+@triton.jit
+def _softmax_online_forward(x_ptr, y_ptr, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    m, s = online_max_and_sum(x_ptr, rows.to(tl.int64) * n_cols, rows < n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    row_mask = rows[:, None] < n_rows
+    row_start = rows[:, None].to(tl.int64) * n_cols
     # pass 2: the row again, last chunk first (the most recently read: in L2), normalised by the final m and s
     n_chunks = tl.cdiv(n_cols, BLOCK_COLS)
     for i in range(0, n_chunks):

@@ -158,9 +158,9 @@ class FP8Matmul:
         self.promote_every, self.accum_bits, self.backend = promote_every, accum_bits, backend
         self.histories: dict[str, AmaxHistory] = {}
         self.name = name
-        sites = {key: f"{name}'s {operand}" for key, operand in OPERANDS.items()}
-        self.nonfinite = NonFiniteFlags(tuple(sites.values()), (device,),
-                                        frozenset(site for key, site in sites.items() if key.startswith("grad_")))
+        self.sites = {key: f"{name}'s {operand}" for key, operand in OPERANDS.items()}  # what a message names
+        self.nonfinite = NonFiniteFlags(tuple(self.sites.values()), (device,),
+                                        frozenset(site for key, site in self.sites.items() if key.startswith("grad_")))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
@@ -173,7 +173,7 @@ class FP8Matmul:
         """Quantise one operand; for delayed scaling, with the scale of its history, which is then updated
         with this tensor's amax (the first use bootstraps from its own amax). Either way the amax measured
         now is recorded in `nonfinite` under this operand's name."""
-        site = f"{self.name}'s {OPERANDS[key]}"
+        site = self.sites[key]
         if scaling.timing == "current":
             return quantize(t, scaling, flags=self.nonfinite, site=site)
         history = self.histories.setdefault(key, AmaxHistory(scaling.history))

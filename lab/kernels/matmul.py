@@ -60,7 +60,7 @@ import triton.language as tl
 
 # Importing this module runs lab/kernels/__init__.py first, which imports lab.kernels.runtime: the interpreter is
 # chosen before the @triton.jit below is decorated.
-from lab.kernels.runtime import check_input, interpreted
+from lab.kernels.runtime import TARGETS, check_input, interpreted
 
 INTERPRETED = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=4)
 """The interpreter's one configuration: its cost is per program and per block op, so few, large tiles."""
@@ -69,7 +69,7 @@ INTERPRETED_PROGRAMS = 3
 """Programs of a persistent launch in the interpreter (a GPU launches one per SM): few enough that each loops
 over several tiles, so a slip in the tile loop shows on a small matrix."""
 
-SMEM_LIMIT = 227 * 1024
+SMEM_LIMIT = TARGETS["sm_90a"].max_shared
 """Shared memory one program may use on an H100/H200 (228 KiB per SM, of which 1 KiB is reserved)."""
 
 

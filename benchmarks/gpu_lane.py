@@ -944,14 +944,13 @@ def lane(command: str, args: argparse.Namespace) -> dict:
                                        min(step.limit_s, left)), **given})
         last = records[-1]
         print(f"{step.part:12s} {last['status']:8s} {last['wall_s']:7.1f} s  {last.get('reason', '')}", flush=True)
-        write_document(path, document(command, env, records, plan))
-    doc = document(command, env, records, plan)
+        doc = document(command, env, records, plan)
+        write_document(path, doc)
     problems = validate(doc)
     if problems:  # the lane's own bug: say it, keep the document
         print("the document does not match its schema:\n  " + "\n  ".join(problems), file=sys.stderr)
     if left_out:
         print(f"left for a rerun (--parts, or the plan with --budget-s): {', '.join(left_out)}")
-    write_document(path, doc)
     print(f"wrote {path}")
     return doc
 

@@ -37,7 +37,7 @@ from lab.outputs import check_output_dir, check_output_file
 from lab.parallel.compile import compile_backend, graph_breaks
 from lab.parallel.optim import adamw, clip_grad_norm
 from lab.parallel.parallelize import build_mesh, parallelize
-from lab.precision.fp8 import raise_if_nonfinite
+from lab.precision.fp8 import NonFiniteAmax, NonFiniteFlags, nonfinite_amax_error, nonfinite_sites
 from lab.precision.fp8_linear import nonfinite_flags
 from lab.precision.loss_scale import DynamicLossScaler
 from lab.precision.scheme import precision_scheme
@@ -131,6 +131,8 @@ def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkp
             raise CheckpointError(err.summary.removeprefix("CheckpointError: ")) from None
         if err.summary.startswith("SilentDataCorruption: "):  # every rank found it: one line, not one per rank
             raise SilentDataCorruption(err.summary.removeprefix("SilentDataCorruption: ")) from None
+        if err.summary.startswith("NonFiniteAmax: "):  # every rank stopped on it: its line, as in one process
+            raise NonFiniteAmax(err.summary.removeprefix("NonFiniteAmax: ")) from None
         raise
 
 
@@ -303,8 +305,8 @@ def train_worker(config: Config, log_path: str | None = None, verbose: bool = Tr
             norm = clip_grad_norm(par.parameters(), train.grad_clip)
             lr = scheduler.get_last_lr()[0]
             # FP8: one read of the amax flags, just before the loss and norm are read (the step waits for the
-            # device once either way); NonFiniteAmax names the tensor, and the update below is not made
-            raise_if_nonfinite(fp8_flags, step + 1)
+            # device once either way); NonFiniteAmax names the tensor, and no rank makes the update below
+            _stop_on_nonfinite_amax(fp8_flags, step + 1, scheme.fp8 is not None and world > 1, device)
             if non_finite(loss.item(), norm.item(), scaler.enabled) is not None:  # every rank holds the same two
                 logs.append(StepLog(step + 1, loss.item(), lr, norm.item(), math.nan, None))
                 break  # before the update, which would write nan into every weight: `run` says so
@@ -366,6 +368,26 @@ def _gather_times(compute: float, elapsed: float, world: int, device: torch.devi
     all_gather_single(gathered, torch.tensor([compute, elapsed], dtype=torch.float64, device=device))
     compute_s, step_s = gathered.view(world, 2).T.tolist()
     return {"rank_compute_s": compute_s, "rank_step_s": step_s}
+
+
+def _stop_on_nonfinite_amax(flags: list[NonFiniteFlags], step: int, agree: bool, device: torch.device) -> None:
+    """Raise `NonFiniteAmax` on every rank if any rank's FP8 flags are set (`lab.precision.fp8.NonFiniteFlags`).
+
+    Each rank's flags are its own: an amax is measured on its replica's data and its stage's layers. A rank that
+    raised alone would leave the others to make their update and wait at the next collective until the launcher
+    stopped them; so with `agree` (FP8 on two or more ranks) the ranks first add up how many found one (one
+    small all-reduce a step), and only then, when some did, gather their sites to name the lowest such rank's
+    first tensor. Every rank raises the same line, before its update."""
+    sites, rank = nonfinite_sites(flags), None
+    if agree:
+        found = torch.tensor([int(bool(sites))], device=device)
+        dist.all_reduce(found)
+        if found.item():
+            everyone: list[list[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sites)
+            rank, sites = next((r, s) for r, s in enumerate(everyone) if s)
+    if (error := nonfinite_amax_error(sites, step, rank)) is not None:
+        raise error
 
 
 def _sdc_check(sdc: tuple[int, bool], step: int, replicas: Callable[[], list[tuple[str, torch.Tensor]]],

@@ -109,3 +109,36 @@ def test_every_stateless_fp8_recipe_is_a_precision_lab_train_runs():
                                                    f"train.precision='{precision}'"])
         final[precision] = trainer.run(config, verbose=False)[-1].loss
     assert final["fp8-rowwise"] == pytest.approx(final["bf16"], rel=2e-3)
+
+
+def test_a_non_finite_amax_on_one_rank_stops_every_rank_before_its_update(tmp_path, monkeypatch):
+    # Two data-parallel replicas; at step 2 only rank 1's w2 records an inf amax (as a saturating cast would,
+    # with the loss and the gradients still finite). Both ranks must stop before their update with the same line,
+    # naming the rank: without the agreement rank 0 would make its update, then wait at the next collective.
+    def flag_on_rank_1(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if torch.distributed.get_rank() == 1 and (tmp_path / "updated 1").exists():
+            module.kernel.nonfinite.record("layers.1.ffn.w2's input", torch.tensor(math.inf))
+
+    parallelize = trainer.parallelize
+
+    def parallelize_and_hook(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 — parallelize's own arguments
+        par = parallelize(*args, **kwargs)
+        par.model.get_submodule("layers.1.ffn.w2").register_forward_pre_hook(flag_on_rank_1)
+        after_step, updates = par.after_step, []
+
+        def record_the_update() -> None:  # called right after the optimizer's step, before any collective
+            updates.append(torch.distributed.get_rank())
+            with open(tmp_path / f"updated {len(updates)}", "a") as record:
+                record.write(f"rank {updates[-1]}\n")
+            after_step()
+
+        par.after_step = record_the_update
+        return par
+
+    monkeypatch.setattr(trainer, "parallelize", parallelize_and_hook)
+    config = load_config("configs/tiny.toml", ["model.n_layers=2", "train.steps=3", "train.global_batch=2",
+                                               "parallel.dp=2", "train.precision='fp8-tensorwise'"])
+    with pytest.raises(NonFiniteAmax, match=r"^step 2: amax of layers\.1\.ffn\.w2's input on rank 1 is not finite: "
+                       r".*stopped before its update"):
+        trainer.run(config, nproc=2, verbose=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["updated 1"]  # no rank updated at step 2

@@ -239,18 +239,28 @@ def raise_if_nonfinite(flag_sets: list[NonFiniteFlags] | None = None, step: int 
     flags are cleared either way. `flag_sets` None: every `NonFiniteFlags` alive in this process, in the order
     they were made (each FP8 linear's, and `STANDALONE`'s for `quantize` called on its own).
 
-    `lab.trainer.train_worker` calls this (with its model's `fp8_linear.nonfinite_flags`) once per optimizer step,
+    `lab.trainer.train_worker` reads its model's flags (`fp8_linear.nonfinite_flags`) once per optimizer step,
     after the backward and the gradient clipping, before the update, just ahead of `non_finite(loss.item(),
     norm.item())`: that read of the logged loss waits for the device to finish the step's work anyway (clipping
     itself reads nothing), so this read takes the wait that one would have taken and the step waits no longer;
     it adds a concatenation kernel and a copy of a few bytes per linear. A learner calling an FP8 linear directly
-    calls it after the backward: `raise_if_nonfinite()`."""
-    bad = nonfinite_sites(list(_LIVE.values()) if flag_sets is None else flag_sets)
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        at, stopped = (f"step {step}: ", "stopped before its update: ") if step is not None else ("", "")
-        raise NonFiniteAmax(f"{at}amax of {bad[0]} is not finite{more}: the tensor holds inf or nan, which no FP8 "
-                            f"scale can represent; {stopped}{ADVICE}")
+    calls this after the backward: `raise_if_nonfinite()`."""
+    error = nonfinite_amax_error(nonfinite_sites(list(_LIVE.values()) if flag_sets is None else flag_sets), step)
+    if error is not None:
+        raise error
+
+
+def nonfinite_amax_error(sites: list[str], step: int | None = None, rank: int | None = None) -> NonFiniteAmax | None:
+    """The error for `sites` (`nonfinite_sites`' list; None when empty): one line naming the first, how many
+    more, and the step and the rank when given (a rank of a group, where they differ: another stage's layers,
+    another replica's data)."""
+    if not sites:
+        return None
+    more = f" (and {len(sites) - 1} more)" if len(sites) > 1 else ""
+    at, stopped = (f"step {step}: ", "stopped before its update: ") if step is not None else ("", "")
+    on = f" on rank {rank}" if rank is not None else ""
+    return NonFiniteAmax(f"{at}amax of {sites[0]}{on} is not finite{more}: the tensor holds inf or nan, which no "
+                         f"FP8 scale can represent; {stopped}{ADVICE}")
 
 
 def _expand(scale: torch.Tensor, scaling: Scaling, shape: torch.Size) -> torch.Tensor:

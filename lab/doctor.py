@@ -88,6 +88,7 @@ def _check_gpu() -> list[Check]:
     return [gpu, nccl]
 
 
+COMPILE_FOR = "LAB_KERNELS_COMPILE_FOR"  # lab.kernels.runtime.COMPILE_FOR, not imported: its import sets the mode
 _TRITON_PROBE = """
 import torch, triton
 from lab import kernels  # decides the mode (compiled on a GPU, Triton's interpreter on CPU) before any kernel
@@ -151,14 +152,20 @@ def _check_triton() -> Check:
         return Check("triton", False, "not installed (chapter 09 kernels fall back to PyTorch)",
                      "pip install -e '.[triton]'")
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lab, even if not pip-installed
+    # the probe runs a kernel, which a compile-only process refuses: it is probed without that mode, and told apart
     ok, out = _probe(_TRITON_PROBE, {"PYTHONPATH": os.pathsep.join(filter(None, [package_root,
-                                                                                 os.environ.get("PYTHONPATH")]))})
+                                                                                 os.environ.get("PYTHONPATH")])),
+                                     COMPILE_FOR: ""})
     if not ok:
         return Check("triton", False, f"lab.kernels' vector add failed: {out}",
                      "reinstall triton (pip install -e '.[triton]')")
     version, mode = out.split()
     where = "compiled for the GPU" if mode == "compiled" else "in Triton's interpreter on the CPU (TRITON_INTERPRET=1)"
-    return Check("triton", True, f"triton {version}: lab.kernels run {where}")
+    detail = f"triton {version}: lab.kernels run {where}"
+    if arch := os.environ.get(COMPILE_FOR):
+        detail += (f"; but {COMPILE_FOR}={arch} is set in this shell, where they are only compiled for {arch}, "
+                   f"never run (lab.kernels.cross_compile's mode): unset it to run them")
+    return Check("triton", True, detail)
 
 
 def _check_jax() -> Check:

@@ -64,3 +64,14 @@ def test_gpu_names_never_initialise_cuda(monkeypatch):
     assert doctor.gpu_names() == ["GPU", "GPU"]
     lab.setup(quiet=False)
     assert not torch.cuda.is_initialized()
+
+
+def test_doctor_probes_the_kernels_outside_the_compile_only_mode_and_says_it_is_set(monkeypatch):
+    from lab.kernels import runtime
+
+    assert doctor.COMPILE_FOR == runtime.COMPILE_FOR
+    monkeypatch.setenv(runtime.COMPILE_FOR, "sm_90a")
+    check = doctor._check_triton()
+    assert check.ok and "lab.kernels run in Triton's interpreter" in check.detail, check.detail
+    assert check.detail.endswith("LAB_KERNELS_COMPILE_FOR=sm_90a is set in this shell, where they are only compiled "
+                                 "for sm_90a, never run (lab.kernels.cross_compile's mode): unset it to run them")

@@ -6,7 +6,7 @@ clock reaches their arrival and stamps every generated token, the three per-requ
 SLO attainment. The engine itself (`lab.inference.engine`) knows nothing of time but its steps.
 
 The three numbers, as vLLM's serving benchmark (`benchmarks/benchmark_serving.py`) and DistServe (Zhong et al.,
-OSDI 2024, §2) define them:
+OSDI 2024, §1) define them:
 
 * TTFT, time to first token: from the request's *arrival* (not its admission into a batch: the time it queued is
   part of what the user waits) to its first generated token. Prefill, and the queue before it, set it.

@@ -42,12 +42,12 @@ saving per second of work:
 Three ways to recover set R, C and τ apart. *Restart from a persistent checkpoint* (`restart_goodput`): R is
 rescheduling the job, loading the checkpoint from storage and warming up (`Restart`). *In-memory checkpoints*
 (`in_memory_goodput`; Wang et al. 2023, "Gemini: Fast Failure Recovery in Distributed Training with In-Memory
-Checkpoints", SOSP, sections "Checkpoint placement" and "Failure recovery"): every host keeps its state and a copy of
-a peer's in host memory, so a save costs almost nothing, τ shrinks, and a restart loads from memory; but when all the
-hosts holding one piece fail together (`peer_loss_probability`) the job falls back to the persistent checkpoint.
-*Hot spares* (`hot_spare_goodput`): standby nodes swap in for a failed one, so R loses the rescheduling; the spares'
-GPUs do not train, and goodput is charged for them. A spare is missing when every spare is still out for repair
-(`spares_exhausted_probability`).
+Checkpoints", SOSP, its group placement of checkpoint replicas and its failure recovery): every host keeps its state
+and a copy of a peer's in host memory, so a save costs almost nothing, τ shrinks, and a restart loads from memory;
+but when all the hosts holding one piece fail together (`peer_loss_probability`) the job falls back to the persistent
+checkpoint. *Hot spares* (`hot_spare_goodput`): standby nodes swap in for a failed one, so R loses the rescheduling;
+the spares' GPUs do not train, and goodput is charged for them. A spare is missing when every spare is still out for
+repair (`spares_exhausted_probability`).
 
 **Resharding.** A checkpoint keeps each tensor whole and logical; every saved piece is a box (offsets and sizes in
 the full tensor), as in `lab.checkpoint`. Loading at another layout, a rank reads from each saved box the part
@@ -194,8 +194,8 @@ def peer_loss_probability(hosts: int, failed: int, copies: int = 2) -> float:
     """The probability that `failed` hosts failing together, out of `hosts`, include every host of one group of
     `copies` (Gemini's group placement: a host's state is copied to the other hosts of its group), so that one piece
     of the in-memory checkpoint is gone everywhere. Exact by inclusion–exclusion over the groups wholly failed; for
-    failed < 2·copies it is Gemini's (hosts/copies)·C(hosts − copies, failed − copies)/C(hosts, failed). One host
-    failing loses nothing while copies ≥ 2."""
+    failed < 2·copies at most one group can fail whole, and it is (hosts/copies)·C(hosts − copies, failed − copies)
+    / C(hosts, failed). One host failing loses nothing while copies ≥ 2."""
     _positive(hosts=hosts, failed=failed, copies=copies)
     if hosts % copies or failed > hosts:
         raise ValueError(f"hosts={hosts} must be a multiple of copies={copies} and >= failed={failed}")

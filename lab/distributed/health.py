@@ -15,8 +15,9 @@ per step), and names a rank whose compute time is, step after step, well above t
 
 **Silent data corruption.** Data-parallel replicas hold identical parameters and optimizer states: the same
 averaged gradients, the same update, bit for bit. A flipped bit in one replica's memory (a faulty core or HBM
-cell; Meta's Llama 3 report and Google's Gemini report both name silent data corruption among their interruptions)
-raises nothing, and the replicas drift apart from then on. Comparing the replicas finds it: each rank sums the *bit
+cell; Meta's Llama 3 report and Google's Gemini model report, "Gemini: A Family of Highly Capable Multimodal
+Models", §3 Training Infrastructure, both name silent data corruption among their interruptions) raises nothing,
+and the replicas drift apart from then on. Comparing the replicas finds it: each rank sums the *bit
 patterns* of each tensor, as 64-bit integer words (`checksum`), the sums are all-gathered over the data-parallel
 group (8 bytes per tensor per rank), and a tensor whose sums disagree names the rank that differs from the majority.
 

@@ -151,9 +151,9 @@ STACKS: dict[str, Stack] = {
     "compiled-fp8": Stack("compiled-fp8", 1.0, CONSTANTS["loss_s_per_logit_compiled"].value,
                           CONSTANTS["adam_bytes_fused"].value, True,
                           "torch.compile and torchao float8 linears (the output layer stays bf16)"),
-    # Megatron-LM 2021 (Narayanan et al., §5: fused kernels for bias + GeLU and scale-mask-softmax, apex's fused
-    # Adam) predates FlashAttention (2022): its attention multiplies the whole s x s scores, causal mask and all,
-    # and moves them through HBM
+    # Megatron-LM 2021 (Narayanan et al., §4.2: fused kernels for bias + GeLU and scale-mask-softmax; its code uses
+    # apex's fused Adam) predates FlashAttention (2022): its attention multiplies the whole s x s scores, causal mask
+    # and all, and moves them through HBM
     "megatron-2021": Stack("megatron-2021", 1.0, CONSTANTS["loss_s_per_logit_compiled"].value,
                            CONSTANTS["adam_bytes_fused"].value, False,
                            "Megatron-LM 2021: fused element-wise kernels, no flash attention; the gradients "

@@ -19,7 +19,7 @@ def test_a_13b_model_fits_one_32gb_v100_only_with_offload():
 
 
 def test_pcie_carries_4_psi_per_step_split_over_dp():
-    # the paper's §4.1: fp16 gradients down (2M) and fp16 parameters up (2M), the minimum for GPU forward/backward
+    # the paper's §4.1: fp16 gradients down (2M) and fp16 parameters up (2M); §3.3: the minimum for GPU fwd/bwd
     one, eight = offload_step(7e9, 4096, H100), offload_step(7e9, 4096, H100, dp=8)
     assert one.pcie_bytes == 4 * 7e9 and eight.pcie_bytes == one.pcie_bytes / 8
     assert one.pcie_s == pytest.approx(28e9 / 64e9)  # 0.44 s on PCIe Gen5 x16

@@ -8,14 +8,14 @@ mixed-precision Adam's state between the two memories by where each piece is use
        DeepSpeed's `estimate_zero2_model_states_mem_needs` with offload (GPU 2Ψ, CPU 16Ψ times a 1.5 buffer factor).
 
 Each step the 16-bit gradients go down over PCIe as the backward produces them (2Ψ bytes), the CPU runs Adam over
-the fp32 state, and the updated 16-bit parameters come back up (2Ψ): 4Ψ bytes per step, the least any split that
-keeps the forward and backward on the GPU can move (the paper's §4.1). With data parallelism each of dp GPUs
-offloads only its ZeRO-2 partition: 4Ψ/dp over its own PCIe link, 16Ψ/dp of CPU memory.
+the fp32 state, and the updated 16-bit parameters come back up (2Ψ): 4Ψ bytes per step (the paper's schedule, §4.1),
+the least any split that keeps the forward and backward on the GPU can move (§3.3). With data parallelism each of dp
+GPUs offloads only its ZeRO-2 partition: 4Ψ/dp over its own PCIe link, 16Ψ/dp of CPU memory.
 
 The cost is time: PCIe (64 GB/s per direction for Gen5 x16, 32 for Gen4) is ~50x slower than HBM, and a CPU's Adam
 is bound by its memory bandwidth (it reads and writes the fp32 master, momentum and variance and reads the
 gradient: `ADAM_BYTES_PER_PARAM`). The paper hides the CPU's work behind the GPU's next step (a one-step delayed
-update, §4.3); then offloading is free when the GPU computes at least as long as PCIe and the CPU take. Both sides
+update, §5.2); then offloading is free when the GPU computes at least as long as PCIe and the CPU take. Both sides
 scale with Ψ, so Ψ cancels and the condition is a number of tokens per GPU per step, as for ZeRO-3's all-gathers.
 Offload pays when the model does not fit otherwise (a 13B model on one 32 GB V100, the paper's headline) and the
 step has enough tokens to hide the traffic.

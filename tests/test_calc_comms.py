@@ -92,7 +92,7 @@ def test_systems_carry_their_nics_with_a_vendor_source():
     assert SYSTEMS["a100"].node_bandwidth == 8 * 25e9
 
 
-# The Ultra-Scale Playbook, section 2.6, figure pp_comm_bandwidth: all-reduce bus bandwidth of a 256 MB
+# The Ultra-Scale Playbook, "Pipeline Parallelism", figure pp_comm_bandwidth: all-reduce bus bandwidth of a 256 MB
 # message on H100 nodes of 8 GPUs, 436.0 GB/s on 1 node and 361.7 GB/s on 2 nodes.
 PLAYBOOK_ONE_NODE, PLAYBOOK_TWO_NODES = 436.0e9, 361.7e9
 

@@ -105,8 +105,8 @@ SYSTEMS = {
 }
 
 PLAYBOOK_BUSBW = {
-    "source": "The Ultra-Scale Playbook, section 2.6, figure pp_comm_bandwidth: median nccl-tests bus bandwidth "
-              "of 256 MB collectives on H100 nodes of 8 GPUs, in GB/s (256 MB taken as 2^28 bytes)",
+    "source": "The Ultra-Scale Playbook, \"Pipeline Parallelism\", figure pp_comm_bandwidth: median nccl-tests bus "
+              "bandwidth of 256 MB collectives on H100 nodes of 8 GPUs, in GB/s (256 MB taken as 2^28 bytes)",
     "message_bytes": 2**28,
     "nodes": (1, 2, 4, 8, 16, 32, 64),
     "all_reduce": (436.0, 361.7, 160.1, 99.6, 84.7, 64.9, 32.9),

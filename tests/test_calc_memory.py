@@ -82,7 +82,7 @@ def test_zero3_memory_usage_plot():
             assert gib(est.activations_breakdown["layers"]) == act
 
 
-# --- Activations: §2.1 plots (playbook convention: GPT-2 N, fp32 4/4/8, bs=1) -----------------------------
+# --- Activations: the playbook's "Activation recomputation" plots (its convention: GPT-2 N, fp32 4/4/8, bs=1) ---
 
 def test_playbook_parameter_formula():
     # playbook, "Memory usage in Transformers", exercise: N = h·v + L(12h²+13h) + 2h = 6,969,499,648 for h=4096,

@@ -428,8 +428,9 @@ def estimate_memory(cfg: ModelConfig, seq: int, mbs: int = 1, parallel: Parallel
     (dp, zero, tp, sp, pp, cp, ep, recompute, grad_accum, pp schedule). Invalid input raises ValueError.
 
     `param_convention="playbook"` counts N with the playbook's GPT-2 formula (split evenly over tp·pp): with
-    precision="fp32" and recompute it reproduces the plots of its §2.1; the parallelism chapters' plots use
-    the exact count, precision="bf16" and recompute="selective". With ZeRO, `zero_rank` is the rank's place in
+    precision="fp32" and recompute it reproduces the plots of its sections "Activations memory" and "Activation
+    recomputation"; the parallelism chapters' plots use the exact count, precision="bf16" and
+    recompute="selective". With ZeRO, `zero_rank` is the rank's place in
     its dp x cp group: the last places hold fewer elements when padding falls on them (`static_bytes`); the
     default, 0, is the fullest. `loss` is "chunked" (lab.train's at tp = 1: `chunked_loss_bytes`, and the
     gradients it keeps instead of the logits) or "whole" (fp32 logits of the micro-batch: `loss_bytes`); tensor

@@ -32,8 +32,8 @@ KERNEL_MODES = ("eager", "triton")  # torch's own ops, or lab.kernels' Triton ke
 # torch.compile per block (lab.parallel.compile): "auto" compiles on a GPU where `lab doctor`'s check passes and
 # stays eager on a CPU; "eager" never compiles; a backend name always does ("aot_eager": graphs, no code generated)
 COMPILE_MODES = ("auto", "eager", "inductor", "aot_eager")
-# the LM loss at tp = 1 (lab.loss): "chunked" never holds the micro-batch's fp32 logits (fp16 runs and tensor
-# parallelism always take whole logits); "whole" is torch's cross-entropy on them, FSDP2's output_dtype recipe
+# the LM loss at tp = 1 (lab.loss): "chunked" never holds the micro-batch's fp32 logits (tensor parallelism
+# always takes whole logits, split by vocabulary); "whole" is torch's cross-entropy on them, FSDP2's output_dtype recipe
 LOSS_MODES = ("chunked", "whole")
 # The numbers a run computes in (lab.precision.scheme): fp32; bf16/fp16 compute with fp32 master weights (fp16 with
 # dynamic loss scaling); bf16 with the linears' three GEMMs in FP8, scaled per tensor or in DeepSeek-V3's tiles.

@@ -175,9 +175,8 @@ def dry_run(config: Config, rank: int = 0) -> DryRun:
     seconds = time.perf_counter() - start
     mbs = micro_batch(config.train.global_batch, p.dp, p.grad_accum)
     precision, fp32_grad_accum = training_precision(config.train.precision, config.train.reduce_dtype)
-    whole = config.train.loss == "whole" or config.train.precision == "fp16"  # fp16 keeps whole logits (lab.train)
     kw = {"precision": precision, "fp32_grad_accum": fp32_grad_accum, "flash": True,  # SDPA's fused kernel on a GPU
-          "loss": "whole" if whole else "chunked"}
+          "loss": config.train.loss}
     estimate = estimate_memory(config.model, config.train.seq_len, mbs, p, stage=coords["pp"],
                                zero_rank=groups["dp_cp"].index(rank), **kw)
     fullest = estimate_memory(config.model, config.train.seq_len, mbs, p, **kw)  # the fullest stage, ZeRO place 0

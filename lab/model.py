@@ -384,10 +384,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCacheLike | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+                targets: torch.Tensor | None = None, grad_scale: float = 1.0) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab), or with `targets` (B, T) the mean next-token loss (nanoGPT's
         `model(idx, targets)`), computed from the final hidden states and the output weight chunk by chunk of tokens
-        (`lab.loss.chunked_cross_entropy`): the batch's fp32 logits never exist, only a chunk's. A pipeline stage
+        (`lab.loss.chunked_cross_entropy`, told `grad_scale`, fp16's loss scale that backward will start from): the
+        batch's fp32 logits never exist, only a chunk's. A pipeline stage
         without the embedding gets hidden states (B, T, d_model) instead and, without the output layer, returns
         hidden states.
         `positions` (T,) defaults to 0..T-1; context parallelism passes the positions of its chunks; inference
@@ -415,7 +416,7 @@ class Transformer(nn.Module):
             raise ValueError(f"targets given to an output layer of {self.output.weight.shape[0]} of the "
                              f"{self.cfg.vocab_size} vocabulary rows (a TP shard): take its logits to "
                              "lab.parallel.tp.vocab_parallel_cross_entropy")
-        return chunked_cross_entropy(h, self.output.weight, targets)
+        return chunked_cross_entropy(h, self.output.weight, targets, grad_scale=grad_scale)
 
 
 def set_recompute(model: Transformer, mode: str) -> None:

@@ -9,11 +9,13 @@ vocabulary it must hold at most a quarter of the whole micro-batch's fp32 logits
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.kernels.accuracy import assert_error_ratio
+from lab.kernels.accuracy import assert_error_ratio, error_ratio
 from lab.loss import chunked_cross_entropy, cross_entropy
 from lab.measure.memory import PeakAllocation
 
@@ -88,3 +90,35 @@ def test_mismatched_shapes_are_refused(inputs):
     hidden, weight, targets = inputs
     with pytest.raises(ValueError, match="must be"):
         chunked_cross_entropy(hidden, weight, targets[:, :-1])
+
+
+def test_fp16_gradients_of_a_confident_model_survive_when_the_loss_scale_is_passed():
+    """A model that already predicts its targets (p ≈ 1 - 4e-5) over 4096 tokens: every gradient, (p - onehot)/n,
+    is below half of fp16's smallest subnormal and rounds to zero in fp16 — in the forward, where the chunked loss
+    forms them. Told the loss scale (2^16) that backward then starts from, it forms them scaled, as torch's plain
+    loss does in its backward: unscaled in fp32 they match, error for error. Not told, they are lost (zeros,
+    which backward multiplies by 2^16, itself inf in fp16: nan)."""
+    n, vocab, scale = 4096, 32, 2.0**16
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, vocab, (1, n), generator=gen)
+    hidden = F.one_hot(targets, vocab).double() + 0.01 * torch.randn(1, n, vocab, generator=gen, dtype=torch.float64)
+    weight = 14.0 * torch.eye(vocab, dtype=torch.float64)  # logit 14 at the target, ~0 elsewhere
+
+    def unscaled(loss_fn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight))
+        (loss_fn(h, w, targets) * scale).backward()
+        return h.grad.float() / scale, w.grad.float() / scale
+
+    reference, torch_own = unscaled(_plain, torch.float64), unscaled(_plain, torch.float16)
+    told = unscaled(lambda h, w, t: chunked_cross_entropy(h, w, t, 1024, grad_scale=scale), torch.float16)
+    for name, got, own, ref in zip(("d hidden", "d weight"), told, torch_own, reference, strict=True):
+        assert ref.abs().max() > 1e-7 and own.abs().max() > 0  # real gradients, which fp16 keeps when scaled
+        assert_error_ratio(f"chunked_cross_entropy {name}, fp16, loss scale passed", got, own, ref)
+    not_told = unscaled(lambda h, w, t: chunked_cross_entropy(h, w, t, 1024), torch.float16)
+    assert all(error_ratio(g, own, ref) > 100 for g, own, ref in zip(not_told, torch_own, reference, strict=True))
+
+
+@pytest.mark.parametrize("grad_scale", [0.0, -1.0, float("inf"), float("nan"), True, "2"])
+def test_a_bad_grad_scale_is_refused_in_one_line(inputs, grad_scale):
+    with pytest.raises(ValueError, match=re.escape(f"grad_scale={grad_scale!r} must be a finite number > 0")):
+        chunked_cross_entropy(*inputs, grad_scale=grad_scale)

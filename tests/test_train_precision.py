@@ -161,6 +161,21 @@ def test_layouts_match_single_process_in_their_precision(precision, overrides):
         assert [(log.loss_scale, log.skipped) for log in logs] == [(r.loss_scale, r.skipped) for r in reference]
 
 
+def test_fp16_takes_the_chunked_loss_and_trains_as_on_whole_logits():
+    """fp16 tells the chunked loss its loss scale (`chunked_cross_entropy`'s grad_scale), over the micro-batches as
+    backward divides it: the same losses, gradient norms, loss scales and skipped steps as torch's loss on whole
+    fp32 logits, without those logits. (Not told, its backward would multiply fp16 gradients by the first scale,
+    2^16, which is inf in fp16, and skip steps whole logits do not.)"""
+    config = load_config(TINY, [*SMALL, "train.precision='fp16'"])
+    par = parallelize(config.model, None, config.parallel, torch.device("cpu"), 0, config.train.seq_len,
+                      precision=precision_scheme("fp16"))
+    assert par.chunked_loss
+    for accumulate in (["parallel.grad_accum=1"], ["parallel.grad_accum=2"]):
+        chunked, whole = _train(TINY, "fp16", accumulate), _train(TINY, "fp16", [*accumulate, "train.loss='whole'"])
+        _assert_same_training(tuple(whole), chunked)
+        assert [(log.loss_scale, log.skipped) for log in chunked] == [(log.loss_scale, log.skipped) for log in whole]
+
+
 def test_fp8_with_expert_parallelism_matches_data_parallelism():
     """The experts run their GEMMs in FP8 wherever they live: ep=2 equals dp=2 (the same tokens per expert)."""
     no_aux = ("model.aux_loss_coef=0.0", "model.z_loss_coef=0.0", "model.n_layers=2")

@@ -181,7 +181,7 @@ class Parallelized:
             # no gradient communication until the last micro-batch's backward
             with self.engine.backward_context(last_micro_batch=i == len(pairs) - 1):
                 micro_loss = model_loss(self.model, micro_in, positions, micro_tgt,
-                                        None if self.chunked_loss else self.loss_fn)
+                                        None if self.chunked_loss else self.loss_fn, grad_scale / self.micro_batches)
                 objective = micro_loss + (self.moe.router_loss(self.model) if self.moe is not None else 0.0)
                 (objective * (grad_scale / self.micro_batches)).backward()
             loss += micro_loss.detach() / self.micro_batches
@@ -304,8 +304,8 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
     `cross_entropy` and tp = 1, training (gradient accumulation and the pipeline's last stage) computes it chunk by
     chunk from the final hidden states instead (`chunked_loss`): the same loss within rounding, without the
     micro-batch's fp32 logits (4.2 GB for llama3-1b's 8192 tokens). FP8 leaves the output layer in the compute
-    dtype (`convert_to_fp8` converts the blocks' linears only), so FP8 runs take the chunked path too; fp16 keeps
-    whole logits, which its loss scale reaches before they are cast down.
+    dtype (`convert_to_fp8` converts the blocks' linears only), so FP8 runs take the chunked path too, and fp16 runs,
+    whose loss scale the chunked loss is told (it forms its gradients in the forward, before they are cast down).
     `precision` (default fp32) says what the model computes in; the weights are the fp32 single-process values,
     rounded, and their fp32 masters those values themselves. `compile` names a `torch.compile` backend for each
     block (None: eager): after the blocks are final, before the engine, whose ZeRO-3 hooks then run around each
@@ -339,10 +339,9 @@ def parallelize(cfg: ModelConfig, mesh: Mesh | None, parallel: ParallelConfig, d
     if policy.output_dtype is not None:  # the log-sum-exp over the vocabulary, in fp32
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return loss_on_whole_logits(logits.to(policy.output_dtype), targets)
-    # Not a Triton kernel's fused loss, not split logits, and not fp16: the chunked loss forms its gradients in its
-    # forward, in the weights' dtype, before backward multiplies in the loss scale, where fp16 would flush them.
-    # `whole_logits` asks for torch's loss on them anyway (`--loss whole`: FSDP2's fp32-output recipe, bit for bit).
-    chunked = parallel.tp == 1 and loss is cross_entropy and not policy.needs_loss_scaling and not whole_logits
+    # Not a Triton kernel's fused loss, and not split logits. `whole_logits` asks for torch's loss on them anyway
+    # (`--loss whole`: FSDP2's fp32-output recipe, bit for bit).
+    chunked = parallel.tp == 1 and loss is cross_entropy and not whole_logits
     moe = MoEStats(cfg, parallel.tp) if cfg.is_moe else None
     pipeline = None
     if schedule is not None:

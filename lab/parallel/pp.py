@@ -244,7 +244,8 @@ class Pipeline:
         try:
             if stage == last:
                 output = model_loss(self.chunks[op.chunk], inputs, self._positions, self._targets[op.microbatch],
-                                    self.loss_fn) / self.schedule.microbatches
+                                    self.loss_fn, self._grad_scale / self.schedule.microbatches
+                                    ) / self.schedule.microbatches
                 self._loss += output.detach()
             else:
                 output = self.chunks[op.chunk](inputs, self._positions)

@@ -11,7 +11,7 @@ from test_grading_sandbox import REPO, SOLUTION, _notebook
 
 from lab.grading import checks, learner, locked
 from lab.grading.grade import grade_notebook, reference_checksums
-from lab.grading.notebook import is_locked
+from lab.grading.notebook import is_locked, locked_checksums
 
 
 def _locked(nb, cell_type: str):
@@ -68,3 +68,26 @@ def test_lab_check_and_lab_grade_agree_on_locked_cells(case, tmp_path, capsys):
         assert (float(row[1]), row[3]) == (graded.points, f"{graded.status}  {graded.reason}".strip()), shown
     expected = 0 if case in EDITED else mfu.points
     assert verdicts[0].points == expected and ("locked cell" in verdicts[0].reason) == (case in EDITED), verdicts[0]
+
+
+def test_a_copy_handed_out_before_an_erratum_is_not_an_edited_one():
+    """07.problems' statement was corrected after release (DeepSeek-V3's §2 and §3.4 became §4.2 and §3.2): a
+    learner's copy with the first wording holds the course's own locked cells, and both commands accept it; the
+    same copy with a word of its own is still an edit."""
+    nb = nbformat.read(REPO / "exercises" / "07_expert_parallel.ipynb", as_version=4)
+    statement = next(c for c in nb.cells if is_locked(c, "07.problems") and "arXiv:2412.19437" in c.source)
+    statement.source = statement.source.replace("§4.2 for the layer, §3.2 for the parallelism", "§2 and §3.4")
+    versions = reference_checksums()["07.problems"]
+    assert locked_checksums(nb, "07.problems") == versions[1] != versions[0]  # the earlier release's, not today's
+    statement.source = statement.source.replace("§2 and §3.4", "§2 and §3.4, or not")
+    assert locked_checksums(nb, "07.problems") not in versions
+
+
+def test_a_release_keeps_the_checksums_it_replaces():
+    old, new = {"a": ["1"], "b": ["2"]}, {"a": ["1"], "b": ["3"]}
+    assert locked.with_history(new, old, {}) == {"b": [["2"]]}  # b's erratum: its first release stays accepted
+    assert locked.with_history(new, new, {"b": [["2"]]}) == {"b": [["2"]]}  # nothing changed: nothing moves
+    assert locked.with_history({"a": ["1"], "b": ["4"]}, new, {"b": [["2"]]}) == {"b": [["2"], ["3"]]}
+    assert locked.with_history(old, new, {"b": [["2"]]}) == {"b": [["3"]]}  # reverted: "2" is current again
+    assert set(locked.accepted()) == set(locked.released())
+    assert all(versions[0] == locked.released()[key] for key, versions in locked.accepted().items())

@@ -35,7 +35,7 @@ from lab.grading import assignments as course
 from lab.grading import checks, gradescope, report
 from lab.grading.checks import Exercise
 from lab.grading.confine import isolation
-from lab.grading.locked import from_notebooks, released
+from lab.grading.locked import accepted, from_notebooks
 from lab.grading.notebook import NotebookError, answer_parts, exercise_ids, locked_checksums, read
 from lab.grading.runner import ExerciseResult, StudentResult, not_graded, note_dependencies, run_exercise
 
@@ -185,16 +185,20 @@ def select_exercises(submissions: Sequence[Path], assignment: course.Assignment 
     return chosen
 
 
-def reference_checksums(solutions: Path | None = None) -> dict[str, list[str]]:
-    """Locked cells' checksums (a submission's own metadata is not trusted): from the notebooks in `solutions`,
-    else those the release recorded in `lab` — the very ones a learner's `python -m lab check` uses."""
-    return released() if solutions is None else from_notebooks(solutions)
+def reference_checksums(solutions: Path | None = None) -> dict[str, list[list[str]]]:
+    """Each exercise's accepted versions of its locked cells' checksums (a submission's own metadata is not
+    trusted): the notebooks' in `solutions`, else every release's recorded in `lab` (`locked.accepted`: a copy
+    handed out before an erratum is not an edited one) — the very ones a learner's `python -m lab check` uses."""
+    if solutions is None:
+        return accepted()
+    return {key: [sums] for key, sums in from_notebooks(solutions).items()}
 
 
 def grade_notebook(path: Path, exercises: Sequence[Exercise], *, student: str = "", secret: str | None = None,
-                   wall_s: float = 60.0, locked: dict[str, list[str]] | None = None, hidden: bool = True,
+                   wall_s: float = 60.0, locked: dict[str, list[list[str]]] | None = None, hidden: bool = True,
                    protect: Sequence[str] = ()) -> StudentResult:
     """Grade one notebook: each exercise in its own sandbox, each failure confined to its exercise.
+    `locked` gives each exercise's accepted versions of its locked cells (`reference_checksums`).
     `hidden=False` leaves out hidden checks (what a learner sees)."""
     try:
         nb = read(path)
@@ -207,9 +211,9 @@ def grade_notebook(path: Path, exercises: Sequence[Exercise], *, student: str = 
         if not own:
             result = not_graded(ex, f"no cell with metadata lab.exercise = {ex.id!r} (deleted, or metadata removed)",
                                 hidden)
-        elif locked and ex.id in locked and locked_checksums(nb, ex.id) != locked[ex.id]:
+        elif locked and ex.id in locked and locked_checksums(nb, ex.id) not in locked[ex.id]:
             result = not_graded(ex, f"a locked cell of {ex.id} was edited or deleted (checksum differs from the "
-                                    f"released notebook)", hidden)
+                                    f"released copy of the notebook)", hidden)
         elif missing:
             result = not_graded(ex, f"builds on {', '.join(missing)}, whose cell is missing", hidden)
         else:

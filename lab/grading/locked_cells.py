@@ -372,3 +372,23 @@ CHECKSUMS = {
         "4abd2b526d078d0efaefeba1fd109a291279ebd76e9a7e20b52407d1762661c0"
     ]
 }
+
+# Earlier releases' checksums of the exercises whose locked cells changed since (an erratum in a
+# statement): a learner may hold any released copy, and its locked cells are still the course's own.
+EARLIER = {
+    "07.problems": [
+        [
+            "e31a77e7219735c7dca08e0865fbc69706f5a66c86d3c8808325e72b58e689dd",
+            "8116ed5a2208577a5c097cc6fcdfc9dc7ede6f9f132d9f2f792fb24e5952c7cd",
+            "923c8e5df04fc8e0fef7df5e909550d3b3e6748e27f8727ddb81c5ff58137ba1",
+            "250affbe9a5b92866946383f6cb7835c70a4468eeb7ea5b7c0956e2a5df69c12",
+            "59e5183ef6b65b7817231fb14cae840435da08868b80a61e2fc326ba392bef75",
+            "b58d778055f4e2decdb12dca91bae6748b72b399ab13be0a0f7387b5762403bb",
+            "535cbdbb3e930431ee882dac3ff16b4d9336c9881ad6b08cf84d2fdf01441293",
+            "0e272ff41d4a091a4cd7404ba3eb7fd4e7f297ff833d5e234a189c41b572f9f1",
+            "5fc37a3f8f03e9b0c1f1795e57c3a2c80ddcf15a8f583372d2db816728a0a0a8",
+            "f5831bd09e5b510fce5b119211fefbfee6c4a2f597a3e38682c7ff9f78a26d26",
+            "8bc4a22c893b25e34dbff4fc57feb23b5d916137d283beb9dd224704e7056412"
+        ]
+    ]
+}

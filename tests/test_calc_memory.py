@@ -120,7 +120,7 @@ def test_recompute_plot():
     for recompute, published in (("none", "354.0"), ("selective", "34.03"), ("full", "2.03")):
         acts = _playbook(B8, 8192, recompute).activations_breakdown
         assert matches(gib(acts["layers"] + acts["embedding"]), published)
-    # §3.6 exercise: selective / none at 4096 = 17.02 / 97.02 ≈ 0.175
+    # the recomputation exercise: selective / none at 4096 = 17.02 / 97.02 ≈ 0.175
     sel, none = (_playbook(B8, 4096, r).activations_breakdown for r in ("selective", "none"))
     assert round((sel["layers"] + sel["embedding"]) / (none["layers"] + none["embedding"]), 3) == 0.175
 
@@ -162,7 +162,7 @@ def _kv_replicas(cfg: ModelConfig, tp: int) -> int:
 def test_seventy_b_fits_at_16k_only_with_sp():
     # playbook, "Sequence Parallelism", exercise: 70B at 16k, TP+SP=16: 8.22·2 + 32.875 + 21.25 = 70.56 GiB <= 80; TP=16
     # alone 164.3;
-    # §5 exercise: static memory at TP=8 is 98.6 GiB (does not fit), at TP=16 49.3 GiB (50.2 with the
+    # and its static memory: at TP=8 98.6 GiB (does not fit), at TP=16 49.3 GiB (50.2 with the
     # replicated KV heads the book leaves out)
     def used(**layout):
         est = _five_d(B70, 16384, **layout)

@@ -268,8 +268,8 @@ def test_llama3_405b_effective_training_time_above_90_percent():
 
 def test_peer_loss_probability_counts_the_groups_wholly_failed():
     """Against every way `failed` of 8 hosts can fail, in groups of 2 and of 4 (Gemini's group placement), and
-    Gemini's closed form (hosts/copies)·C(hosts − copies, failed − copies)/C(hosts, failed) where groups cannot fail
-    twice over."""
+    the closed form (hosts/copies)·C(hosts − copies, failed − copies)/C(hosts, failed) where at most one group can
+    fail whole (failed < 2·copies)."""
     hosts = 8
     for copies in (2, 4):
         groups = [set(range(g, g + copies)) for g in range(0, hosts, copies)]

@@ -38,3 +38,31 @@ def test_launch_rules_pin_one_configuration_per_lane() -> None:
     assert runtime.row_launch(n_rows=3, block_cols=1024)[0] == (4 if runtime.interpreted() else 2)
     with pytest.raises(ValueError, match="last dim 0 is out of range: a row-wise kernel takes 1 to 65536 columns"):
         runtime.check_row(0)
+
+
+def test_squeezed_index_makes_a_one_element_value_an_index_under_numpy_2_4() -> None:
+    """Triton 3.6's interpreter patch (`int(data)` of a 1-element array, which NumPy >= 2.4 refuses), wrapped by
+    `squeezed_index`: a scalar kernel value then bounds a `range`, whatever the Triton version beneath."""
+    import numpy as np
+
+    class Value:  # what the interpreter holds for a scalar kernel argument: a 1-element array
+        def __init__(self, n: int) -> None:
+            self.handle = type("Handle", (), {"data": np.array([n], dtype=np.int32)})()
+
+    class Scope:
+        def set_attr(self, obj: object, name: str, value: object) -> None:
+            setattr(obj, name, value)
+
+    def triton_3_6_patch(tensor: type, scope: Scope) -> None:
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    runtime.squeezed_index(triton_3_6_patch)(Value, Scope())
+    assert range(0, Value(5), 2) == range(0, 5, 2)
+
+
+def test_the_interpreter_runs_with_the_squeezed_index() -> None:
+    if not runtime.interpreted():
+        pytest.skip("the interpreter's patch is installed only in the interpreter")
+    from triton.runtime import interpreter
+
+    assert hasattr(interpreter._patch_lang_tensor, "__wrapped__")

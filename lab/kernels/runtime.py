@@ -19,9 +19,11 @@ under 16 wide, shared memory over budget, register spills) before any GPU time i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -125,6 +127,30 @@ def _interpret_triton_language() -> None:
                     setattr(module, attr, InterpretedFunction(value.fn))
 
 
+def squeezed_index(patch_lang_tensor: Callable) -> Callable:
+    """Triton's interpreter patches `tl.tensor` for each launch; among the patches, `__index__` turns a scalar value
+    (a kernel argument, held as a 1-element array) into a Python int, as `range(0, n_cols, BLOCK)` needs. Triton 3.6
+    spells it `int(data)`, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars":
+    every loop over a runtime bound fails); Triton 3.9 spells it `int(data.squeeze())`. This wraps the interpreter's
+    patch so that 3.9's spelling wins in either version (set in the same scope, so undone after the launch too)."""
+
+    @functools.wraps(patch_lang_tensor)
+    def patch(tensor, scope) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    return patch
+
+
+def _index_scalars_under_any_numpy() -> None:
+    """Install `squeezed_index` around the interpreter's tensor patch (a Triton without that private function is
+    left as it is)."""
+    from triton.runtime import interpreter
+
+    if hasattr(interpreter, "_patch_lang_tensor"):
+        interpreter._patch_lang_tensor = squeezed_index(interpreter._patch_lang_tensor)
+
+
 def _configure() -> str:
     if importlib.util.find_spec("triton") is None:
         return "unavailable"
@@ -136,6 +162,7 @@ def _configure() -> str:
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton.language" in sys.modules:
         _interpret_triton_language()
+    _index_scalars_under_any_numpy()
     return "interpreter"
 
 

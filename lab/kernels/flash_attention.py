@@ -230,13 +230,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 # and dv of 128 × D each (128 KiB at D = 128: 128 registers a thread at 8 warps) beside its s, dP and dQ tiles, and
 # compiled for an H100 (`python -m lab.kernels.cross_compile --only flash`, sm_90a, bf16, D = 128) it spills: 255
 # registers and 336 bytes of stack a thread at 32 × 128, 16 stack bytes at 32 × 64, none at 16 × 128 (whose 16 query
-# rows are under wgmma's 64, so it runs on the older mma instructions). Spills against atomics against tensor-core
-# width is a trade only the GPU can time, so it times it. The dQ buffer of one head is T × D × 4 B (2 MiB at
+# rows are under wgmma's 64, so it runs on the older mma instructions). That is Triton 3.9's compiler; 3.6's (the
+# lent H100's) spills 248 bytes at 32 × 128 and none at 32 × 64, but 16 bytes at 64 × 64 with D = 64, causal: which
+# tile spills moves with the compiler version too. Spills against atomics against tensor-core width is a trade only
+# the GPU can time, so it times it. The dQ buffer of one head is T × D × 4 B (2 MiB at
 # T = 4096, D = 128): those of the heads in flight stay in the H100's 50 MiB L2, where the atomics resolve.
 BACKWARD_ATOMIC_CONFIGS = [
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=8, num_stages=3),  # fewest atomics; spills at D = 128
     triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=8, num_stages=2),  # no spill; mma, not wgmma
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=8, num_stages=3),  # twice the atomics; 16 stack bytes
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=8, num_stages=3),  # twice the atomics; 16 stack bytes (3.9)
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=2),  # wgmma-wide query blocks
 ]
 

@@ -268,9 +268,9 @@ def matmul_persistent(a: torch.Tensor, b: torch.Tensor, *, tma: bool | None = No
 
     tma: load and store tiles by TMA descriptors (True), by pointers with any strides (False), or TMA where the
     device (Hopper or newer), the dtype (16-bit) and the layout (unit last strides, 16-byte rows) allow it (None).
-    fp32 stays on pointers under None: compiled for an H100, its TMA tiles hold 32 registers and ~5.5 KB of stack
-    a thread, where the pointer path spills nothing. In the interpreter None means pointers, and True runs
-    Triton's emulation of descriptors.
+    fp32 stays on pointers under None: compiled for an H100 by Triton 3.9, its TMA tiles hold 32 registers and ~5.5 KB
+    of stack a thread, where the pointer path spills nothing (Triton 3.6 keeps them in 168-174 registers). In the
+    interpreter None means pointers, and True runs Triton's emulation of descriptors.
     tile_visits: interpreter only, an int32 tensor of one counter per C tile (cdiv(M, 64) · cdiv(N, 64)) that
     each program increments for every tile it computes; all ones afterwards means each tile was computed exactly
     once. (On a GPU the autotuner's trial runs would count too.)"""

@@ -216,6 +216,14 @@ def test_flash_attention_backward_path_choice(monkeypatch):
         out.backward(torch.ones_like(out))
         assert launches == want_launches, (flag, kwargs, launches)
         assert DEVICE != "cpu" or len(dots) == want_dots, (flag, kwargs, len(dots))
+    # fp32 heads wider than 128: the single pass's tiles would not fit an A100's shared memory, so two kernels
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    q, k = (torch.randn(1, 1, 16, 192, device=DEVICE, requires_grad=True) for _ in range(2))
+    out = flash_attention(q, k, v[..., :8].detach().clone().requires_grad_(), causal=False, deterministic=False)
+    launches.clear()
+    out.backward(torch.ones_like(out))
+    assert launches == two and not fa.single_pass_fits(192, 8, torch.float32) and fa.single_pass_fits(
+        192, 8, torch.bfloat16) and fa.single_pass_fits(128, 128, torch.float32)
 
 
 def _check_core(module, cfg, wants_scale):

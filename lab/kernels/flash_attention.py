@@ -243,6 +243,19 @@ BACKWARD_ATOMIC_CONFIGS = [
 ]
 
 
+SINGLE_PASS_MAX_ROW_BYTES = 512
+"""The widest padded head row (BLOCK_D x bytes an element) the single-pass backward takes. Past it (fp32 heads wider
+than 128), its 64-key tiles need 205-214 KB of shared memory, over an A100's 163 KiB, and spill 14-27 KB of stack a
+thread on an H100 (compiled for sm_80 and sm_90a: `lab.kernels.cross_compile`), while the two-kernel backward's
+32x32 tiles take ~100 KB: such rows take the two kernels, deterministic or not."""
+
+
+def single_pass_fits(D: int, Dv: int, dtype: torch.dtype) -> bool:
+    """Whether the single-pass backward can take heads of D (Dv) in `dtype` (`SINGLE_PASS_MAX_ROW_BYTES`)."""
+    widest = max(16, triton.next_power_of_2(D), triton.next_power_of_2(Dv))
+    return widest * torch.empty((), dtype=dtype).element_size() <= SINGLE_PASS_MAX_ROW_BYTES
+
+
 def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """The autotuner's early prune: past 256 bytes a row (fp32 heads beyond 64 wide, 16-bit beyond 128) the
     128-key tiles' fp32 dk and dv alone would fill every register, so only the 64-key ones are tried."""
@@ -339,7 +352,7 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         B, H, T, D = q.shape
         Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-        atomic = not ctx.deterministic
+        atomic = not ctx.deterministic and single_pass_fits(D, Dv, q.dtype)
         cfg = _config(D, Dv, q.dtype, "backward_atomic" if atomic else "backward")
         strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
         delta = torch.empty_like(lse)
@@ -372,7 +385,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
     A drop-in `Attention.core` (core(q, k, v)) and `LatentAttention.core` (core(q, k, v, scale)); differentiable.
     scale defaults to 1/sqrt(D). `deterministic` picks the backward: False, the single pass (5 block matmuls per
-    block pair, dQ summed by fp32 atomics, so its last bits vary run to run on a GPU); True, the two-kernel
+    block pair, dQ summed by fp32 atomics, so its last bits vary run to run on a GPU) where its tiles fit (heads up
+    to 128 wide in fp32, 256 in 16 bits: `single_pass_fits`; wider ones take the two kernels); True, the two-kernel
     backward (7 matmuls, bit-reproducible); None (the default), True exactly when
     `torch.are_deterministic_algorithms_enabled()`, as torch decides for its own non-deterministic kernels."""
     _check(q, k, v, causal)

@@ -43,12 +43,16 @@ def test_grade_solutions_gives_full_marks_with_every_output(tmp_path):
     assert "39 / 39" in (tmp_path / "fb" / "01_memory_and_compute.html").read_text()
 
 
-def test_grade_untouched_exercises_gives_zero_not_attempted():
-    done = _lab("grade", str(EXERCISE))
+def test_grade_untouched_exercises_gives_zero_not_attempted_and_says_why_in_the_results_json(tmp_path):
+    done = _lab("grade", str(EXERCISE), "--results-json", str(tmp_path / "r.json"), "--seed-secret", "s3cret")
     assert done.returncode == 0, done.stderr
     assert "Score: 0 / 39 points" in done.stdout
     for name in ("param_count", "model_state_bytes", "activation_bytes", "max_micro_batch", "mfu"):
         assert done.stdout.count(f"not attempted: {name} raises NotImplementedError") == 1
+    tests = json.loads((tmp_path / "r.json").read_text())["tests"]
+    param_count = [t for t in tests if t["name"].startswith("01.param_count")]
+    assert param_count and all("not attempted: param_count raises NotImplementedError" in t["output"]
+                               for t in param_count)
 
 
 # The class tests grade ten students twice: an A1 of the chapter's five torch-free exercises keeps that quick (the
@@ -168,15 +172,6 @@ def test_strict_refuses_what_would_be_a_warning(case, tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert WARNINGS[case] in err and err.startswith("python -m lab grade: error: "), err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "g.csv").exists()
-
-
-def test_results_json_says_why_an_exercise_was_not_attempted(tmp_path):
-    done = _lab("grade", str(EXERCISE), "--results-json", str(tmp_path / "r.json"), "--seed-secret", "s3cret")
-    assert done.returncode == 0, done.stderr
-    tests = json.loads((tmp_path / "r.json").read_text())["tests"]
-    param_count = [t for t in tests if t["name"].startswith("01.param_count")]
-    assert param_count and all("not attempted: param_count raises NotImplementedError" in t["output"]
-                               for t in param_count)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -5,7 +5,7 @@
 // F is drawn in its micro-batch's colour, B darker, W lighter and hatched; the grey behind them is idle time, the
 // bubble. Choosing interleaved brings 2 chunks per rank along (and leaving it, 1), as the widget does.
 
-import {argv, ask, axes, chart, el, fmt, legend, live, palette, scale, shade, svg, value} from "./ui.js";
+import {axes, chart, el, fmt, legend, live, palette, scale, shade, svg, value} from "./ui.js";
 
 const IDLE = "#e6e6e6";
 const DARKER = 0.6;  // B: the widget's _shade
@@ -26,7 +26,7 @@ const SPECS = [
 export async function mount(root, calc) {
   await live(root, calc, {
     specs: SPECS,
-    ask: (values) => ask(calc, argv("bubble", Object.entries(values))),
+    command: "bubble",
     draw,
     onChange: (target, inputs) => {
       if (target !== inputs["--pp-schedule"]) return;

@@ -1,7 +1,7 @@
 // Chapter 01's memory calculator, live: what the fullest GPU holds while training, for any layout you pick.
 // The controls and the bar are lab/widgets/memory.py's; the numbers are `python -m lab calc memory --json`.
 
-import {GiB, argv, ask, axes, chart, el, fmt, legend, live, scale, svg, value} from "./ui.js";
+import {GiB, axes, chart, el, fmt, legend, live, scale, svg, value} from "./ui.js";
 
 const MODELS = ["tiny", "tiny-moe", "smollm-135m", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b",
                 "mixtral-8x7b", "deepseek-v3"];
@@ -38,7 +38,7 @@ const SPECS = [
 export async function mount(root, calc) {
   await live(root, calc, {
     specs: SPECS,
-    ask: (values) => ask(calc, argv("memory", Object.entries(values))),
+    command: "memory",
     draw,
   });
 }

@@ -3,7 +3,7 @@
 // the page shows the ranked table of the top layouts, their modelled tokens/s as bars (with the calibration's spread
 // as whiskers), and the families of which no layout fits or runs, with the reason.
 
-import {GiB, argv, ask, axes, chart, el, fmt, live, scale, seconds, svg, value} from "./ui.js";
+import {GiB, axes, chart, el, fmt, live, scale, seconds, svg, value} from "./ui.js";
 
 const MODELS = ["tiny", "tiny-moe", "smollm-135m", "llama3-1b", "llama3-8b", "llama3-70b", "llama3-405b",
                 "mixtral-8x7b", "deepseek-v3"];
@@ -22,7 +22,7 @@ const SPECS = [
 export async function mount(root, calc) {
   await live(root, calc, {
     specs: SPECS,
-    ask: (values) => ask(calc, argv("search", Object.entries(values))),
+    command: "search",
     draw,
   });
 }

@@ -67,10 +67,12 @@ function select(spec) {
 
 /**
  * Mount a calculator in root: its form, a chart area, a summary and the error line. ask(values, calc) returns the
- * numbers (it may call calc several times), draw(answer, values, view) redraws view.plot and view.summary.
+ * numbers (it may call calc several times); without it, `command` names the one `lab calc` subcommand asked with
+ * the form's values as flags. draw(answer, values, view) redraws view.plot and view.summary.
  * Resolves once the defaults are drawn (or refused). view.dataset.answered counts the answers shown so far.
  */
-export async function live(root, calc, {specs, ask, draw, onChange}) {
+export async function live(root, calc, {specs, command, ask: asker, draw, onChange}) {
+  const answerFor = asker || ((values) => ask(calc, argv(command, Object.entries(values))));
   const form = controls(specs);
   const view = {
     plot: el("div", {class: "live-plot"}),
@@ -90,7 +92,7 @@ export async function live(root, calc, {specs, ask, draw, onChange}) {
     let answer = null;
     let failure = null;
     try {
-      answer = await ask(values, calc);
+      answer = await answerFor(values, calc);
     } catch (error) {
       failure = error;
     }

@@ -4,7 +4,7 @@
 #   make course NO_BROWSER=1 PORT=8899   ... without opening a browser (prints the URL)
 #   make test              create/refresh .venv and run everything (lint, unit, multi-rank, notebooks, site, browser)
 #   make test-fast         everything except the notebooks, the browser lane and the slow tests (inductor
-#                          builds; second passes such as the secret-seed grading)
+#                          builds; second passes such as the secret-seed grading; sweeps; the GPU lane on a CPU)
 #   make test-browser      only the real-browser lane (needs /usr/bin/chromium)
 #   make test-jax          only the JAX track (tests/test_jaxtrack_*.py, in processes of their own)
 #   make site              the course as web pages in site/ (open site/index.html), from the chapters `make test` ran

@@ -205,6 +205,7 @@ def test_thinning_a_memory_timeline_keeps_its_peak():
     assert max(totals) == 10**6 + 5 and 432.1 in thin["times_ms"]
 
 
+@pytest.mark.slow  # ~25 s of a core: the GPU lane's own parts rehearsed on a CPU (make test runs it)
 def test_the_parts_run_on_a_cpu_and_write_documents_that_validate(tmp_path):
     """mfu (lab.train's loop, the tiny model cut to CPU_WALK's layers) and ddp_trace (two gloo ranks under DDP,
     profiled): the code a GPU machine runs, with device="cpu"."""

@@ -166,6 +166,7 @@ def test_zb_h1_closed_form_says_when_it_does_not_hold():
     assert "holds when m &gt;= p, tw &lt;= tf, tw &lt;= tb - tw, p2p = 0: not here" in widget.summary.value
 
 
+@pytest.mark.slow  # ~10 s of a core: extreme sizes past test_every_control_redraws_across_its_range's (make test)
 def test_sweeping_the_ranges_never_crashes(monkeypatch):
     """Each (pp, m) is drawn and encoded as the output's PNG; the state on the way there (the new pp with the
     previous m) is drawn, not encoded, which would cost about as much again."""

@@ -250,16 +250,25 @@ thread on an H100 (compiled for sm_80 and sm_90a: `lab.kernels.cross_compile`), 
 32x32 tiles take ~100 KB: such rows take the two kernels, deterministic or not."""
 
 
+def _head_block(D: int) -> int:
+    """A head dim as a tile's width: tl.dot needs >= 16 on a GPU, tl.arange a power of two."""
+    return max(16, triton.next_power_of_2(D))
+
+
+def _row_bytes(D: int, Dv: int, dtype: torch.dtype) -> int:
+    """Bytes of the widest padded row a program holds (of q, dO, k or v): what every tile choice here scales by."""
+    return max(_head_block(D), _head_block(Dv)) * torch.finfo(dtype).bits // 8
+
+
 def single_pass_fits(D: int, Dv: int, dtype: torch.dtype) -> bool:
     """Whether the single-pass backward can take heads of D (Dv) in `dtype` (`SINGLE_PASS_MAX_ROW_BYTES`)."""
-    widest = max(16, triton.next_power_of_2(D), triton.next_power_of_2(Dv))
-    return widest * torch.empty((), dtype=dtype).element_size() <= SINGLE_PASS_MAX_ROW_BYTES
+    return _row_bytes(D, Dv, dtype) <= SINGLE_PASS_MAX_ROW_BYTES
 
 
 def prune_backward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """The autotuner's early prune: past 256 bytes a row (fp32 heads beyond 64 wide, 16-bit beyond 128) the
     128-key tiles' fp32 dk and dv alone would fill every register, so only the 64-key ones are tried."""
-    row_bytes = max(kwargs["BLOCK_D"], kwargs["BLOCK_DV"]) * named_args["Q"].element_size()
+    row_bytes = _row_bytes(kwargs["BLOCK_D"], kwargs["BLOCK_DV"], named_args["Q"].dtype)
     return [c for c in configs if row_bytes <= 256 or c.kwargs["BLOCK_N"] <= 64]
 
 
@@ -285,14 +294,13 @@ def _config(D: int, Dv: int, dtype: torch.dtype, kind: str = "forward") -> dict:
 
     Single-pass backward: interpreted, the pinned tiles; on a GPU the tiles are autotuned over
     `BACKWARD_ATOMIC_CONFIGS` (see there why), so this returns only the head-dim blocks."""
-    block_d = max(16, triton.next_power_of_2(D))
-    block_dv = max(16, triton.next_power_of_2(Dv))
+    block_d, block_dv = _head_block(D), _head_block(Dv)
     blocks = dict(BLOCK_D=block_d, BLOCK_DV=block_dv)
     if kind not in ("forward", "backward", "backward_atomic"):
         raise ValueError(f"kind {kind!r} must be one of 'forward', 'backward', 'backward_atomic'")
     if interpreted():
         return dict(BLOCK_M=64, BLOCK_N=64, **blocks)
-    row_bytes = max(block_d, block_dv) * torch.finfo(dtype).bits // 8  # a row of q, dO, k or v
+    row_bytes = _row_bytes(D, Dv, dtype)
     if kind == "backward_atomic":
         return blocks
     if kind == "backward":  # halve the tiles past 256 B (fp32 beyond 64, 16-bit beyond 128)

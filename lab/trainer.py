@@ -127,12 +127,11 @@ def _run(config: Config, nproc: int, log_path: str | None, verbose: bool, checkp
                             max_restarts=max_restarts,
                             **({} if collective_timeout_s is None else {"pg_timeout_s": collective_timeout_s}))[0]
     except lab_dist.RankError as err:
-        if err.summary.startswith("CheckpointError: "):  # a save that failed: its one line, as in one process
-            raise CheckpointError(err.summary.removeprefix("CheckpointError: ")) from None
-        if err.summary.startswith("SilentDataCorruption: "):  # every rank found it: one line, not one per rank
-            raise SilentDataCorruption(err.summary.removeprefix("SilentDataCorruption: ")) from None
-        if err.summary.startswith("NonFiniteAmax: "):  # every rank stopped on it: its line, as in one process
-            raise NonFiniteAmax(err.summary.removeprefix("NonFiniteAmax: ")) from None
+        # a failed save, silent data corruption every rank found, a non-finite amax every rank stopped on: the
+        # one line the run gives in one process, not a rank's traceback
+        for kind in (CheckpointError, SilentDataCorruption, NonFiniteAmax):
+            if err.summary.startswith(f"{kind.__name__}: "):
+                raise kind(err.summary.removeprefix(f"{kind.__name__}: ")) from None
         raise
 
 

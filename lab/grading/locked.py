@@ -47,13 +47,17 @@ def released() -> dict[str, list[str]]:
     return {key: list(value) for key, value in getattr(module, "CHECKSUMS", {}).items()}
 
 
+def _earlier() -> dict[str, list[list[str]]]:
+    """The checksums of earlier releases the record keeps (`with_history`), by exercise."""
+    return getattr(_record_module(), "EARLIER", {})
+
+
 def accepted() -> dict[str, list[list[str]]]:
     """Every version of each exercise's locked cells a learner may hold: the last release's, then earlier ones.
 
     A statement corrected after a notebook was handed out must not turn the copies already handed out into
     "edited" ones: their locked cells are what the course released."""
-    module = _record_module()
-    earlier = getattr(module, "EARLIER", {})
+    earlier = _earlier()
     return {key: [value, *earlier.get(key, [])] for key, value in released().items()}
 
 
@@ -78,7 +82,7 @@ def record(solutions: Path, check_only: bool = False) -> list[Path]:
     if solutions.resolve() != REPO / "solutions":
         return []
     new = from_notebooks(solutions)
-    earlier = with_history(new, released(), getattr(_record_module(), "EARLIER", {}))
+    earlier = with_history(new, released(), _earlier())
     text = _HEADER + "CHECKSUMS = " + json.dumps(new, indent=4, sort_keys=True) + "\n"
     if earlier:
         text += "\n" + _EARLIER + "EARLIER = " + json.dumps(earlier, indent=4, sort_keys=True) + "\n"

@@ -177,13 +177,14 @@ class Parallelized:
         loss = torch.zeros((), device=inputs.device)
         positions = self.batch.positions
         pairs = list(zip(inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches), strict=True))
+        scale = grad_scale / self.micro_batches  # what each micro-batch's backward starts from
         for i, (micro_in, micro_tgt) in enumerate(pairs):
             # no gradient communication until the last micro-batch's backward
             with self.engine.backward_context(last_micro_batch=i == len(pairs) - 1):
                 micro_loss = model_loss(self.model, micro_in, positions, micro_tgt,
-                                        None if self.chunked_loss else self.loss_fn, grad_scale / self.micro_batches)
+                                        None if self.chunked_loss else self.loss_fn, scale)
                 objective = micro_loss + (self.moe.router_loss(self.model) if self.moe is not None else 0.0)
-                (objective * (grad_scale / self.micro_batches)).backward()
+                (objective * scale).backward()
             loss += micro_loss.detach() / self.micro_batches
         return loss
 
